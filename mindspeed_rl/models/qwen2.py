@@ -1,0 +1,180 @@
+"""Qwen2 / Qwen2.5 dense: HF config -> Megatron TransformerConfig, and HF <-> Megatron weights.
+
+Megatron's layouts (measured in shared/reference/megatron_cpu_recipe.md, Q5):
+- `linear_qkv` interleaves per query group: [q_g0, k_g0, v_g0, q_g1, ...]; TP takes whole groups.
+- `linear_fc1` is [gate_r; up_r] per TP shard, so the TP=1 tensor [gate; up] cannot be chunked naively.
+- embedding and output layer are vocab-parallel (rows); `linear_proj`/`linear_fc2` split columns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen2Spec:
+    """The architecture numbers every layout computation needs."""
+
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> "Qwen2Spec":
+        rope_theta = getattr(hf_config, "rope_theta", None)
+        rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
+        if rope_theta is None:
+            rope_theta = rope_parameters.get("rope_theta", 10000.0)
+        heads = hf_config.num_attention_heads
+        return cls(
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            ffn_hidden_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_query_groups=hf_config.num_key_value_heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(hf_config.tie_word_embeddings),
+        )
+
+
+def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, seq_parallel: bool = False):
+    from megatron.core.transformer import TransformerConfig
+
+    bf16 = params_dtype == torch.bfloat16
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=seq_parallel,
+        use_cpu_initialization=True,
+        params_dtype=params_dtype,
+        bf16=bf16,
+        pipeline_dtype=params_dtype,
+        # The fused kernels need apex / TransformerEngine / CUDA; off keeps one code path everywhere.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+    )
+
+
+def layers_of_stage(spec: Qwen2Spec, pp_rank: int, pp: int) -> range:
+    """Global layer indices owned by pipeline stage `pp_rank` (even split, as megatron does)."""
+    assert spec.num_layers % pp == 0, "validated in config: num_layers divisible by PP"
+    per_stage = spec.num_layers // pp
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def _qkv_hf_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Qwen2Spec) -> torch.Tensor:
+    groups, hd = spec.num_query_groups, spec.head_dim
+    q_per_group = spec.num_attention_heads // groups
+    rest = q.shape[1:]
+    q = q.reshape(groups, q_per_group * hd, *rest)
+    k = k.reshape(groups, hd, *rest)
+    v = v.reshape(groups, hd, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _qkv_megatron_to_hf(qkv: torch.Tensor, spec: Qwen2Spec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, hd = spec.num_query_groups, spec.head_dim
+    q_per_group = spec.num_attention_heads // groups
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups, (q_per_group + 2) * hd, *rest)
+    q, k, v = torch.split(grouped, [q_per_group * hd, hd, hd], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def hf_to_megatron_shard(hf: dict[str, torch.Tensor], spec: Qwen2Spec, *, tp_rank: int, tp: int,
+                         pp_rank: int = 0, pp: int = 1) -> dict[str, torch.Tensor]:
+    """The Megatron state dict of one (tp_rank, pp_rank) shard, cut from full HF tensors."""
+
+    def col(t: torch.Tensor) -> torch.Tensor:
+        return torch.chunk(t, tp, dim=0)[tp_rank].clone()
+
+    def row(t: torch.Tensor) -> torch.Tensor:
+        return torch.chunk(t, tp, dim=1)[tp_rank].clone()
+
+    out: dict[str, torch.Tensor] = {}
+    if pp_rank == 0:
+        out["embedding.word_embeddings.weight"] = col(hf["model.embed_tokens.weight"])
+    for local, layer in enumerate(layers_of_stage(spec, pp_rank, pp)):
+        src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
+        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"].clone()
+        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
+        for kind in ("weight", "bias"):
+            qkv = _qkv_hf_to_megatron(*(hf[f"{src}self_attn.{p}_proj.{kind}"] for p in "qkv"), spec)
+            out[f"{dst}self_attention.linear_qkv.{kind}"] = col(qkv)
+        out[dst + "self_attention.linear_proj.weight"] = row(hf[src + "self_attn.o_proj.weight"])
+        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([col(gate), col(up)], dim=0)
+        out[dst + "mlp.linear_fc2.weight"] = row(hf[src + "mlp.down_proj.weight"])
+    if pp_rank == pp - 1:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+        head = hf["model.embed_tokens.weight"] if spec.tie_word_embeddings else hf["lm_head.weight"]
+        if not spec.tie_word_embeddings or pp > 1:
+            out["output_layer.weight"] = col(head)
+    return out
+
+
+def megatron_shards_to_hf(shards: list[dict[str, torch.Tensor]], spec: Qwen2Spec, *, pp_rank: int = 0,
+                          pp: int = 1) -> dict[str, torch.Tensor]:
+    """Full HF tensors of one pipeline stage from all of its TP shards (index = tp_rank)."""
+
+    def col(name: str) -> torch.Tensor:
+        return torch.cat([s[name] for s in shards], dim=0)
+
+    def row(name: str) -> torch.Tensor:
+        return torch.cat([s[name] for s in shards], dim=1)
+
+    out: dict[str, torch.Tensor] = {}
+    first = shards[0]
+    if "embedding.word_embeddings.weight" in first:
+        out["model.embed_tokens.weight"] = col("embedding.word_embeddings.weight")
+    for local, layer in enumerate(layers_of_stage(spec, pp_rank, pp)):
+        src, dst = f"decoder.layers.{local}.", f"model.layers.{layer}."
+        out[dst + "input_layernorm.weight"] = first[src + "input_layernorm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = first[src + "pre_mlp_layernorm.weight"]
+        for kind in ("weight", "bias"):
+            q, k, v = _qkv_megatron_to_hf(col(f"{src}self_attention.linear_qkv.{kind}"), spec)
+            out[f"{dst}self_attn.q_proj.{kind}"], out[f"{dst}self_attn.k_proj.{kind}"] = q, k
+            out[f"{dst}self_attn.v_proj.{kind}"] = v
+        out[dst + "self_attn.o_proj.weight"] = row(src + "self_attention.linear_proj.weight")
+        gate_up = [torch.chunk(s[src + "mlp.linear_fc1.weight"], 2, dim=0) for s in shards]
+        out[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up], dim=0)
+        out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up], dim=0)
+        out[dst + "mlp.down_proj.weight"] = row(src + "mlp.linear_fc2.weight")
+    if "decoder.final_layernorm.weight" in first:
+        out["model.norm.weight"] = first["decoder.final_layernorm.weight"]
+        if "output_layer.weight" in first and not spec.tie_word_embeddings:
+            out["lm_head.weight"] = col("output_layer.weight")
+    return out
