@@ -64,11 +64,10 @@ class Accelerator:
             return None
         return int(self._module().max_memory_allocated())
 
-    def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host mirror for offloading `tensor`; pinned where the device can DMA from it."""
-        return torch.empty(
-            tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.supports_pinned_memory
-        )
+    def host_buffer(self, nbytes: int) -> torch.UntypedStorage:
+        """A host mirror for offloading; pinned where the device can DMA from it."""
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.supports_pinned_memory)
+        return buffer.untyped_storage()
 
     def megatron_context(self) -> contextlib.AbstractContextManager:
         """Megatron-core assumes CUDA; on CPU its calls run inside the compatibility layer.

@@ -1,0 +1,33 @@
+"""Which tensors make up each offloadable category of a Megatron actor or reference model."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+
+def param_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    for param in module.parameters():
+        yield param.data
+
+
+def grad_buffer_tensors(ddp_model) -> Iterator[torch.Tensor]:
+    """Megatron DDP keeps every main_grad as a view of a few contiguous grad buffers."""
+    for buffer in list(ddp_model.buffers) + list(getattr(ddp_model, "expert_parallel_buffers", [])):
+        yield buffer.grad_data
+
+
+def _leaf_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def optimizer_state_tensors(optimizer) -> Iterator[torch.Tensor]:
+    """Adam moments (and fp32 master copies for bf16 training); created lazily at the first step."""
+    for leaf in _leaf_optimizers(optimizer):
+        for state in leaf.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.numel() > 1:
+                    yield value
+        for group in getattr(leaf, "fp32_from_float16_groups", []):
+            for master in group:
+                yield master.data

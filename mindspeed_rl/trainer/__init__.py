@@ -1,0 +1,3 @@
+from mindspeed_rl.trainer.grpo_trainer import run_grpo
+
+__all__ = ["run_grpo"]

@@ -1,0 +1,244 @@
+"""ActorHybridWorker: one rank of the hybrid actor (Megatron model + optimizer, vLLM engine,
+sharding manager) with the reference model beside it (integrated mode).
+
+The driver calls every method on every rank (SPMD); ranks return their share of the result
+and `mindspeed_rl.workers.group.RayActorGroup` assembles it.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mindspeed_rl.algorithms.grpo import GRPOLossConfig, grpo_loss
+from mindspeed_rl.config import GRPOConfig
+from mindspeed_rl.protocol import MicroBatch, RolloutBatch
+
+REF_PARAMS = "reference_params"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shard:
+    """What one rank returns: the slice [start, stop) of the samples, or nothing."""
+
+    start: int
+    stop: int
+    value: object
+
+
+class ActorHybridWorkerBase:
+    def __init__(self, config: GRPOConfig, rank_info: RankInfo, *, model_dir: str, ref_model_dir: str):
+        self.config = config
+        self.rank_info = rank_info
+        self.model_dir = model_dir
+        self.ref_model_dir = ref_model_dir
+        os.environ.update(
+            RANK=str(rank_info.rank), LOCAL_RANK=str(rank_info.rank), WORLD_SIZE=str(rank_info.world_size),
+            MASTER_ADDR=rank_info.master_addr, MASTER_PORT=str(rank_info.master_port),
+        )
+
+    # -- construction ----------------------------------------------------------------------------
+    def initialize(self) -> dict[str, float]:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from mindspeed_rl.accelerator import get_accelerator
+        from mindspeed_rl.engines.megatron_engine import MegatronEngine
+        from mindspeed_rl.memory.offload import Offloader
+        from mindspeed_rl.workers.sharding_manager import OffloadFlags, ShardingManager
+
+        started = time.perf_counter()
+        cfg = self.config
+        self.accelerator = acc = get_accelerator(cfg.runtime.device)
+        acc.set_device(0)  # Ray makes exactly this rank's device visible to the actor
+        dist.init_process_group(acc.distributed_backend, rank=self.rank_info.rank, world_size=self.rank_info.world_size)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.actor_config.tensor_model_parallel_size,
+            pipeline_model_parallel_size=cfg.actor_config.pipeline_model_parallel_size,
+        )
+        acc.seed_model_parallel_rng(cfg.megatron_training.seed)
+        spec, actor_state = _load_hf_checkpoint(self.model_dir)
+        dtype = torch.bfloat16 if cfg.megatron_training.bf16 else torch.float32
+        self.actor = MegatronEngine(spec=spec, hf_state=actor_state, params_dtype=dtype, accelerator=acc,
+                                    optimizer=_optimizer_settings(cfg))
+        ref_state = actor_state if self.ref_model_dir == self.model_dir else _load_hf_checkpoint(self.ref_model_dir)[1]
+        self.reference = MegatronEngine(spec=spec, hf_state=ref_state, params_dtype=dtype, accelerator=acc, optimizer=None)
+        del actor_state, ref_state
+        self.offloader = self._build_offloader(Offloader(acc))
+        self.offloader.offload(REF_PARAMS)
+        self.rollout = self._build_rollout()
+        self.rollout.release_kv_cache()
+        gen = cfg.generate_config
+        self.sharding_manager = ShardingManager(
+            actor=self.actor, rollout=self.rollout, offloader=self.offloader,
+            flags=OffloadFlags(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
+                               offload_train_optimizer=gen.offload_train_optimizer),
+        )
+        return {"timing/initialize": time.perf_counter() - started}
+
+    def _build_offloader(self, offloader):
+        from mindspeed_rl.memory import megatron_states as states
+        from mindspeed_rl.workers.sharding_manager import TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS
+
+        offloader.register(TRAIN_PARAMS, lambda: states.param_tensors(self.actor.module))
+        offloader.register(TRAIN_GRADS, lambda: states.grad_buffer_tensors(self.actor.model), keep_contents=False)
+        offloader.register(TRAIN_OPTIMIZER, lambda: states.optimizer_state_tensors(self.actor.optimizer))
+        offloader.register(REF_PARAMS, lambda: states.param_tensors(self.reference.module))
+        return offloader
+
+    def _build_rollout(self):
+        from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+        gen = self.config.generate_config
+        return VLLMEngine(VLLMEngineConfig(
+            model_dir=self.model_dir, tensor_parallel_size=gen.infer_tensor_parallel_size, dtype=gen.dtype,
+            max_model_len=gen.max_model_len, max_num_seqs=gen.max_num_seqs,
+            max_num_batched_tokens=gen.max_num_batched_tokens or gen.max_model_len * gen.max_num_seqs,
+            seed=self.config.megatron_training.seed, enforce_eager=gen.enforce_eager,
+            gpu_memory_utilization=gen.gpu_memory_utilization, cpu_kvcache_space_gb=gen.cpu_kvcache_space_gb,
+            on_cpu=self.accelerator.is_host,
+        ))
+
+    # -- the three phases ------------------------------------------------------------------------
+    def generate_sequences(self, prompt_token_ids: list[list[int]]) -> tuple[Shard, dict[str, float]]:
+        """Each inference-DP group samples its slice of the prompts; one rank per group reports it."""
+        gen = self.config.generate_config
+        sampling = gen.sampling_config
+        dp_size = self.config.infer_data_parallel_size
+        dp_rank, tp_rank = divmod(self.rank_info.rank, gen.infer_tensor_parallel_size)
+        per_rank = len(prompt_token_ids) // dp_size
+        start, stop = dp_rank * per_rank, (dp_rank + 1) * per_rank
+        with self.sharding_manager.infer_mode():
+            bytes_in_infer = self.resident_bytes()
+            t0 = time.perf_counter()
+            generations = self.rollout.generate(
+                prompt_token_ids[start:stop], n=self.config.rl_config.n_samples_per_prompt,
+                max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k, min_p=sampling.min_p, seed=None,
+            )
+            seconds = time.perf_counter() - t0
+        metrics = {"timing/rollout": seconds, **self.sharding_manager.pop_timings(),
+                   **_prefixed("memory/generate", bytes_in_infer)}
+        value = [(start + g.prompt_index, g.token_ids, g.logprobs) for g in generations] if tp_rank == 0 else None
+        return Shard(start=start, stop=stop, value=value), metrics
+
+    def compute_ref_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
+        self.offloader.reload(REF_PARAMS)
+        try:
+            bytes_in_phase = self.resident_bytes()
+            shard = self._forward_logprobs(self.reference, batch, self.config.rl_config.ref_forward_micro_batch_size)
+        finally:
+            self.offloader.offload(REF_PARAMS)
+        return shard, _prefixed("memory/ref_logprob", bytes_in_phase)
+
+    def compute_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
+        self.sharding_manager.enter_forward_mode()
+        bytes_in_phase = self.resident_bytes()
+        shard = self._forward_logprobs(self.actor, batch, self.config.rl_config.actor_forward_micro_batch_size)
+        return shard, {**self.sharding_manager.pop_timings(), **_prefixed("memory/old_logprob", bytes_in_phase)}
+
+    def _forward_logprobs(self, engine, batch: RolloutBatch, micro_batch_size: int) -> Shard:
+        start, stop = self._train_dp_slice(len(batch))
+        logprobs = engine.compute_logprobs(batch.select(slice(start, stop)), micro_batch_size=micro_batch_size,
+                                           temperature=self.config.generate_config.sampling_config.temperature)
+        return Shard(start=start, stop=stop, value=logprobs if self._reports_train_results() else None)
+
+    def update(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
+        """`epochs` passes over the batch in mini-batches, one optimizer step per mini-batch."""
+        rl = self.config.rl_config
+        loss_config = GRPOLossConfig(clip_ratio=rl.clip_ratio, kl_penalty=rl.kl_penalty, kl_coef=kl_coef,
+                                     entropy_coeff=rl.entropy_coeff, token_level_loss=rl.token_level_loss)
+        mini_batch_size = rl.mini_batch_size_in_samples
+        generator = torch.Generator().manual_seed(self.config.megatron_training.seed)
+        steps: list[dict[str, float]] = []
+        with self.sharding_manager.train_mode():
+            bytes_in_phase = self.resident_bytes()
+            for _ in range(rl.epochs):
+                order = torch.randperm(len(batch), generator=generator) if rl.shuffle_mini_batch else torch.arange(len(batch))
+                for first in range(0, len(batch), mini_batch_size):
+                    steps.append(self._train_on_mini_batch(batch.select(order[first:first + mini_batch_size]), loss_config))
+        metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        metrics["actor/optimizer_steps"] = float(len(steps))
+        return {**metrics, **self.sharding_manager.pop_timings(), **_prefixed("memory/update", bytes_in_phase)}
+
+    def _train_on_mini_batch(self, mini_batch: RolloutBatch, loss_config: GRPOLossConfig) -> dict[str, float]:
+        # Every rank holds the whole mini-batch, so the token count that normalises the loss is
+        # the global one without a collective.
+        token_level = loss_config.token_level_loss
+        denominator = float(mini_batch.response_mask.sum() if token_level else len(mini_batch))
+        start, stop = self._train_dp_slice(len(mini_batch))
+
+        def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
+            return grpo_loss(
+                logprobs=logprobs, old_logprobs=mb.extras["old_logprobs"], ref_logprobs=mb.extras["ref_logprobs"],
+                advantages=mb.extras["advantages"], response_mask=mb.response_mask, entropy=entropy,
+                config=loss_config, loss_scale_denominator=denominator,
+            )
+
+        return self.actor.train_step(mini_batch.select(slice(start, stop)),
+                                     micro_batch_size=self.config.actor_config.micro_batch_size,
+                                     temperature=self.config.generate_config.sampling_config.temperature,
+                                     loss_fn=loss_fn)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _train_dp_slice(self, num_samples: int) -> tuple[int, int]:
+        from megatron.core import parallel_state as ps
+
+        dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        per_rank = num_samples // dp_size
+        return dp_rank * per_rank, (dp_rank + 1) * per_rank
+
+    def _reports_train_results(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage()
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Device-resident bytes per category right now (the memory ledger's raw numbers)."""
+        return {**self.offloader.resident_bytes(), "kv_cache": self.rollout.kv_cache_bytes()}
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _prefixed(prefix: str, values: dict[str, int]) -> dict[str, float]:
+    out = {f"{prefix}/{k}_bytes": float(v) for k, v in values.items()}
+    out[f"{prefix}/total_bytes"] = float(sum(values.values()))
+    return out
+
+
+def _load_hf_checkpoint(model_dir: str):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from mindspeed_rl.models.qwen2 import Qwen2Spec
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files (expected an HF checkpoint directory)")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return Qwen2Spec.from_hf_config(AutoConfig.from_pretrained(model_dir)), state
+
+
+def _optimizer_settings(cfg: GRPOConfig):
+    from mindspeed_rl.engines.megatron_engine import OptimizerSettings
+
+    a = cfg.actor_config
+    return OptimizerSettings(lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
+                             adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad)
