@@ -11,9 +11,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import ray
 import torch
 
-from mindspeed_rl.algorithms.grpo import GRPOLossConfig, grpo_loss
+from mindspeed_rl.algorithms.grpo import GRPOLossConfig, count_loss_units, grpo_loss
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.protocol import MicroBatch, RolloutBatch
 
@@ -77,11 +78,11 @@ class ActorHybridWorkerBase:
         del actor_state, ref_state
         self.offloader = self._build_offloader(Offloader(acc))
         self.offloader.offload(REF_PARAMS)
-        self.rollout = self._build_rollout()
-        self.rollout.release_kv_cache()
+        self.inference_model = self._build_rollout()
+        self.inference_model.release_kv_cache()
         gen = cfg.generate_config
         self.sharding_manager = ShardingManager(
-            actor=self.actor, rollout=self.rollout, offloader=self.offloader,
+            actor=self.actor, rollout=self.inference_model, offloader=self.offloader,
             flags=OffloadFlags(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
                                offload_train_optimizer=gen.offload_train_optimizer),
         )
@@ -110,6 +111,15 @@ class ActorHybridWorkerBase:
             on_cpu=self.accelerator.is_host,
         ))
 
+    @property
+    def model(self):
+        """The training model (Megatron DDP-wrapped GPTModel), MindSpeed-RL's `model` member."""
+        return self.actor.model
+
+    @property
+    def optimizer(self):
+        return self.actor.optimizer
+
     # -- the three phases ------------------------------------------------------------------------
     def generate_sequences(self, prompt_token_ids: list[list[int]]) -> tuple[Shard, dict[str, float]]:
         """Each inference-DP group samples its slice of the prompts; one rank per group reports it."""
@@ -122,7 +132,7 @@ class ActorHybridWorkerBase:
         with self.sharding_manager.infer_mode():
             bytes_in_infer = self.resident_bytes()
             t0 = time.perf_counter()
-            generations = self.rollout.generate(
+            generations = self.inference_model.generate(
                 prompt_token_ids[start:stop], n=self.config.rl_config.n_samples_per_prompt,
                 max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=sampling.top_k, min_p=sampling.min_p, seed=None,
@@ -137,7 +147,8 @@ class ActorHybridWorkerBase:
         self.offloader.reload(REF_PARAMS)
         try:
             bytes_in_phase = self.resident_bytes()
-            shard = self._forward_logprobs(self.reference, batch, self.config.rl_config.ref_forward_micro_batch_size)
+            micro_batch_size = self.config.rl_config.ref_forward_micro_batch_size or self.config.actor_config.micro_batch_size
+            shard = self._forward_logprobs(self.reference, batch, micro_batch_size)
         finally:
             self.offloader.offload(REF_PARAMS)
         return shard, _prefixed("memory/ref_logprob", bytes_in_phase)
@@ -145,7 +156,8 @@ class ActorHybridWorkerBase:
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
         self.sharding_manager.enter_forward_mode()
         bytes_in_phase = self.resident_bytes()
-        shard = self._forward_logprobs(self.actor, batch, self.config.rl_config.actor_forward_micro_batch_size)
+        micro_batch_size = self.config.rl_config.actor_forward_micro_batch_size or self.config.actor_config.micro_batch_size
+        shard = self._forward_logprobs(self.actor, batch, micro_batch_size)
         return shard, {**self.sharding_manager.pop_timings(), **_prefixed("memory/old_logprob", bytes_in_phase)}
 
     def _forward_logprobs(self, engine, batch: RolloutBatch, micro_batch_size: int) -> Shard:
@@ -175,8 +187,7 @@ class ActorHybridWorkerBase:
     def _train_on_mini_batch(self, mini_batch: RolloutBatch, loss_config: GRPOLossConfig) -> dict[str, float]:
         # Every rank holds the whole mini-batch, so the token count that normalises the loss is
         # the global one without a collective.
-        token_level = loss_config.token_level_loss
-        denominator = float(mini_batch.response_mask.sum() if token_level else len(mini_batch))
+        denominator = float(count_loss_units(mini_batch.response_mask, loss_config.token_level_loss))
         start, stop = self._train_dp_slice(len(mini_batch))
 
         def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
@@ -206,13 +217,16 @@ class ActorHybridWorkerBase:
 
     def resident_bytes(self) -> dict[str, int]:
         """Device-resident bytes per category right now (the memory ledger's raw numbers)."""
-        return {**self.offloader.resident_bytes(), "kv_cache": self.rollout.kv_cache_bytes()}
+        return {**self.offloader.resident_bytes(), "kv_cache": self.inference_model.kv_cache_bytes()}
 
     def shutdown(self) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+ActorHybridWorker = ray.remote(ActorHybridWorkerBase)
 
 
 def _prefixed(prefix: str, values: dict[str, int]) -> dict[str, float]:

@@ -9,7 +9,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorkerBase, RankInfo, Shard
+from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorker, RankInfo, Shard
 
 
 def _free_port() -> int:
@@ -35,9 +35,8 @@ class RayActorGroup:
         self.placement_group = placement_group([_bundle(device, cpus_per_rank)] * world_size, strategy="PACK")
         ray.get(self.placement_group.ready())
         master_port = _free_port()
-        remote_cls = ray.remote(ActorHybridWorkerBase)
         self.workers = [
-            remote_cls.options(
+            ActorHybridWorker.options(
                 num_cpus=cpus_per_rank,
                 num_gpus=1 if device == "cuda" else 0,
                 resources={"NPU": 1} if device == "npu" else None,
@@ -86,7 +85,7 @@ def default_env_vars(threads_per_rank: int) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
         "PYTHONWARNINGS": "ignore",
     }
     return env

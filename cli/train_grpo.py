@@ -1,0 +1,49 @@
+"""GRPO training: ``python cli/train_grpo.py [--config-name NAME] [key=value ...]``.
+
+The default config is the Qwen2.5-7B recipe where an NPU/GPU is present, the tiny CPU demo elsewhere.
+Exit codes: 0 on success (also ``--help`` and ``--cfg job``, which only print); 2 on any config
+error, ours (one line ``config error: <key>: <message>`` on stderr) or Hydra's (unknown config name,
+override of a key that does not exist, bad override syntax); otherwise whatever the run exits with.
+Hydra only overrides keys present in the YAML: a schema key the YAML leaves at its default is set
+with ``+key=value``; a key unknown to the schema is then reported by load_config.
+"""
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from mindspeed_rl.config import ConfigError, default_config_name, load_config
+
+CONFIG_ERROR_EXIT_CODE = 2
+
+# Hydra reports its own composition errors by printing them and calling sys.exit(1) before our task
+# function runs; this flag tells those exits apart from the run's.
+_task_started = False
+
+
+@hydra.main(config_path="../configs", config_name=default_config_name(), version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    global _task_started
+    _task_started = True
+    try:
+        config = load_config(cfg)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        sys.exit(CONFIG_ERROR_EXIT_CODE)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    # Imported late so that config errors and --cfg/--help do not pay for importing torch, vLLM, Megatron.
+    from mindspeed_rl.trainer import run_grpo
+
+    run_grpo(config, run_dir=run_dir)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SystemExit as exit_request:
+        if not _task_started and exit_request.code not in (0, None):
+            sys.exit(CONFIG_ERROR_EXIT_CODE)
+        raise

@@ -1,0 +1,225 @@
+"""GRPO as pure tensor functions: advantages, KL estimators, PPO-clip loss, entropy, aggregation.
+
+Shapes: per-token tensors are ``[batch, response_len]`` and padded; ``response_mask`` (bool or
+0/1 float, same shape) marks the valid response tokens. Nothing here knows about devices,
+process groups or micro-batching; the trainer passes ``loss_scale_denominator`` when it splits a
+mini-batch into micro-batches (see :func:`grpo_loss`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+KL_PENALTY_KINDS: tuple[str, ...] = ("kl", "abs", "mse", "low_var_kl")
+
+# exp() of a log-ratio beyond this overflows float32 long before it carries information.
+_LOG_RATIO_CLAMP = 20.0
+# Bound of the k3 estimator, as in MindSpeed-RL / verl: one outlier token must not dominate.
+_LOW_VAR_KL_CLAMP = 10.0
+
+
+def group_normalized_advantages(
+    rewards: Tensor, n_samples_per_prompt: int, eps: float = 1e-6
+) -> Tensor:
+    """Per-sample GRPO advantage ``(r - mean_g) / (std_g + eps)`` over each prompt's group.
+
+    The ``n_samples_per_prompt`` samples of one prompt are contiguous in ``rewards``. std is
+    torch's unbiased default; the statistics are computed in float64 (small groups of nearly
+    equal rewards lose precision in float32) and the result is float32.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [num_samples], got shape {tuple(rewards.shape)}")
+    if n_samples_per_prompt < 2:
+        raise ValueError(
+            f"n_samples_per_prompt must be >= 2 for a group std, got {n_samples_per_prompt}"
+        )
+    num_samples = rewards.numel()
+    if num_samples % n_samples_per_prompt != 0:
+        raise ValueError(
+            f"num_samples={num_samples} is not a multiple of "
+            f"n_samples_per_prompt={n_samples_per_prompt}"
+        )
+    grouped = rewards.to(torch.float64).view(-1, n_samples_per_prompt)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True)
+    return ((grouped - mean) / (std + eps)).reshape(num_samples).to(torch.float32)
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
+    """Per-token KL estimate between the policy and the reference, by estimator ``kind``."""
+    if kind not in KL_PENALTY_KINDS:
+        raise ValueError(f"unknown kl_penalty {kind!r}; valid kinds: {list(KL_PENALTY_KINDS)}")
+    log_ratio = logprobs - ref_logprobs
+    if kind == "kl":
+        return log_ratio
+    if kind == "abs":
+        return log_ratio.abs()
+    if kind == "mse":
+        return 0.5 * log_ratio.square()
+    # low_var_kl (Schulman's k3): unbiased, always >= 0, low variance.
+    ref_minus_logp = (-log_ratio).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    k3 = ref_minus_logp.exp() - ref_minus_logp - 1.0
+    return k3.clamp(-_LOW_VAR_KL_CLAMP, _LOW_VAR_KL_CLAMP)
+
+
+def masked_sum(values: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    """Sum of ``values`` where ``mask`` is set; padded positions never leak (even inf/nan)."""
+    kept = torch.where(mask.bool(), values, torch.zeros_like(values))
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
+def masked_mean(values: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    """Mean of ``values`` over the valid positions; 0 where no position is valid (not nan)."""
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim=dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1).to(values.dtype)
+
+
+def ppo_clip_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token PPO-clip loss ``max(-A*ratio, -A*clip(ratio, 1-eps, 1+eps))``.
+
+    ``advantages`` is per token ``[batch, len]`` or per sequence ``[batch]`` (broadcast over
+    the response). Returns ``(loss, clipfrac, approx_kl)`` per token, zero at padded positions:
+    ``clipfrac`` is 1 where the clipped branch was taken, ``approx_kl = old - logp``.
+    """
+    if clip_ratio <= 0:
+        raise ValueError(f"clip_ratio must be > 0, got {clip_ratio}")
+    if advantages.dim() == logprobs.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
+    valid = response_mask.bool()
+    zeros = torch.zeros_like(logprobs)
+    loss = torch.where(valid, torch.maximum(unclipped, clipped), zeros)
+    clipfrac = torch.where(valid, (clipped > unclipped).to(logprobs.dtype), zeros)
+    approx_kl = torch.where(valid, old_logprobs - logprobs, zeros)
+    return loss, clipfrac, approx_kl
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Per-position entropy of ``softmax(logits)`` over the last dim: ``lse(z) - E_p[z]``.
+
+    Written with logsumexp so large logits neither overflow nor produce ``0 * -inf``.
+    """
+    log_normalizer = torch.logsumexp(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    return log_normalizer - (probs * logits).sum(dim=-1)
+
+
+@dataclass(kw_only=True, frozen=True)
+class GRPOLossConfig:
+    """GRPO actor-loss knobs (MindSpeed-RL ``rl_config`` names and defaults)."""
+
+    clip_ratio: float = 0.2
+    kl_penalty: str = "low_var_kl"
+    kl_coef: float = 0.001
+    entropy_coeff: float = 0.0
+    # True: mean over all valid tokens of the batch; False: mean per sequence, then over sequences.
+    token_level_loss: bool = True
+
+    def __post_init__(self) -> None:
+        if self.clip_ratio <= 0:
+            raise ValueError(f"clip_ratio must be > 0, got {self.clip_ratio}")
+        if self.kl_penalty not in KL_PENALTY_KINDS:
+            raise ValueError(
+                f"unknown kl_penalty {self.kl_penalty!r}; valid kinds: {list(KL_PENALTY_KINDS)}"
+            )
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.entropy_coeff < 0:
+            raise ValueError(f"entropy_coeff must be >= 0, got {self.entropy_coeff}")
+
+
+def count_loss_units(response_mask: Tensor, token_level_loss: bool) -> int:
+    """What the default loss denominator counts: valid tokens, or sequences with any valid token.
+
+    A trainer splitting a mini-batch into micro-batches calls this on the whole mini-batch's mask
+    and passes the result as ``loss_scale_denominator`` to every micro-batch's :func:`grpo_loss`.
+    """
+    valid = response_mask.bool()
+    if token_level_loss:
+        return int(valid.sum().item())
+    return int(valid.any(dim=-1).sum().item())
+
+
+def aggregate_loss(
+    values: Tensor, response_mask: Tensor, token_level_loss: bool, denominator: float
+) -> Tensor:
+    """Sum of per-token (token level) or per-sequence-mean (sequence level) values / denominator."""
+    if token_level_loss:
+        return masked_sum(values, response_mask) / denominator
+    per_sequence = masked_mean(values, response_mask, dim=-1)
+    return per_sequence.sum() / denominator
+
+
+def grpo_loss(
+    *,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Optional[Tensor],
+    advantages: Tensor,
+    response_mask: Tensor,
+    entropy: Optional[Tensor],
+    config: GRPOLossConfig,
+    loss_scale_denominator: Optional[float] = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """GRPO actor loss ``pg + kl_coef * kl - entropy_coeff * entropy`` and its logged stats.
+
+    Every term is aggregated the same way (``config.token_level_loss``), divided by
+    ``loss_scale_denominator``, which defaults to :func:`count_loss_units` of this call. Passing
+    the whole mini-batch's count to each micro-batch makes the sum of micro-batch losses (and of
+    each stat) exactly the mini-batch mean. ``ref_logprobs`` may be None only when
+    ``kl_coef == 0``; ``entropy`` may be None only when ``entropy_coeff == 0``.
+    """
+    if ref_logprobs is None and config.kl_coef != 0:
+        raise ValueError(f"ref_logprobs is required when kl_coef != 0 (kl_coef={config.kl_coef})")
+    if entropy is None and config.entropy_coeff != 0:
+        raise ValueError(
+            f"entropy is required when entropy_coeff != 0 (entropy_coeff={config.entropy_coeff})"
+        )
+    denominator = _resolve_denominator(response_mask, config.token_level_loss, loss_scale_denominator)
+
+    def aggregate(values: Tensor) -> Tensor:
+        return aggregate_loss(values, response_mask, config.token_level_loss, denominator)
+
+    pg_tokens, clipfrac_tokens, ppo_kl_tokens = ppo_clip_policy_loss(
+        logprobs, old_logprobs, advantages, response_mask, config.clip_ratio
+    )
+    pg_loss = aggregate(pg_tokens)
+    zero = pg_loss.new_zeros(())
+    kl_loss = (
+        zero if ref_logprobs is None
+        else aggregate(kl_penalty(logprobs, ref_logprobs, config.kl_penalty))
+    )
+    entropy_mean = zero if entropy is None else aggregate(entropy)
+    loss = pg_loss + config.kl_coef * kl_loss - config.entropy_coeff * entropy_mean
+    stats = {
+        "actor/pg_loss": pg_loss.item(),
+        "actor/pg_clipfrac": aggregate(clipfrac_tokens).item(),
+        "actor/ppo_kl": aggregate(ppo_kl_tokens).item(),
+        "actor/kl_loss": kl_loss.item(),
+        "actor/entropy": entropy_mean.item(),
+    }
+    return loss, stats
+
+
+def _resolve_denominator(
+    response_mask: Tensor, token_level_loss: bool, loss_scale_denominator: Optional[float]
+) -> float:
+    if loss_scale_denominator is None:
+        # An all-padding micro-batch contributes 0, not nan.
+        return float(max(count_loss_units(response_mask, token_level_loss), 1))
+    if loss_scale_denominator <= 0:
+        raise ValueError(f"loss_scale_denominator must be > 0, got {loss_scale_denominator}")
+    return float(loss_scale_denominator)

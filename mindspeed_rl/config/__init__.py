@@ -1,0 +1,42 @@
+"""Typed, validated configuration of a GRPO run (MindSpeed-RL key names, plus our own sections).
+
+Entry point: ``load_config(cfg)`` turns a Hydra-composed tree into a ``GRPOConfig`` or raises one
+``ConfigError`` whose message names the full key and the offending values.
+"""
+
+from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.config.generate import GenerateConfig, SamplingConfig
+from mindspeed_rl.config.grpo import GRPOConfig
+from mindspeed_rl.config.loader import (
+    ACCELERATOR_CONFIG_NAME,
+    CPU_CONFIG_NAME,
+    SCHEMA_NAME,
+    default_config_name,
+    load_config,
+    register_configs,
+)
+from mindspeed_rl.config.megatron import ActorConfig, MegatronTrainingConfig
+from mindspeed_rl.config.model_arch import ModelArchConfig
+from mindspeed_rl.config.rl import IntegratedModeConfig, ResourceConfig, RLConfig
+from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
+
+__all__ = [
+    "ACCELERATOR_CONFIG_NAME",
+    "CPU_CONFIG_NAME",
+    "SCHEMA_NAME",
+    "ActorConfig",
+    "ConfigError",
+    "GRPOConfig",
+    "GenerateConfig",
+    "IntegratedModeConfig",
+    "MegatronTrainingConfig",
+    "ModelArchConfig",
+    "RLConfig",
+    "ResourceConfig",
+    "RuntimeConfig",
+    "SamplingConfig",
+    "SyntheticDataConfig",
+    "default_config_name",
+    "load_config",
+    "register_configs",
+]

@@ -1,0 +1,102 @@
+"""`generate_config`: the vLLM inference layout, engine limits and sampling."""
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+from mindspeed_rl.config.checks import (
+    require_choice,
+    require_in_range,
+    require_non_negative,
+    require_positive,
+)
+from mindspeed_rl.config.errors import ConfigError
+
+INFER_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """`generate_config.sampling_config`: vLLM SamplingParams for rollouts."""
+
+    SECTION_KEY: ClassVar[str] = "generate_config.sampling_config"
+
+    # Log-probs returned per generated token; the sampled token's own log-prob is always included.
+    logprobs: int = 1
+    # Response tokens per sample.
+    max_tokens: int = 128
+    top_p: float = 1.0
+    # -1 or 0 disables top-k (vLLM semantics).
+    top_k: int = -1
+    min_p: float = 0.0
+    temperature: float = 1.0
+    # Prompts and responses travel as token ids; detokenizing in vLLM is wasted work.
+    detokenize: bool = False
+
+    def __post_init__(self) -> None:
+        prefix = self.SECTION_KEY
+        require_non_negative(prefix, self, "logprobs")
+        require_positive(prefix, self, "max_tokens")
+        require_in_range(prefix, self, "top_p", 0.0, 1.0, low_open=True)
+        require_in_range(prefix, self, "min_p", 0.0, 1.0)
+        if self.top_k < -1:
+            raise ConfigError(f"{prefix}.top_k", f"must be -1 or 0 (disabled) or a positive count, got {self.top_k}")
+        if self.temperature <= 0:
+            raise ConfigError(
+                f"{prefix}.temperature",
+                "must be > 0: training divides the logits by it to score the samples "
+                f"(greedy decoding has no sampling distribution), got {self.temperature}",
+            )
+
+
+@dataclass(kw_only=True)
+class GenerateConfig:
+    """`generate_config`: how the actor's weights are laid out and served by vLLM."""
+
+    SECTION_KEY: ClassVar[str] = "generate_config"
+
+    trust_remote_code: bool = False
+    # What leaves the device while vLLM generates.
+    offload_train_optimizer: bool = False
+    offload_train_grad: bool = False
+    offload_train_param: bool = False
+    infer_tensor_parallel_size: int = 1
+    infer_pipeline_parallel_size: int = 1
+    infer_expert_parallel_size: int = 1
+    max_num_seqs: int = 256
+    # Prompt + response tokens per sequence.
+    max_model_len: int
+    # None lets vLLM choose.
+    max_num_batched_tokens: Optional[int] = None
+    dtype: str = "bfloat16"
+    # Fraction of device memory vLLM may use (weights + KV cache); ignored on CPU, see cpu_kvcache_space_gb.
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    # KV cache size on CPU, where vLLM ignores gpu_memory_utilization.
+    cpu_kvcache_space_gb: float = 0.25
+    # Upper bound on one train->infer weight-transfer bucket, which bounds the switch's memory peak.
+    resharding_bucket_mb: int = 64
+    # After each train->infer switch, compare cheap fingerprints of inference and training weights.
+    check_weights_after_switch: bool = True
+    sampling_config: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        prefix = self.SECTION_KEY
+        require_positive(
+            prefix,
+            self,
+            "infer_tensor_parallel_size",
+            "infer_expert_parallel_size",
+            "max_num_seqs",
+            "max_model_len",
+            "max_num_batched_tokens",
+            "cpu_kvcache_space_gb",
+            "resharding_bucket_mb",
+        )
+        if self.infer_pipeline_parallel_size != 1:
+            raise ConfigError(
+                f"{prefix}.infer_pipeline_parallel_size",
+                f"must be 1: vLLM pipeline parallelism is not supported in the hybrid engine, "
+                f"got {self.infer_pipeline_parallel_size}",
+            )
+        require_choice(prefix, self, "dtype", INFER_DTYPES)
+        require_in_range(prefix, self, "gpu_memory_utilization", 0.0, 1.0, low_open=True)

@@ -1,0 +1,221 @@
+"""GRPOConfig: the whole tree, and the checks that need more than one section."""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mindspeed_rl.config.checks import require_divides, require_equal
+from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.config.generate import GenerateConfig
+from mindspeed_rl.config.megatron import ActorConfig, MegatronTrainingConfig
+from mindspeed_rl.config.model_arch import ModelArchConfig
+from mindspeed_rl.config.rl import RLConfig
+from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
+
+WORLD_DESC_KEY = "rl_config.actor_resource.num_npus"
+# Architecture fields the synthetic generator writes into the demo checkpoint; the model block
+# that describes that checkpoint must agree with them.
+SYNTHETIC_ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    """The GRPO run. Top-level keys follow MindSpeed-RL; `synthetic_data` and `runtime` are ours.
+
+    There is no `ref_config`/`reward_config`: in integrated mode (the only mode here) the reference
+    and the rule reward reuse `actor_config`, as in MindSpeed-RL.
+    """
+
+    megatron_training: MegatronTrainingConfig
+    actor_config: ActorConfig
+    rl_config: RLConfig
+    generate_config: GenerateConfig
+    model: dict[str, ModelArchConfig] = field(default_factory=dict)
+    synthetic_data: Optional[SyntheticDataConfig] = None
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.rl_config.actor_resource.num_npus
+
+    @property
+    def train_data_parallel_size(self) -> int:
+        # Megatron carves expert parallelism out of the data-parallel ranks, so EP does not divide DP.
+        actor = self.actor_config
+        return self.world_size // (actor.tensor_model_parallel_size * actor.pipeline_model_parallel_size)
+
+    @property
+    def infer_data_parallel_size(self) -> int:
+        generate = self.generate_config
+        return self.world_size // (generate.infer_tensor_parallel_size * generate.infer_pipeline_parallel_size)
+
+    @property
+    def selected_model(self) -> Optional[ModelArchConfig]:
+        """The architecture block named by actor_config.model, or None if the tree has none."""
+        return self.model.get(self.actor_config.model)
+
+    def __post_init__(self) -> None:
+        for name, block in self.model.items():
+            block.check(f"model.{name}")
+        self._check_model_selection()
+        self._check_train_layout()
+        self._check_infer_layout()
+        self._check_model_sharding()
+        self._check_batch_sizes()
+        self._check_lengths()
+        self._check_synthetic_data()
+
+    def _check_model_selection(self) -> None:
+        actor_model = self.actor_config.model
+        if self.model and actor_model not in self.model:
+            raise ConfigError(
+                "actor_config.model",
+                f"must name a block under `model` ({', '.join(self.model)}), got {actor_model!r}",
+            )
+        if self.megatron_training.model is not None and self.megatron_training.model != actor_model:
+            raise ConfigError(
+                "megatron_training.model",
+                f"must equal actor_config.model={actor_model!r}, got {self.megatron_training.model!r}",
+            )
+
+    def _check_train_layout(self) -> None:
+        actor, world = self.actor_config, self.world_size
+        tp, pp, ep = (
+            actor.tensor_model_parallel_size,
+            actor.pipeline_model_parallel_size,
+            actor.expert_model_parallel_size,
+        )
+        world_desc = f"{WORLD_DESC_KEY}={world}"
+        require_divides("actor_config.tensor_model_parallel_size", tp, world, world_desc)
+        if world % (tp * pp) != 0:
+            raise ConfigError(
+                "actor_config.pipeline_model_parallel_size",
+                f"tensor_model_parallel_size * pipeline_model_parallel_size = {tp} * {pp} = {tp * pp} "
+                f"must divide {world_desc}, got pipeline_model_parallel_size={pp}",
+            )
+        if world % (tp * pp * ep) != 0:
+            raise ConfigError(
+                "actor_config.expert_model_parallel_size",
+                f"tensor * pipeline * expert parallel size = {tp} * {pp} * {ep} = {tp * pp * ep} "
+                f"must divide {world_desc}, got expert_model_parallel_size={ep}",
+            )
+
+    def _check_infer_layout(self) -> None:
+        generate, world = self.generate_config, self.world_size
+        tp, ep = generate.infer_tensor_parallel_size, generate.infer_expert_parallel_size
+        world_desc = f"{WORLD_DESC_KEY}={world}"
+        require_divides("generate_config.infer_tensor_parallel_size", tp, world, world_desc)
+        if world % (tp * ep) != 0:
+            raise ConfigError(
+                "generate_config.infer_expert_parallel_size",
+                f"infer_tensor_parallel_size * infer_expert_parallel_size = {tp} * {ep} = {tp * ep} "
+                f"must divide {world_desc}, got infer_expert_parallel_size={ep}",
+            )
+
+    def _check_model_sharding(self) -> None:
+        arch = self.selected_model
+        if arch is None:
+            return
+        prefix = f"model.{self.actor_config.model}"
+        heads_desc = f"{prefix}.num_attention_heads={arch.num_attention_heads}"
+        kv_heads = arch.num_key_value_heads
+        kv_desc = f"{prefix}.num_query_groups={kv_heads}"
+        train_key, train_tp = "actor_config.tensor_model_parallel_size", self.actor_config.tensor_model_parallel_size
+        infer_key = "generate_config.infer_tensor_parallel_size"
+        infer_tp = self.generate_config.infer_tensor_parallel_size
+        # Megatron shards attention heads and query groups over TP; vLLM shards the heads.
+        require_divides(train_key, train_tp, arch.num_attention_heads, heads_desc)
+        require_divides(train_key, train_tp, kv_heads, kv_desc)
+        require_divides(infer_key, infer_tp, arch.num_attention_heads, heads_desc)
+        # vLLM replicates KV heads when there are fewer than TP ranks, which needs an exact multiple.
+        if kv_heads % infer_tp != 0 and infer_tp % kv_heads != 0:
+            raise ConfigError(infer_key, f"must divide or be a multiple of {kv_desc}, got {infer_tp}")
+        if arch.padded_vocab_size is not None:
+            vocab_desc = f"{prefix}.padded_vocab_size={arch.padded_vocab_size}"
+            require_divides(train_key, train_tp, arch.padded_vocab_size, vocab_desc)
+            require_divides(infer_key, infer_tp, arch.padded_vocab_size, vocab_desc)
+        require_divides(
+            "actor_config.pipeline_model_parallel_size",
+            self.actor_config.pipeline_model_parallel_size,
+            arch.num_layers,
+            f"{prefix}.num_layers={arch.num_layers}",
+        )
+        self._check_experts(arch, prefix)
+
+    def _check_experts(self, arch: ModelArchConfig, prefix: str) -> None:
+        for key, ep in (
+            ("actor_config.expert_model_parallel_size", self.actor_config.expert_model_parallel_size),
+            ("generate_config.infer_expert_parallel_size", self.generate_config.infer_expert_parallel_size),
+        ):
+            if ep == 1:
+                continue
+            if arch.num_experts is None:
+                raise ConfigError(key, f"must be 1 for a dense model ({prefix}.num_experts is unset), got {ep}")
+            require_divides(key, ep, arch.num_experts, f"{prefix}.num_experts={arch.num_experts}")
+
+    def _check_batch_sizes(self) -> None:
+        rl = self.rl_config
+        prompts = self.megatron_training.global_batch_size
+        rollout_samples = prompts * rl.n_samples_per_prompt
+        rollout_desc = (
+            f"megatron_training.global_batch_size * rl_config.n_samples_per_prompt = "
+            f"{prompts} * {rl.n_samples_per_prompt} = {rollout_samples} samples"
+        )
+        mini_samples = rl.mini_batch_size_in_samples
+        if rollout_samples % mini_samples != 0:
+            raise ConfigError(
+                "rl_config.mini_batch_size",
+                f"mini_batch_size * n_samples_per_prompt = {rl.mini_batch_size} * {rl.n_samples_per_prompt} = "
+                f"{mini_samples} samples must divide {rollout_desc}",
+            )
+        dp, mbs = self.train_data_parallel_size, self.actor_config.micro_batch_size
+        if mini_samples % (dp * mbs) != 0:
+            raise ConfigError(
+                "actor_config.micro_batch_size",
+                f"train data-parallel size * micro_batch_size = {dp} * {mbs} = {dp * mbs} must divide the "
+                f"mini-batch of rl_config.mini_batch_size * n_samples_per_prompt = {mini_samples} samples",
+            )
+        infer_dp = self.infer_data_parallel_size
+        if rollout_samples % infer_dp != 0:
+            raise ConfigError(
+                "megatron_training.global_batch_size",
+                f"{rollout_desc} must be divisible by the inference data-parallel size {infer_dp}",
+            )
+
+    def _check_lengths(self) -> None:
+        max_prompt = self.rl_config.max_prompt_length
+        max_response = self.generate_config.sampling_config.max_tokens
+        max_model_len = self.generate_config.max_model_len
+        if max_prompt + max_response > max_model_len:
+            raise ConfigError(
+                "generate_config.max_model_len",
+                f"must be >= rl_config.max_prompt_length + generate_config.sampling_config.max_tokens = "
+                f"{max_prompt} + {max_response} = {max_prompt + max_response}, got {max_model_len}",
+            )
+        arch = self.selected_model
+        max_positions = arch.max_position_embeddings if arch is not None else None
+        if max_positions is not None and max_model_len > max_positions:
+            raise ConfigError(
+                "generate_config.max_model_len",
+                f"must be <= model.{self.actor_config.model}.max_position_embeddings={max_positions}, "
+                f"got {max_model_len}",
+            )
+
+    def _check_synthetic_data(self) -> None:
+        synthetic, arch = self.synthetic_data, self.selected_model
+        if synthetic is None or not synthetic.enabled or arch is None:
+            return
+        prefix = f"model.{self.actor_config.model}"
+        for name in SYNTHETIC_ARCH_FIELDS:
+            expected = getattr(synthetic, name)
+            require_equal(f"{prefix}.{name}", getattr(arch, name), expected, f"synthetic_data.{name}={expected}")
+        require_equal(
+            f"{prefix}.num_query_groups",
+            arch.num_key_value_heads,
+            synthetic.num_query_groups,
+            f"synthetic_data.num_query_groups={synthetic.num_query_groups}",
+        )
+        if arch.padded_vocab_size is not None and arch.padded_vocab_size < synthetic.vocab_size:
+            raise ConfigError(
+                f"{prefix}.padded_vocab_size",
+                f"must be >= synthetic_data.vocab_size={synthetic.vocab_size}, got {arch.padded_vocab_size}",
+            )

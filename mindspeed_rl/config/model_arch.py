@@ -1,0 +1,106 @@
+"""Entries of the top-level `model` mapping: MindSpeed-RL's per-model architecture blocks.
+
+`configs/model/<name>.yaml` holds a top-level `<name>:` block; the training YAML pulls it in with
+`defaults: [model: [<name>]]`, so Hydra places it at `cfg.model.<name>`, and
+`actor_config.model: <name>` selects it. The engines build the model from the HF checkpoint; these
+blocks exist so that parallel sizes can be checked against the architecture before any process starts.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from mindspeed_rl.config.checks import full_key, require_choice, require_positive
+from mindspeed_rl.config.errors import ConfigError
+
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+
+
+@dataclass(kw_only=True)
+class ModelArchConfig:
+    """One architecture block. Optional fields left None mean "Megatron's default"."""
+
+    use_mcore_models: Optional[bool] = None
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    rotary_base: Optional[float] = None
+    max_position_embeddings: Optional[int] = None
+    make_vocab_size_divisible_by: Optional[int] = None
+    # Rows of the embedding/output matrices (tokenizer vocab rounded up); sharded over TP.
+    padded_vocab_size: Optional[int] = None
+    untie_embeddings_and_output_weights: Optional[bool] = None
+    add_qkv_bias: Optional[bool] = None
+    disable_bias_linear: Optional[bool] = None
+    group_query_attention: Optional[bool] = None
+    num_query_groups: Optional[int] = None
+    position_embedding_type: Optional[str] = None
+    normalization: Optional[str] = None
+    norm_epsilon: Optional[float] = None
+    swiglu: Optional[bool] = None
+    attention_softmax_in_fp32: Optional[bool] = None
+    attention_bias: Optional[bool] = None
+    qk_layernorm: Optional[bool] = None
+    kv_channels: Optional[int] = None
+    tokenizer_type: Optional[str] = None
+    no_gradient_accumulation_fusion: Optional[bool] = None
+    # Mixture of experts (Qwen3-MoE, DeepSeek blocks).
+    num_experts: Optional[int] = None
+    moe_router_topk: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_load_balancing_type: Optional[str] = None
+    moe_grouped_gemm: Optional[bool] = None
+    moe_permutation_async_comm: Optional[bool] = None
+    moe_token_dispatcher_type: Optional[str] = None
+    moe_aux_loss_coeff: Optional[float] = None
+    norm_topk_prob: Optional[bool] = None
+
+    @property
+    def num_key_value_heads(self) -> int:
+        """KV heads: Megatron reads num_query_groups only under group_query_attention."""
+        if self.group_query_attention and self.num_query_groups is not None:
+            return self.num_query_groups
+        return self.num_attention_heads
+
+    def check(self, prefix: str) -> None:
+        """Validate under ``prefix`` (``model.<name>``). Not a ``__post_init__``: a block does not
+        know its own name, which the error must carry, so GRPOConfig calls this for each block."""
+        require_positive(
+            prefix,
+            self,
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "max_position_embeddings",
+            "make_vocab_size_divisible_by",
+            "padded_vocab_size",
+            "num_query_groups",
+            "kv_channels",
+            "norm_epsilon",
+            "num_experts",
+            "moe_router_topk",
+            "moe_ffn_hidden_size",
+        )
+        if self.normalization is not None:
+            require_choice(prefix, self, "normalization", NORMALIZATIONS)
+        if self.group_query_attention and self.num_query_groups is None:
+            raise ConfigError(full_key(prefix, "num_query_groups"), "must be set when group_query_attention is true")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ConfigError(
+                full_key(prefix, "num_query_groups"),
+                f"must divide {prefix}.num_attention_heads={self.num_attention_heads}, got {self.num_query_groups}",
+            )
+        # Without kv_channels Megatron derives the head size as hidden_size / num_attention_heads.
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
+            raise ConfigError(
+                full_key(prefix, "num_attention_heads"),
+                f"must divide {prefix}.hidden_size={self.hidden_size} (or set kv_channels), "
+                f"got {self.num_attention_heads}",
+            )
+        experts, top_k = self.num_experts, self.moe_router_topk
+        if experts is not None and top_k is not None and top_k > experts:
+            raise ConfigError(
+                full_key(prefix, "moe_router_topk"),
+                f"must be <= {prefix}.num_experts={experts}, got {top_k}",
+            )

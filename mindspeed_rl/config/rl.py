@@ -1,0 +1,135 @@
+"""`rl_config`: the GRPO algorithm, batch sizes in prompts/samples, rewards and resources."""
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+from mindspeed_rl.config.checks import (
+    require_choice,
+    require_in_range,
+    require_non_negative,
+    require_positive,
+)
+from mindspeed_rl.config.errors import ConfigError
+
+ADV_ESTIMATORS = ("group_norm",)
+KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")
+KL_CTRL_TYPES = ("fixed",)
+
+
+@dataclass(kw_only=True)
+class ResourceConfig:
+    """`rl_config.actor_resource`: the devices every role time-shares in the hybrid engine."""
+
+    SECTION_KEY: ClassVar[str] = "rl_config.actor_resource"
+
+    # Number of ranks (NPUs, GPUs, or CPU processes); this is the world size.
+    num_npus: int
+
+    def __post_init__(self) -> None:
+        require_positive(self.SECTION_KEY, self, "num_npus")
+
+
+@dataclass(kw_only=True)
+class IntegratedModeConfig:
+    """`rl_config.integrated_mode_config`: options of the integrated (all roles co-located) worker."""
+
+    SECTION_KEY: ClassVar[str] = "rl_config.integrated_mode_config"
+
+    # A separate reference checkpoint (e.g. when resuming); None = the actor's initial weights.
+    ref_model_load_path: Optional[str] = None
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    """`rl_config`: GRPO hyper-parameters. Batch sizes named `*_batch_size` count prompts unless said."""
+
+    SECTION_KEY: ClassVar[str] = "rl_config"
+
+    guarantee_order: bool = False
+    # Only the integrated worker exists: actor, reference and reward share the actor's devices.
+    use_integrated_worker: bool = True
+    blocking: bool = True
+    gamma: float = 1.0
+    lam: float = 0.95
+    # Forward-only micro-batch sizes in samples; None = actor_config.micro_batch_size.
+    actor_forward_micro_batch_size: Optional[int] = None
+    ref_forward_micro_batch_size: Optional[int] = None
+    adv_estimator: str = "group_norm"
+    kl_penalty: str = "low_var_kl"
+    kl_ctrl_type: str = "fixed"
+    init_kl_coef: float = 0.01
+    # Prompts per optimizer step (MindSpeed-RL semantics); see mini_batch_size_in_samples.
+    mini_batch_size: int = 1
+    max_prompt_length: int = 512
+    epochs: int = 1
+    clip_ratio: float = 0.2
+    entropy_coeff: float = 0.0
+    shuffle_mini_batch: bool = False
+    n_samples_per_prompt: int = 8
+    rule_reward: bool = True
+    verifier_function: list[str] = field(default_factory=list)
+    verifier_weight: list[float] = field(default_factory=list)
+    # MindSpeed-RL defaults this to True, which computes throughput from the maximum lengths and
+    # overstates it; we default to the honest mean-length figure.
+    log_max_throughput: bool = False
+    num_cpus_for_local_task: float = 1.0
+    use_tensorboard: bool = False
+    actor_resource: ResourceConfig
+    integrated_mode_config: IntegratedModeConfig = field(default_factory=IntegratedModeConfig)
+    # True: the loss is a mean over all response tokens of a micro-batch; False: per-sequence mean first.
+    token_level_loss: bool = True
+
+    @property
+    def mini_batch_size_in_samples(self) -> int:
+        """Samples per optimizer step. MindSpeed-RL multiplies mini_batch_size in place; we don't
+        mutate, so the value read back from the config is the one the user wrote."""
+        return self.mini_batch_size * self.n_samples_per_prompt
+
+    def __post_init__(self) -> None:
+        prefix = self.SECTION_KEY
+        require_positive(
+            prefix,
+            self,
+            "actor_forward_micro_batch_size",
+            "ref_forward_micro_batch_size",
+            "mini_batch_size",
+            "max_prompt_length",
+            "epochs",
+            "clip_ratio",
+            "num_cpus_for_local_task",
+        )
+        require_non_negative(prefix, self, "init_kl_coef", "entropy_coeff")
+        require_in_range(prefix, self, "gamma", 0.0, 1.0)
+        require_in_range(prefix, self, "lam", 0.0, 1.0)
+        require_choice(prefix, self, "adv_estimator", ADV_ESTIMATORS)
+        require_choice(prefix, self, "kl_penalty", KL_PENALTIES)
+        require_choice(prefix, self, "kl_ctrl_type", KL_CTRL_TYPES)
+        if self.n_samples_per_prompt < 2:
+            raise ConfigError(
+                f"{prefix}.n_samples_per_prompt",
+                "must be >= 2: group_norm advantages normalise over the samples of one prompt "
+                f"(the std of a single sample is undefined), got {self.n_samples_per_prompt}",
+            )
+        if not self.use_integrated_worker:
+            raise ConfigError(
+                f"{prefix}.use_integrated_worker",
+                "must be true: this hybrid engine only has the integrated worker "
+                "(reference and reward share actor_config; there is no ref_config/reward_config)",
+            )
+        self._check_rewards()
+
+    def _check_rewards(self) -> None:
+        prefix = self.SECTION_KEY
+        if not self.rule_reward:
+            raise ConfigError(
+                f"{prefix}.rule_reward",
+                "must be true: the integrated worker has no reward model, rule verifiers are the only reward",
+            )
+        if not self.verifier_function:
+            raise ConfigError(f"{prefix}.verifier_function", "must name at least one verifier when rule_reward is true")
+        if len(self.verifier_weight) != len(self.verifier_function):
+            raise ConfigError(
+                f"{prefix}.verifier_weight",
+                f"must have one weight per verifier_function entry ({len(self.verifier_function)}: "
+                f"{list(self.verifier_function)}), got {len(self.verifier_weight)}: {list(self.verifier_weight)}",
+            )

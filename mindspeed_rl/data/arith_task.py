@@ -1,0 +1,166 @@
+"""The CPU demo's task: add two small integers ("3+4=" -> "7"), with its locally generated assets.
+
+``ensure_demo_assets`` creates, once, everything the demo needs under ``data_dir``:
+``model/`` (a random tiny Qwen2 checkpoint + tokenizer) and ``prompts.jsonl``. Nothing is
+downloaded. ``assets.json`` records the generation parameters; a later call with the same
+parameters reuses the files, a call with different ones regenerates them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.data.tokenizer import train_arith_tokenizer
+
+MODEL_SUBDIR = "model"
+PROMPTS_FILE = "prompts.jsonl"
+MANIFEST_FILE = "assets.json"
+# Bump when the generators change, so caches written by older code are regenerated.
+ASSETS_FORMAT_VERSION = 1
+
+
+def make_arith_prompts(num_prompts: int, max_operand: int, seed: int) -> list[dict[str, str]]:
+    """``num_prompts`` rows ``{"prompt": "a+b=", "answer": str(a+b)}`` with a, b in [0, max_operand]."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    if max_operand < 0:
+        raise ValueError(f"max_operand must be >= 0, got {max_operand}")
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_prompts):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+    return rows
+
+
+def write_prompts_jsonl(path: str | os.PathLike[str], rows: list[dict[str, str]]) -> None:
+    """Write one JSON object per line, atomically (temp file + ``os.replace``)."""
+    text = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+    _write_text_atomic(Path(path), text)
+
+
+def read_prompts_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Rows with string ``prompt`` and ``answer`` (extra keys kept); blank lines are skipped.
+
+    Raises ``ValueError`` naming ``path:line`` for the first malformed line.
+    """
+    path = Path(path)
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if line.strip():
+                rows.append(_parse_prompt_line(line, f"{path}:{line_number}"))
+    if not rows:
+        raise ValueError(f"{path}: no prompts found")
+    return rows
+
+
+def _parse_prompt_line(line: str, where: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: invalid JSON ({error.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    for key in ("prompt", "answer"):
+        if not isinstance(row.get(key), str):
+            raise ValueError(f"{where}: missing or non-string {key!r} (keys: {sorted(row)})")
+    return row
+
+
+def ensure_demo_assets(
+    data_dir: str | os.PathLike[str],
+    *,
+    vocab_size: int = 128,
+    hidden_size: int = 128,
+    ffn_hidden_size: int = 256,
+    num_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_query_groups: int = 2,
+    max_position_embeddings: int = 256,
+    init_std: float = 0.05,
+    num_prompts: int = 512,
+    max_operand: int = 9,
+    seed: int = 1234,
+) -> tuple[Path, Path]:
+    """Return ``(model_dir, prompts_path)`` under ``data_dir``, generating them if needed.
+
+    Call it from one process (the driver) before workers start: two processes regenerating at
+    once would each write complete files, but the winner is arbitrary.
+    """
+    params: dict[str, Any] = {
+        "format_version": ASSETS_FORMAT_VERSION,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "ffn_hidden_size": ffn_hidden_size,
+        "num_layers": num_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_query_groups": num_query_groups,
+        "max_position_embeddings": max_position_embeddings,
+        "init_std": init_std,
+        "num_prompts": num_prompts,
+        "max_operand": max_operand,
+        "seed": seed,
+    }
+    data_path = Path(data_dir)
+    model_dir, prompts_path = data_path / MODEL_SUBDIR, data_path / PROMPTS_FILE
+    if not _cache_matches(data_path, params):
+        _generate_assets(data_path, params)
+    return model_dir, prompts_path
+
+
+def _cache_matches(data_path: Path, params: dict[str, Any]) -> bool:
+    manifest = data_path / MANIFEST_FILE
+    complete = (
+        manifest.is_file()
+        and (data_path / MODEL_SUBDIR / "config.json").is_file()
+        and (data_path / PROMPTS_FILE).is_file()
+    )
+    if not complete:
+        return False
+    try:
+        return json.loads(manifest.read_text(encoding="utf-8")) == params
+    except json.JSONDecodeError:
+        return False
+
+
+def _generate_assets(data_path: Path, params: dict[str, Any]) -> None:
+    data_path.mkdir(parents=True, exist_ok=True)
+    # Drop the manifest first: a crash mid-way must not leave new files under an old manifest.
+    (data_path / MANIFEST_FILE).unlink(missing_ok=True)
+    seed, max_operand = params["seed"], params["max_operand"]
+    tokenizer = train_arith_tokenizer(params["vocab_size"], seed, max_operand=max_operand)
+    create_tiny_qwen2_checkpoint(
+        data_path / MODEL_SUBDIR,
+        vocab_size=params["vocab_size"],
+        hidden_size=params["hidden_size"],
+        ffn_hidden_size=params["ffn_hidden_size"],
+        num_layers=params["num_layers"],
+        num_attention_heads=params["num_attention_heads"],
+        num_query_groups=params["num_query_groups"],
+        max_position_embeddings=params["max_position_embeddings"],
+        seed=seed,
+        init_std=params["init_std"],
+        tokenizer=tokenizer,
+    )
+    rows = make_arith_prompts(params["num_prompts"], max_operand, seed)
+    write_prompts_jsonl(data_path / PROMPTS_FILE, rows)
+    _write_text_atomic(data_path / MANIFEST_FILE, json.dumps(params, indent=2, sort_keys=True))
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,138 @@
+"""Megatron-core and vLLM in one process (world of 1 rank, gloo), checked against HF transformers.
+
+Runs where: in the pytest process; builds a tiny Qwen2 checkpoint in a temp dir.
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mindspeed_rl.accelerator import get_accelerator
+from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
+from mindspeed_rl.protocol import RolloutBatch
+from mindspeed_rl.workers.actor_hybrid_worker import _load_hf_checkpoint
+
+ADAM = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
+PROMPTS = [[5, 9, 6, 11], [7, 9, 8, 11], [4, 9, 4, 11]]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def world():
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    accelerator = get_accelerator("cpu")
+    accelerator.seed_model_parallel_rng(1)
+    return accelerator
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    create_tiny_qwen2_checkpoint(out, vocab_size=64, hidden_size=128, ffn_hidden_size=256, num_layers=2,
+                                 num_attention_heads=4, num_query_groups=2, seed=3)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def actor(world, checkpoint):
+    spec, state = _load_hf_checkpoint(checkpoint)
+    return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=ADAM)
+
+
+@pytest.fixture(scope="module")
+def rollout(world, checkpoint):
+    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    return VLLMEngine(VLLMEngineConfig(
+        model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=32, max_num_seqs=64,
+        max_num_batched_tokens=1024, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
+        cpu_kvcache_space_gb=0.0625, on_cpu=True))
+
+
+def hf_model(checkpoint):
+    from transformers import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def test_megatron_logits_equal_hf(world, checkpoint, actor):
+    ids = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf_model(checkpoint)(ids).logits
+        with world.megatron_context():
+            got = actor.module(ids, torch.arange(17).expand(3, 17), None)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def _rollout_batch(generations) -> RolloutBatch:
+    batch = RolloutBatch.from_token_lists([PROMPTS[g.prompt_index] for g in generations],
+                                          [g.token_ids for g in generations], pad_id=0, response_width=MAX_TOKENS)
+    logprobs = torch.zeros(batch.response_logprobs_shape)
+    for row, g in enumerate(generations):
+        logprobs[row, : len(g.logprobs)] = torch.tensor(g.logprobs)
+    batch.columns["rollout_logprobs"] = logprobs
+    return batch
+
+
+def _generate(rollout):
+    return rollout.generate(PROMPTS, n=4, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=7)
+
+
+def _max_diff(a, b, mask):
+    return ((a - b).abs() * mask).max().item()
+
+
+def test_vllm_logprobs_follow_megatron_across_updates(actor, rollout):
+    """vLLM's sampled-token log-probs equal Megatron's before and after train steps + weight push."""
+    batch = _rollout_batch(_generate(rollout))
+    assert batch.response_mask.sum() > 0
+    megatron = actor.compute_logprobs(batch, micro_batch_size=4, temperature=1.0)
+    assert _max_diff(megatron, batch.columns["rollout_logprobs"], batch.response_mask) < 1e-4
+
+    def loss_fn(logprobs, entropy, mb):  # push up the sampled tokens: a visible, real update
+        loss = -(logprobs * mb.response_mask).sum() / batch.response_mask.sum()
+        return loss, {"loss": loss.item()}
+
+    for _ in range(2):
+        stats = actor.train_step(batch, micro_batch_size=4, temperature=1.0, loss_fn=loss_fn)
+        assert stats["actor/grad_norm"] > 0
+    updated = actor.compute_logprobs(batch, micro_batch_size=4, temperature=1.0)
+    assert _max_diff(updated, megatron, batch.response_mask) > 1e-2, "the update must move the policy"
+
+    rollout.load_weights(actor.hf_weights_full().items())
+    after = _rollout_batch(_generate(rollout))
+    megatron_after = actor.compute_logprobs(after, micro_batch_size=4, temperature=1.0)
+    assert _max_diff(megatron_after, after.columns["rollout_logprobs"], after.response_mask) < 1e-4
+
+
+def test_hf_weights_round_trip_exact(actor, checkpoint):
+    """Megatron shards -> HF names gives back exactly the tensors of a freshly loaded engine."""
+    from mindspeed_rl.models.qwen2 import hf_to_megatron_shard
+
+    exported = actor.hf_weights_full()
+    _, original = _load_hf_checkpoint(checkpoint)
+    assert set(exported) == set(original)
+    again = hf_to_megatron_shard(exported, actor.spec, tp_rank=0, tp=1)
+    for name, param in actor.module.named_parameters():
+        assert torch.equal(again[name], param.detach()), name
+
+
+def test_kv_cache_release_and_rebuild_keep_outputs(rollout):
+    before = _generate(rollout)
+    nbytes = rollout.kv_cache_bytes()
+    assert nbytes > 0
+    assert rollout.release_kv_cache() == nbytes
+    assert rollout.kv_cache_bytes() == 0
+    assert rollout.rebuild_kv_cache() == nbytes
+    after = _generate(rollout)
+    assert [g.token_ids for g in after] == [g.token_ids for g in before]
+    assert [g.logprobs for g in after] == [g.logprobs for g in before]

@@ -1,0 +1,198 @@
+"""GRPO tensor functions against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from mindspeed_rl.algorithms import (
+    GRPOLossConfig,
+    count_loss_units,
+    entropy_from_logits,
+    group_normalized_advantages,
+    grpo_loss,
+    kl_penalty,
+    masked_mean,
+    masked_sum,
+    ppo_clip_policy_loss,
+)
+
+
+def test_group_advantages_hand_example():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    advantages = group_normalized_advantages(rewards, n_samples_per_prompt=4)
+    # group 1: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = sqrt(1/3); group 2: all equal.
+    a = 0.5 / (math.sqrt(1.0 / 3.0) + 1e-6)
+    expected = torch.tensor([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0])
+    assert advantages.dtype == torch.float32
+    torch.testing.assert_close(advantages, expected)
+    assert abs(a - 0.8660) < 1e-4
+
+
+def test_group_advantages_reject_bad_group_size():
+    with pytest.raises(ValueError, match="not a multiple"):
+        group_normalized_advantages(torch.zeros(6), n_samples_per_prompt=4)
+    with pytest.raises(ValueError, match=">= 2"):
+        group_normalized_advantages(torch.zeros(4), n_samples_per_prompt=1)
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("kl", lambda d: d),
+        ("abs", lambda d: abs(d)),
+        ("mse", lambda d: 0.5 * d * d),
+        # k3 with x = ref - logp = -d
+        ("low_var_kl", lambda d: math.exp(-d) - (-d) - 1.0),
+    ],
+)
+def test_kl_penalty_kinds(kind, expected):
+    logprobs = torch.tensor([-1.0, -2.0, -0.5])
+    ref_logprobs = torch.tensor([-1.5, -1.0, -0.5])
+    got = kl_penalty(logprobs, ref_logprobs, kind)
+    want = [expected(lp - rp) for lp, rp in zip(logprobs.tolist(), ref_logprobs.tolist())]
+    torch.testing.assert_close(got, torch.tensor(want))
+
+
+def test_low_var_kl_clamps():
+    # ref - logp = 30 is clamped to 20, then exp(20) - 21 is clamped to 10.
+    assert kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "low_var_kl").item() == 10.0
+    # ref - logp = -30 -> -20: exp(-20) + 20 - 1 = 19.000000002 -> clamped to 10.
+    assert kl_penalty(torch.tensor([0.0]), torch.tensor([-30.0]), "low_var_kl").item() == 10.0
+    # inside both clamps: ref - logp = -2 -> exp(-2) + 1.
+    value = kl_penalty(torch.tensor([0.0]), torch.tensor([-2.0]), "low_var_kl").item()
+    assert value == pytest.approx(math.exp(-2.0) + 1.0, rel=1e-6)
+
+
+def test_kl_penalty_unknown_kind_names_valid_ones():
+    with pytest.raises(ValueError, match=r"'full'.*low_var_kl"):
+        kl_penalty(torch.zeros(1), torch.zeros(1), "full")
+
+
+def test_masked_mean_and_sum():
+    values = torch.tensor([[1.0, 2.0, float("inf")], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.float32)
+    assert masked_sum(values, mask).item() == 7.0
+    assert masked_mean(values, mask).item() == pytest.approx(7.0 / 3.0)
+    torch.testing.assert_close(masked_mean(values, mask, dim=-1), torch.tensor([1.5, 4.0]))
+    assert masked_mean(values, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_ppo_clip_inside_and_outside_range():
+    eps = 0.2
+    ratios = torch.tensor([[1.1, 1.5, 0.5, 1.5, 0.5]])
+    advantages = torch.tensor([[1.0, 1.0, 1.0, -1.0, -1.0]])
+    old = torch.zeros(1, 5)
+    logprobs = ratios.log()
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    loss, clipfrac, approx_kl = ppo_clip_policy_loss(logprobs, old, advantages, mask, eps)
+    # A>0: max(-r, -clip(r)) -> 1.1 inside; 1.5 clipped to 1.2 (unclipped -1.5 is smaller, so
+    # the clipped branch -1.2 wins); 0.5 -> -0.5 (unclipped -0.5 > -0.8). A<0: 1.5 -> 1.5 (unclipped);
+    # 0.5 -> clip 0.8 wins (0.8 > 0.5).
+    torch.testing.assert_close(loss, torch.tensor([[-1.1, -1.2, -0.5, 1.5, 0.8]]))
+    torch.testing.assert_close(clipfrac, torch.tensor([[0.0, 1.0, 0.0, 0.0, 1.0]]))
+    torch.testing.assert_close(approx_kl, -logprobs)
+
+
+def test_ppo_clip_zero_at_padding_and_sequence_advantages():
+    logprobs = torch.tensor([[-1.0, -1.0], [-1.0, 50.0]])
+    old = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    loss, clipfrac, approx_kl = ppo_clip_policy_loss(logprobs, old, torch.tensor([2.0, -3.0]), mask, 0.2)
+    torch.testing.assert_close(loss, torch.tensor([[-2.0, -2.0], [3.0, 0.0]]))
+    assert clipfrac.sum().item() == 0.0
+    assert approx_kl[1, 1].item() == 0.0
+
+
+def test_entropy_from_logits_matches_definition():
+    logits = torch.randn(3, 4, 11, generator=torch.Generator().manual_seed(0)) * 5
+    expected = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    torch.testing.assert_close(entropy_from_logits(logits), expected)
+    # stable for huge logits: a one-hot distribution has zero entropy.
+    huge = torch.tensor([[1e4, 0.0, 0.0]])
+    assert entropy_from_logits(huge).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def _random_batch(seed: int, batch: int = 6, length: int = 5):
+    generator = torch.Generator().manual_seed(seed)
+    logprobs = -torch.rand(batch, length, generator=generator) * 3
+    old = logprobs + 0.3 * torch.randn(batch, length, generator=generator)
+    ref = logprobs + 0.3 * torch.randn(batch, length, generator=generator)
+    advantages = torch.randn(batch, generator=generator)
+    entropy = torch.rand(batch, length, generator=generator)
+    lengths = torch.tensor([5, 3, 1, 4, 2, 5])[:batch]
+    mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+    return dict(logprobs=logprobs, old_logprobs=old, ref_logprobs=ref, advantages=advantages,
+                response_mask=mask, entropy=entropy)
+
+
+def _slice(batch: dict, rows: slice) -> dict:
+    return {key: value[rows] for key, value in batch.items()}
+
+
+@pytest.mark.parametrize("token_level_loss", [True, False])
+def test_micro_batches_with_shared_denominator_sum_to_full_batch(token_level_loss):
+    config = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.1,
+                            entropy_coeff=0.01, token_level_loss=token_level_loss)
+    batch = _random_batch(seed=1)
+    full_loss, full_stats = grpo_loss(**batch, config=config)
+    denominator = count_loss_units(batch["response_mask"], token_level_loss)
+    micro = [grpo_loss(**_slice(batch, slice(i, i + 2)), config=config,
+                       loss_scale_denominator=denominator) for i in range(0, 6, 2)]
+    assert sum(loss for loss, _ in micro).item() == pytest.approx(full_loss.item(), abs=1e-6)
+    for key, value in full_stats.items():
+        assert sum(stats[key] for _, stats in micro) == pytest.approx(value, abs=1e-6)
+
+
+def test_token_level_loss_hand_computation():
+    config = GRPOLossConfig(clip_ratio=0.2, kl_penalty="kl", kl_coef=0.5,
+                            entropy_coeff=0.1, token_level_loss=True)
+    batch = _random_batch(seed=2)
+    loss, stats = grpo_loss(**batch, config=config)
+    mask = batch["response_mask"]
+    pg_tokens, _, _ = ppo_clip_policy_loss(batch["logprobs"], batch["old_logprobs"],
+                                           batch["advantages"], mask, 0.2)
+    pg = pg_tokens[mask].mean()
+    kl = (batch["logprobs"] - batch["ref_logprobs"])[mask].mean()
+    entropy = batch["entropy"][mask].mean()
+    assert stats["actor/pg_loss"] == pytest.approx(pg.item(), abs=1e-6)
+    assert loss.item() == pytest.approx((pg + 0.5 * kl - 0.1 * entropy).item(), abs=1e-6)
+
+
+def test_sequence_level_loss_hand_computation():
+    config = GRPOLossConfig(clip_ratio=0.2, kl_penalty="mse", kl_coef=0.0,
+                            entropy_coeff=0.0, token_level_loss=False)
+    # ratio 1 everywhere: per-token pg loss is -A. Sequence 0 has 3 tokens, sequence 1 one token.
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    advantages = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    loss, stats = grpo_loss(logprobs=logprobs, old_logprobs=logprobs.clone(), ref_logprobs=None,
+                            advantages=advantages, response_mask=mask, entropy=None, config=config)
+    # per-sequence means: -2 and -4; mean over sequences: -3 (a token mean would be -2.5).
+    assert loss.item() == pytest.approx(-3.0)
+    assert stats["actor/kl_loss"] == 0.0
+    assert count_loss_units(mask, token_level_loss=False) == 2
+
+
+def test_gradient_flows_to_logprobs_only_at_valid_tokens():
+    config = GRPOLossConfig(kl_coef=0.1, entropy_coeff=0.0)
+    batch = _random_batch(seed=3)
+    logprobs = batch.pop("logprobs").requires_grad_(True)
+    loss, _ = grpo_loss(logprobs=logprobs, **batch, config=config)
+    loss.backward()
+    assert torch.isfinite(logprobs.grad).all()
+    assert logprobs.grad[batch["response_mask"]].abs().sum() > 0
+    assert logprobs.grad[~batch["response_mask"]].abs().sum() == 0
+
+
+def test_loss_config_and_argument_errors():
+    with pytest.raises(ValueError, match="kl_penalty"):
+        GRPOLossConfig(kl_penalty="nope")
+    with pytest.raises(ValueError, match="clip_ratio"):
+        GRPOLossConfig(clip_ratio=0.0)
+    batch = _random_batch(seed=4)
+    batch["ref_logprobs"] = None
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        grpo_loss(**batch, config=GRPOLossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="loss_scale_denominator"):
+        grpo_loss(**batch, config=GRPOLossConfig(kl_coef=0.0), loss_scale_denominator=0)
