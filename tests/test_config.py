@@ -93,8 +93,8 @@ def test_tiny_cpu_demo_loads() -> None:
     config = load(TINY)
     assert (config.world_size, config.train_data_parallel_size, config.infer_data_parallel_size) == (1, 1, 1)
     assert config.megatron_training.bf16 is False and config.generate_config.dtype == "float32"
-    assert config.megatron_training.global_batch_size * config.rl_config.n_samples_per_prompt == 128
-    assert config.rl_config.mini_batch_size_in_samples == 64
+    assert config.megatron_training.global_batch_size * config.rl_config.n_samples_per_prompt == 256
+    assert config.rl_config.mini_batch_size_in_samples == 128
     assert config.rl_config.kl_penalty == "low_var_kl"
     assert config.generate_config.cpu_kvcache_space_gb == pytest.approx(0.125)
     assert config.runtime.device == "cpu"
@@ -103,7 +103,7 @@ def test_tiny_cpu_demo_loads() -> None:
     arch = config.selected_model
     assert arch is not None
     assert (arch.hidden_size, arch.ffn_hidden_size, arch.num_layers) == (128, 256, 2)
-    assert (arch.num_attention_heads, arch.num_key_value_heads, arch.padded_vocab_size) == (4, 2, 64)
+    assert (arch.num_attention_heads, arch.num_key_value_heads, arch.padded_vocab_size) == (4, 2, 16)
 
 
 def _schema_keys(cls: type, prefix: str = "") -> set[str]:
@@ -147,7 +147,7 @@ def test_default_config_name_follows_the_accelerator(monkeypatch: pytest.MonkeyP
 def test_load_config_accepts_a_plain_mapping() -> None:
     container = OmegaConf.to_container(compose_cfg(TINY))
     assert isinstance(container, dict)
-    assert load_config(container).rl_config.n_samples_per_prompt == 8
+    assert load_config(container).rl_config.n_samples_per_prompt == 16
 
 
 # --- schema errors: unknown keys, types, missing values --------------------------------------------
@@ -278,7 +278,7 @@ def test_mini_batch_must_divide_rollout() -> None:
 def test_micro_batches_must_tile_the_mini_batch() -> None:
     message = config_error(TINY, "actor_config.micro_batch_size=48")
     assert message.startswith("actor_config.micro_batch_size: train data-parallel size * micro_batch_size = 1 * 48")
-    assert "64 samples" in message
+    assert "128 samples" in message
 
 
 def test_prompt_plus_response_must_fit_max_model_len() -> None:
