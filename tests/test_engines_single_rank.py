@@ -12,6 +12,10 @@ from mindspeed_rl.accelerator import get_accelerator
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
 from mindspeed_rl.protocol import RolloutBatch
+from mindspeed_rl.resharding.fingerprint import verify_transfer
+from mindspeed_rl.resharding.naive import load_full_hf
+from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
+from mindspeed_rl.resharding.transfer import Transfer
 from mindspeed_rl.workers.actor_hybrid_worker import _load_hf_checkpoint
 
 ADAM = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
@@ -51,10 +55,15 @@ def actor(world, checkpoint):
 def rollout(world, checkpoint):
     from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-    return VLLMEngine(VLLMEngineConfig(
+    engine = VLLMEngine(VLLMEngineConfig(
         model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=32, max_num_seqs=64,
         max_num_batched_tokens=1024, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
         cpu_kvcache_space_gb=0.0625, on_cpu=True))
+    # The engine starts from dummy weights; load the checkpoint the way the naive baseline does.
+    spec, state = _load_hf_checkpoint(checkpoint)
+    load_full_hf(engine.named_weights(), state, spec, tp=1, tp_rank=0)
+    engine.mark_weights_loaded()
+    return engine
 
 
 def hf_model(checkpoint):
@@ -108,7 +117,11 @@ def test_vllm_logprobs_follow_megatron_across_updates(actor, rollout):
     updated = actor.compute_logprobs(batch, micro_batch_size=4, temperature=1.0)
     assert _max_diff(updated, megatron, batch.response_mask) > 1e-2, "the update must move the policy"
 
-    rollout.load_weights(actor.hf_weights_full().items())
+    plan = build_plan(actor.spec, TrainLayout(tp=1, pp=1), InferLayout(tp=1), world_size=1)
+    stats = Transfer(plan, rank=0, bucket_bytes=1 << 16, dtype=torch.float32).run(actor.named_weights(), rollout.named_weights())
+    assert stats.bytes_received == 0 and stats.bytes_local > 0, "same layout on one rank: nothing crosses the wire"
+    assert verify_transfer(plan, 0, actor.named_weights(), rollout.named_weights()) > 0
+    rollout.mark_weights_loaded()
     after = _rollout_batch(_generate(rollout))
     megatron_after = actor.compute_logprobs(after, micro_batch_size=4, temperature=1.0)
     assert _max_diff(megatron_after, after.columns["rollout_logprobs"], after.response_mask) < 1e-4

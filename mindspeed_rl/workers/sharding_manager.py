@@ -1,12 +1,9 @@
 """The train <-> infer switch of the hybrid actor.
 
-enter_infer_mode: push the training weights into vLLM, then move train states away per the
+enter_infer_mode: reshard the training weights straight into vLLM's live parameters (planned
+transfer, bounded buckets, fingerprint check), then move train states away per the
 `offload_train_*` flags and rebuild the KV cache. exit_infer_mode: release the KV cache.
 enter_forward_mode / enter_train_mode: bring back what the next phase needs.
-
-This version handles layouts where every rank can build its inference weights from a full
-gather (train TP/PP -> infer TP1 through vLLM's own slicing); the bucketed resharding transfer
-replaces `_push_weights` without changing this contract.
 """
 from __future__ import annotations
 
@@ -14,9 +11,15 @@ import contextlib
 import time
 from dataclasses import dataclass
 
+import torch
+
 from mindspeed_rl.engines.megatron_engine import MegatronEngine
 from mindspeed_rl.engines.vllm_engine import VLLMEngine
 from mindspeed_rl.memory.offload import Offloader
+from mindspeed_rl.resharding.fingerprint import verify_transfer
+from mindspeed_rl.resharding.layouts import uncovered_ranges
+from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
+from mindspeed_rl.resharding.transfer import Transfer
 
 TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER = "train_params", "train_grads", "optimizer_states"
 
@@ -28,13 +31,40 @@ class OffloadFlags:
     offload_train_optimizer: bool
 
 
+@dataclass(frozen=True, kw_only=True)
+class SwitchSettings:
+    train: TrainLayout
+    infer: InferLayout
+    rank: int
+    world_size: int
+    bucket_bytes: int
+    check_weights: bool
+
+
 class ShardingManager:
-    def __init__(self, *, actor: MegatronEngine, rollout: VLLMEngine, offloader: Offloader, flags: OffloadFlags):
+    def __init__(self, *, actor: MegatronEngine, rollout: VLLMEngine, offloader: Offloader, flags: OffloadFlags,
+                 switch: SwitchSettings):
         self.actor = actor
         self.rollout = rollout
         self.offloader = offloader
         self.flags = flags
+        self.switch = switch
+        self.plan = build_plan(actor.spec, switch.train, switch.infer, switch.world_size)
+        sources = actor.named_weights()
+        dtype = next(iter(sources.values())).dtype
+        self.transfer = Transfer(self.plan, rank=switch.rank, bucket_bytes=switch.bucket_bytes, dtype=dtype)
+        self._check_and_clear_padding()
         self.timings: dict[str, float] = {}
+
+    def _check_and_clear_padding(self) -> None:
+        """The live vLLM shapes must be the layout's; padding rows never receive data, so zero them once."""
+        destinations = self.rollout.named_weights()
+        for name, local in self.plan.infer_tensors[self.switch.rank].items():
+            if name not in destinations or tuple(destinations[name].shape) != local.shape:
+                got = tuple(destinations[name].shape) if name in destinations else "missing"
+                raise ValueError(f"vLLM parameter {name}: live shape {got}, resharding layout expects {local.shape}")
+            for start, length in uncovered_ranges(local):
+                destinations[name].narrow(local.dim, start, length).zero_()
 
     def _timed(self, key: str):
         @contextlib.contextmanager
@@ -48,7 +78,7 @@ class ShardingManager:
     def enter_infer_mode(self) -> None:
         with self._timed("timing/resharding_enter_infer"):
             self.offloader.reload(TRAIN_PARAMS)  # the source of the push must be resident
-            self._push_weights()
+            self.push_weights()
             if self.flags.offload_train_param:
                 self.offloader.offload(TRAIN_PARAMS)
             if self.flags.offload_train_grad:
@@ -61,8 +91,21 @@ class ShardingManager:
         with self._timed("timing/resharding_exit_infer"):
             self.rollout.release_kv_cache()
 
-    def _push_weights(self) -> None:
-        self.rollout.load_weights(self.actor.hf_weights_full().items())
+    @torch.no_grad()
+    def push_weights(self) -> dict[str, float]:
+        """Training shards -> live inference shards, through the plan; verified unless disabled."""
+        sources, destinations = self.actor.named_weights(), self.rollout.named_weights()
+        stats = self.transfer.run(sources, destinations)
+        metrics = stats.as_metrics()
+        if self.switch.check_weights:
+            started = time.perf_counter()
+            metrics["resharding/ranges_verified"] = float(
+                verify_transfer(self.plan, self.switch.rank, sources, destinations))
+            metrics["timing/resharding_fingerprint"] = time.perf_counter() - started
+        self.rollout.mark_weights_loaded()
+        for key, value in metrics.items():
+            self.timings[key] = self.timings.get(key, 0.0) + value
+        return metrics
 
     # -- infer -> train --------------------------------------------------------------------------
     def enter_forward_mode(self) -> None:

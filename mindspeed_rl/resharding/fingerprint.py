@@ -1,0 +1,84 @@
+"""After a switch: do the live inference weights hold exactly what the training shards hold?
+
+Each copy of the plan is fingerprinted on both ends with an exact integer checksum of the bit
+patterns (the sum and a position-weighted sum, in int64 with wrap-around, so the result does not
+depend on summation order). The source side sends its fingerprints to the destination, which
+compares them with the fingerprints of the ranges as they landed in the inference parameters.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_rl.resharding.plan import Copy, Plan
+
+_BITS_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_ROWS_PER_CHUNK = 4096
+
+
+class WeightMismatchError(RuntimeError):
+    pass
+
+
+def range_fingerprint(tensor: torch.Tensor, dim: int, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """int64 [2] fingerprint of tensor.narrow(dim, start, length) as seen in `dtype`."""
+    piece = tensor.narrow(dim, start, length)
+    if piece.dim() == 0 or piece.dim() == 1:
+        piece = piece.reshape(1, -1)
+    elif dim != 0:
+        piece = piece.movedim(dim, 0)  # walk the split dimension; positions follow this order on both ends
+    total = torch.zeros(2, dtype=torch.int64)
+    row_numel = piece[0].numel()
+    for first in range(0, piece.shape[0], _ROWS_PER_CHUNK):
+        chunk = piece[first:first + _ROWS_PER_CHUNK].to(dtype).contiguous().view(_BITS_VIEW[torch.empty((), dtype=dtype).element_size()])
+        values = chunk.reshape(-1).to(torch.int64)
+        positions = torch.arange(first * row_numel, first * row_numel + values.numel(), dtype=torch.int64) % 65521 + 1
+        total[0] += values.sum()
+        total[1] += (values * positions).sum()
+    return total
+
+
+def verify_transfer(plan: Plan, rank: int, sources: dict[str, torch.Tensor], destinations: dict[str, torch.Tensor],
+                    group=None) -> int:
+    """Raise WeightMismatchError if any landed range differs from its source; returns ranges checked."""
+    outgoing: dict[int, list[Copy]] = defaultdict(list)
+    incoming: dict[int, list[Copy]] = defaultdict(list)
+    for copy in plan.copies:
+        if copy.src_rank == rank:
+            outgoing[copy.dst_rank].append(copy)
+        if copy.dst_rank == rank:
+            incoming[copy.src_rank].append(copy)
+
+    # Every rank runs the same inference model, so a remote destination has our dtype.
+    infer_dtype = next(iter(destinations.values())).dtype
+
+    def source_prints(copies: list[Copy]) -> torch.Tensor:
+        return torch.stack([range_fingerprint(sources[c.src_tensor], c.dim, c.src_start, c.length, infer_dtype)
+                            for c in copies])
+
+    ops, received = [], {}
+    for peer in sorted(outgoing):
+        if peer != rank:
+            ops.append(dist.P2POp(dist.isend, source_prints(outgoing[peer]), peer, group=group))
+    for peer in sorted(incoming):
+        if peer != rank:
+            received[peer] = torch.empty(len(incoming[peer]), 2, dtype=torch.int64)
+            ops.append(dist.P2POp(dist.irecv, received[peer], peer, group=group))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    if rank in incoming:
+        received[rank] = source_prints(incoming[rank])
+    checked = 0
+    for peer, copies in incoming.items():
+        for copy, expected in zip(copies, received[peer]):
+            got = range_fingerprint(destinations[copy.dst_tensor], copy.dim, copy.dst_start, copy.length,
+                                    destinations[copy.dst_tensor].dtype)
+            if not torch.equal(got, expected):
+                raise WeightMismatchError(
+                    f"rank {rank}: inference weight {copy.dst_tensor}[{copy.dst_start}:{copy.dst_start + copy.length}] "
+                    f"(dim {copy.dim}) differs from training shard {copy.src_tensor} of rank {copy.src_rank}")
+            checked += 1
+    return checked

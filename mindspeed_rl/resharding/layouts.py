@@ -1,0 +1,179 @@
+"""Where every HF tensor lives in Megatron's training layout and in vLLM's inference layout.
+
+A rank-local tensor (a Megatron parameter shard, a vLLM parameter shard) is described as a list
+of `Segment`s: contiguous ranges of full HF tensors placed along one dimension of the local
+tensor. Everything not covered by a segment is padding (vLLM pads the vocabulary to a multiple
+of 64). Both layouts are pure functions of the model spec and the parallel sizes, which is what
+lets the resharding plan be computed without touching a tensor.
+
+Megatron (megatron_cpu_recipe.md, Q5): `linear_qkv` interleaves [q_g, k_g, v_g] per query group
+and TP takes whole groups; `linear_fc1` is [gate_r; up_r]; embedding/output rows and
+`linear_proj`/`linear_fc2` columns are split evenly. vLLM: `qkv_proj` is [q_r; k_r; v_r] with KV
+heads replicated when infer TP > KV heads; `gate_up_proj` is [gate_r; up_r]; vocab rows are split
+over the padded vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mindspeed_rl.models.qwen2 import Qwen2Spec, layers_of_stage
+
+VLLM_VOCAB_PADDING = 64
+
+
+@dataclass(frozen=True)
+class Segment:
+    """local[local_start : local_start + length] == hf[hf_start : hf_start + length] along `dim`."""
+
+    hf_name: str
+    hf_start: int
+    length: int
+    local_start: int
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    name: str
+    shape: tuple[int, ...]
+    dim: int  # the dimension the segments run along; other dims are whole
+    segments: tuple[Segment, ...]
+
+
+def _whole(name: str, hf_name: str, shape: tuple[int, ...]) -> LocalTensor:
+    return LocalTensor(name, shape, 0, (Segment(hf_name, 0, shape[0], 0),))
+
+
+def _even(name: str, hf_name: str, full_shape: tuple[int, ...], dim: int, rank: int, size: int) -> LocalTensor:
+    part = full_shape[dim] // size
+    shape = tuple(part if d == dim else n for d, n in enumerate(full_shape))
+    return LocalTensor(name, shape, dim, (Segment(hf_name, rank * part, part, 0),))
+
+
+def _stack(name: str, pieces: list[tuple[str, int, int]], other_dims: tuple[int, ...]) -> LocalTensor:
+    """Concatenate (hf_name, hf_start, length) ranges along dim 0."""
+    segments, offset = [], 0
+    for hf_name, start, length in pieces:
+        segments.append(Segment(hf_name, start, length, offset))
+        offset += length
+    return LocalTensor(name, (offset, *other_dims), 0, tuple(segments))
+
+
+def hf_shapes(spec: Qwen2Spec) -> dict[str, tuple[int, ...]]:
+    h, hd = spec.hidden_size, spec.head_dim
+    q_rows, kv_rows = spec.num_attention_heads * hd, spec.num_query_groups * hd
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q_rows, h), p + "self_attn.q_proj.bias": (q_rows,),
+            p + "self_attn.k_proj.weight": (kv_rows, h), p + "self_attn.k_proj.bias": (kv_rows,),
+            p + "self_attn.v_proj.weight": (kv_rows, h), p + "self_attn.v_proj.bias": (kv_rows,),
+            p + "self_attn.o_proj.weight": (h, q_rows),
+            p + "mlp.gate_proj.weight": (spec.ffn_hidden_size, h), p + "mlp.up_proj.weight": (spec.ffn_hidden_size, h),
+            p + "mlp.down_proj.weight": (h, spec.ffn_hidden_size),
+        })
+    return shapes
+
+
+# -- Megatron ------------------------------------------------------------------------------------
+def megatron_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, pp: int, pp_rank: int) -> list[LocalTensor]:
+    """The parameters of one Megatron (tp_rank, pp_rank) shard, named as `named_parameters()`."""
+    shapes = hf_shapes(spec)
+    h, hd = spec.hidden_size, spec.head_dim
+    q_per_group = spec.num_attention_heads // spec.num_query_groups
+    groups_per_rank = spec.num_query_groups // tp
+    f_part = spec.ffn_hidden_size // tp
+    out: list[LocalTensor] = []
+    if pp_rank == 0:
+        out.append(_even("embedding.word_embeddings.weight", "model.embed_tokens.weight", shapes["model.embed_tokens.weight"], 0, tp_rank, tp))
+    for local, layer in enumerate(layers_of_stage(spec, pp_rank, pp)):
+        src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
+        out.append(_whole(dst + "input_layernorm.weight", src + "input_layernorm.weight", (h,)))
+        out.append(_whole(dst + "pre_mlp_layernorm.weight", src + "post_attention_layernorm.weight", (h,)))
+        for kind, rest in (("weight", (h,)), ("bias", ())):
+            pieces = []
+            for g in range(tp_rank * groups_per_rank, (tp_rank + 1) * groups_per_rank):
+                pieces += [(f"{src}self_attn.q_proj.{kind}", g * q_per_group * hd, q_per_group * hd),
+                           (f"{src}self_attn.k_proj.{kind}", g * hd, hd),
+                           (f"{src}self_attn.v_proj.{kind}", g * hd, hd)]
+            out.append(_stack(f"{dst}self_attention.linear_qkv.{kind}", pieces, rest))
+        out.append(_even(dst + "self_attention.linear_proj.weight", src + "self_attn.o_proj.weight", shapes[src + "self_attn.o_proj.weight"], 1, tp_rank, tp))
+        out.append(_stack(dst + "mlp.linear_fc1.weight", [(src + "mlp.gate_proj.weight", tp_rank * f_part, f_part),
+                                                          (src + "mlp.up_proj.weight", tp_rank * f_part, f_part)], (h,)))
+        out.append(_even(dst + "mlp.linear_fc2.weight", src + "mlp.down_proj.weight", shapes[src + "mlp.down_proj.weight"], 1, tp_rank, tp))
+    if pp_rank == pp - 1:
+        out.append(_whole("decoder.final_layernorm.weight", "model.norm.weight", (h,)))
+        head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+        if not spec.tie_word_embeddings or pp > 1:
+            out.append(_even("output_layer.weight", head, shapes[head], 0, tp_rank, tp))
+    return out
+
+
+# -- vLLM ----------------------------------------------------------------------------------------
+def padded_vocab(vocab_size: int) -> int:
+    return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+
+
+def vllm_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int) -> list[LocalTensor]:
+    """The parameters of one vLLM TP shard of Qwen2ForCausalLM, named as `named_parameters()`."""
+    _check_vllm_tp(spec, tp)
+    h, hd = spec.hidden_size, spec.head_dim
+    heads_per_rank = spec.num_attention_heads // tp
+    kv_heads = spec.num_query_groups
+    # vLLM replicates KV heads when there are fewer than TP ranks: rank r serves KV head r // (tp / kv).
+    kv_per_rank = max(kv_heads // tp, 1)
+    kv_first = tp_rank * kv_per_rank if kv_heads >= tp else tp_rank // (tp // kv_heads)
+    f_part = spec.ffn_hidden_size // tp
+    vocab_rows = padded_vocab(spec.vocab_size) // tp
+    vocab_start = tp_rank * vocab_rows
+    real_rows = max(0, min(spec.vocab_size - vocab_start, vocab_rows))
+
+    def vocab_shard(name: str, hf_name: str) -> LocalTensor:
+        segments = (Segment(hf_name, vocab_start, real_rows, 0),) if real_rows else ()
+        return LocalTensor(name, (vocab_rows, h), 0, segments)
+
+    out = [vocab_shard("model.embed_tokens.weight", "model.embed_tokens.weight")]
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}."
+        for kind, rest in (("weight", (h,)), ("bias", ())):
+            out.append(_stack(f"{p}self_attn.qkv_proj.{kind}", [
+                (f"{p}self_attn.q_proj.{kind}", tp_rank * heads_per_rank * hd, heads_per_rank * hd),
+                (f"{p}self_attn.k_proj.{kind}", kv_first * hd, kv_per_rank * hd),
+                (f"{p}self_attn.v_proj.{kind}", kv_first * hd, kv_per_rank * hd),
+            ], rest))
+        out.append(_even(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", (h, spec.num_attention_heads * hd), 1, tp_rank, tp))
+        out.append(_stack(p + "mlp.gate_up_proj.weight", [(p + "mlp.gate_proj.weight", tp_rank * f_part, f_part),
+                                                           (p + "mlp.up_proj.weight", tp_rank * f_part, f_part)], (h,)))
+        out.append(_even(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", (h, spec.ffn_hidden_size), 1, tp_rank, tp))
+        out.append(_whole(p + "input_layernorm.weight", p + "input_layernorm.weight", (h,)))
+        out.append(_whole(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", (h,)))
+    out.append(_whole("model.norm.weight", "model.norm.weight", (h,)))
+    if not spec.tie_word_embeddings:
+        out.append(vocab_shard("lm_head.weight", "lm_head.weight"))
+    return out
+
+
+def _check_vllm_tp(spec: Qwen2Spec, tp: int) -> None:
+    kv = spec.num_query_groups
+    if spec.num_attention_heads % tp:
+        raise ValueError(f"infer TP {tp} must divide num_attention_heads={spec.num_attention_heads}")
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        raise ValueError(f"infer TP {tp} must divide num_key_value_heads={kv} or be a multiple of it")
+    if spec.ffn_hidden_size % tp:
+        raise ValueError(f"infer TP {tp} must divide intermediate_size={spec.ffn_hidden_size}")
+
+
+def uncovered_ranges(local: LocalTensor) -> list[tuple[int, int]]:
+    """(start, length) ranges along `dim` that no segment fills: vLLM's vocabulary padding."""
+    covered = sorted((s.local_start, s.local_start + s.length) for s in local.segments)
+    gaps, position = [], 0
+    for start, stop in covered:
+        if start > position:
+            gaps.append((position, start - position))
+        position = max(position, stop)
+    if position < local.shape[local.dim]:
+        gaps.append((position, local.shape[local.dim] - position))
+    return gaps

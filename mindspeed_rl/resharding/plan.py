@@ -1,0 +1,140 @@
+"""The resharding plan: a pure function from (model spec, train layout, infer layout) to the
+copies that turn every rank's Megatron shards into its vLLM shards.
+
+A rank receives only the ranges its inference shard needs and does not already hold; where it
+holds them (train and infer layouts agree) the copy is local and nothing crosses the wire. Among
+several holders of a range (DP replicas, replicated norms) the least-loaded one sends, so the
+traffic spreads over ranks.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from mindspeed_rl.models.qwen2 import Qwen2Spec
+from mindspeed_rl.resharding.layouts import LocalTensor, hf_shapes, megatron_layout, vllm_layout
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainLayout:
+    tp: int = 1
+    pp: int = 1
+
+    def coordinates(self, rank: int, world_size: int) -> tuple[int, int]:
+        """(tp_rank, pp_rank) in Megatron's default order tp-cp-ep-dp-pp (tp fastest, pp slowest)."""
+        dp = world_size // (self.tp * self.pp)
+        return rank % self.tp, rank // (self.tp * dp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InferLayout:
+    tp: int = 1
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp  # vLLM's TP groups are blocks of consecutive ranks
+
+
+@dataclass(frozen=True)
+class Copy:
+    """dst[dst_tensor].narrow(dim, dst_start, length) <- src[src_tensor].narrow(dim, src_start, length)."""
+
+    src_rank: int
+    dst_rank: int
+    src_tensor: str
+    src_start: int
+    dst_tensor: str
+    dst_start: int
+    length: int
+    dim: int
+    unit_numel: int  # elements per index along `dim`
+
+    @property
+    def numel(self) -> int:
+        return self.length * self.unit_numel
+
+
+@dataclass
+class Plan:
+    world_size: int
+    copies: list[Copy]
+    train_tensors: dict[int, dict[str, LocalTensor]]
+    infer_tensors: dict[int, dict[str, LocalTensor]]
+    stats: dict[int, dict[str, int]] = field(default_factory=dict)  # per rank, in elements
+
+    def copies_to(self, rank: int) -> list[Copy]:
+        return [c for c in self.copies if c.dst_rank == rank]
+
+    def copies_from(self, rank: int) -> list[Copy]:
+        return [c for c in self.copies if c.src_rank == rank]
+
+    def received_numel(self, rank: int) -> int:
+        return sum(c.numel for c in self.copies if c.dst_rank == rank and c.src_rank != rank)
+
+
+def build_plan(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_size: int) -> Plan:
+    _check_sizes(spec, train, infer, world_size)
+    shapes = hf_shapes(spec)
+    train_tensors, holders = {}, defaultdict(list)
+    for rank in range(world_size):
+        tp_rank, pp_rank = train.coordinates(rank, world_size)
+        tensors = megatron_layout(spec, tp=train.tp, tp_rank=tp_rank, pp=train.pp, pp_rank=pp_rank)
+        train_tensors[rank] = {t.name: t for t in tensors}
+        for tensor in tensors:
+            for seg in tensor.segments:
+                holders[seg.hf_name].append((rank, tensor, seg))
+    infer_tensors, copies = {}, []
+    sent = defaultdict(int)  # load balancing among equivalent holders
+    for rank in range(world_size):
+        tensors = vllm_layout(spec, tp=infer.tp, tp_rank=infer.tp_rank(rank))
+        infer_tensors[rank] = {t.name: t for t in tensors}
+        for tensor in tensors:
+            for seg in tensor.segments:
+                unit = math.prod(shapes[seg.hf_name]) // shapes[seg.hf_name][tensor.dim]
+                copies += _cover(rank, tensor, seg, holders[seg.hf_name], unit, sent)
+    plan = Plan(world_size=world_size, copies=copies, train_tensors=train_tensors, infer_tensors=infer_tensors)
+    for rank in range(world_size):
+        plan.stats[rank] = {
+            "received_numel": plan.received_numel(rank),
+            "sent_numel": sum(c.numel for c in copies if c.src_rank == rank and c.dst_rank != rank),
+            "local_numel": sum(c.numel for c in copies if c.src_rank == rank == c.dst_rank),
+        }
+    return plan
+
+
+def _cover(rank: int, dst: LocalTensor, seg, holders, unit: int, sent: dict[int, int]) -> list[Copy]:
+    """Copies that fill dst's segment `seg`, each elementary range from the best holder."""
+    lo, hi = seg.hf_start, seg.hf_start + seg.length
+    overlapping = [(r, t, s) for r, t, s in holders if s.hf_start < hi and s.hf_start + s.length > lo]
+    cuts = sorted({lo, hi} | {max(lo, min(hi, x)) for _, _, s in overlapping for x in (s.hf_start, s.hf_start + s.length)})
+    copies: list[Copy] = []
+    for a, b in zip(cuts, cuts[1:]):
+        candidates = [(r, t, s) for r, t, s in overlapping if s.hf_start <= a and b <= s.hf_start + s.length]
+        assert candidates, f"no training rank holds {seg.hf_name}[{a}:{b}]"
+        src_rank, src, src_seg = min(candidates, key=lambda c: (c[0] != rank, sent[c[0]], (c[0] - rank) % (1 << 30)))
+        assert src.dim == dst.dim, f"{seg.hf_name}: train and infer split different dims"
+        if src_rank != rank:
+            sent[src_rank] += (b - a) * unit
+        piece = Copy(src_rank, rank, src.name, src_seg.local_start + a - src_seg.hf_start,
+                     dst.name, seg.local_start + a - lo, b - a, dst.dim, unit)
+        last = copies[-1] if copies else None
+        if last and last.src_rank == src_rank and last.src_tensor == src.name \
+                and last.src_start + last.length == piece.src_start and last.dst_start + last.length == piece.dst_start:
+            copies[-1] = Copy(last.src_rank, rank, last.src_tensor, last.src_start, last.dst_tensor,
+                              last.dst_start, last.length + piece.length, last.dim, unit)
+        else:
+            copies.append(piece)
+    return copies
+
+
+def _check_sizes(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_size: int) -> None:
+    if world_size % (train.tp * train.pp):
+        raise ValueError(f"train TP*PP={train.tp * train.pp} must divide the world size {world_size}")
+    if world_size % infer.tp:
+        raise ValueError(f"infer TP={infer.tp} must divide the world size {world_size}")
+    if spec.num_query_groups % train.tp:
+        raise ValueError(f"train TP={train.tp} must divide num_key_value_heads={spec.num_query_groups}")
+    if spec.vocab_size % train.tp or spec.ffn_hidden_size % train.tp:
+        raise ValueError(f"train TP={train.tp} must divide the vocabulary and intermediate sizes")
+    if spec.num_layers % train.pp:
+        raise ValueError(f"train PP={train.pp} must divide num_layers={spec.num_layers}")
