@@ -57,7 +57,8 @@ class ActorHybridWorkerBase:
         from mindspeed_rl.accelerator import get_accelerator
         from mindspeed_rl.engines.megatron_engine import MegatronEngine
         from mindspeed_rl.memory.offload import Offloader
-        from mindspeed_rl.workers.sharding_manager import OffloadFlags, ShardingManager
+        from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
+        from mindspeed_rl.workers.sharding_manager import OffloadFlags, ShardingManager, SwitchSettings
 
         started = time.perf_counter()
         cfg = self.config
@@ -85,6 +86,13 @@ class ActorHybridWorkerBase:
             actor=self.actor, rollout=self.inference_model, offloader=self.offloader,
             flags=OffloadFlags(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
                                offload_train_optimizer=gen.offload_train_optimizer),
+            switch=SwitchSettings(
+                train=TrainLayout(tp=cfg.actor_config.tensor_model_parallel_size,
+                                  pp=cfg.actor_config.pipeline_model_parallel_size),
+                infer=InferLayout(tp=gen.infer_tensor_parallel_size),
+                rank=self.rank_info.rank, world_size=self.rank_info.world_size,
+                bucket_bytes=int(gen.resharding_bucket_mb * 2**20), check_weights=gen.check_weights_after_switch,
+            ),
         )
         return {"timing/initialize": time.perf_counter() - started}
 
@@ -103,7 +111,8 @@ class ActorHybridWorkerBase:
 
         gen = self.config.generate_config
         return VLLMEngine(VLLMEngineConfig(
-            model_dir=self.model_dir, tensor_parallel_size=gen.infer_tensor_parallel_size, dtype=gen.dtype,
+            model_dir=self.model_dir, tensor_parallel_size=gen.infer_tensor_parallel_size,
+            data_parallel_size=self.config.infer_data_parallel_size, dtype=gen.dtype,
             max_model_len=gen.max_model_len, max_num_seqs=gen.max_num_seqs,
             max_num_batched_tokens=gen.max_num_batched_tokens or gen.max_model_len * gen.max_num_seqs,
             seed=self.config.megatron_training.seed, enforce_eager=gen.enforce_eager,
