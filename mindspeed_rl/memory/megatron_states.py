@@ -25,8 +25,9 @@ def optimizer_state_tensors(optimizer) -> Iterator[torch.Tensor]:
     """Adam moments (and fp32 master copies for bf16 training); created lazily at the first step."""
     for leaf in _leaf_optimizers(optimizer):
         for state in leaf.optimizer.state.values():
-            for value in state.values():
-                if torch.is_tensor(value) and value.numel() > 1:
+            for key, value in state.items():
+                # `step` is a scalar that torch keeps on the host unless the optimizer is capturable.
+                if key != "step" and torch.is_tensor(value):
                     yield value
         for group in getattr(leaf, "fp32_from_float16_groups", []):
             for master in group:
