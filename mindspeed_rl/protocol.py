@@ -27,6 +27,8 @@ class RolloutBatch:
     prompt_lengths: torch.Tensor  # [B] int64
     response_mask: torch.Tensor   # [B, R] float32
     columns: dict[str, torch.Tensor] = field(default_factory=dict)  # rollout_logprobs, advantages, ...
+    # Per-call controls that are not data, e.g. {"is_offload_states": False} (ROLL's name).
+    meta_info: dict = field(default_factory=dict)
 
     @classmethod
     def from_token_lists(cls, prompts: list[list[int]], responses: list[list[int]], *, pad_id: int,

@@ -32,3 +32,20 @@ def optimizer_state_tensors(optimizer) -> Iterator[torch.Tensor]:
         for group in getattr(leaf, "fp32_from_float16_groups", []):
             for master in group:
                 yield master.data
+
+
+TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS = (
+    "train_params", "train_grads", "optimizer_states", "reference_params")
+
+
+def register_megatron_states(offloader, actor, reference=None, *, keep_grads: bool = False) -> None:
+    """The actor's params, grads and optimizer states, and the reference model's params.
+
+    Grads are dropped by default (MindSpeed-RL does the same): the next step zeroes them before
+    its backward, so copying them out would move bytes nobody reads. `keep_grads` copies them.
+    """
+    offloader.register(TRAIN_PARAMS, lambda: param_tensors(actor.module))
+    offloader.register(TRAIN_GRADS, lambda: grad_buffer_tensors(actor.model), keep_contents=keep_grads)
+    offloader.register(TRAIN_OPTIMIZER, lambda: optimizer_state_tensors(actor.optimizer))
+    if reference is not None:
+        offloader.register(REF_PARAMS, lambda: param_tensors(reference.module))

@@ -56,8 +56,29 @@ def _unit(max_bytes: int) -> tuple[str, int]:
     return "bytes", 1
 
 
+def _draw(ax, timeline: Timeline, unit: int, ylim: float | None) -> None:
+    xs = list(range(len(timeline.labels)))
+    bottom = [0.0] * len(xs)
+    for category, values in timeline.bytes_by_category.items():
+        heights = [v / unit for v in values]
+        ax.bar(xs, heights, bottom=bottom, color=COLORS.get(category), label=category, width=0.75,
+               edgecolor="white", linewidth=0.5)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    top = ylim if ylim is not None else max(bottom) * 1.12
+    for x, total in zip(xs, bottom):
+        clipped = total > top
+        ax.annotate(f"{'^ ' if clipped else ''}{total:.1f}", (x, min(total, top * 0.97)), ha="center",
+                    va="top" if clipped else "bottom", fontsize=7)
+    for x in range(1, len(xs)):  # a dashed line where one iteration ends and the next begins
+        if timeline.iterations[x] != timeline.iterations[x - 1]:
+            ax.axvline(x - 0.5, color="#444444", linewidth=0.8, linestyle="--")
+    ax.set_ylim(0, top)
+
+
 def plot_memory_timeline(records: list[dict], path: str | Path, *, last_iterations: int = 3,
                          title: str = "Device memory per phase (memory ledger)") -> Timeline:
+    """Stacked bars per phase; when one phase dwarfs the others (a large KV cache next to a small
+    model), a second panel zooms on the small ones so that every category stays readable."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -66,25 +87,21 @@ def plot_memory_timeline(records: list[dict], path: str | Path, *, last_iteratio
     timeline = build_timeline(records, last_iterations)
     if not timeline.labels:
         raise ValueError("no memory/<phase>/... figures in the records: was the ledger on?")
-    unit_name, unit = _unit(max(timeline.totals()))
-    fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(timeline.labels) + 3.0), 4.8), dpi=120)
-    xs = list(range(len(timeline.labels)))
-    bottom = [0.0] * len(xs)
-    for category, values in timeline.bytes_by_category.items():
-        heights = [v / unit for v in values]
-        ax.bar(xs, heights, bottom=bottom, color=COLORS.get(category), label=category, width=0.75,
-               edgecolor="white", linewidth=0.5)
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    for x, total in zip(xs, bottom):
-        ax.annotate(f"{total:.1f}", (x, total), ha="center", va="bottom", fontsize=7)
-    for x in range(1, len(xs)):  # a thin line where one iteration ends and the next begins
-        if timeline.iterations[x] != timeline.iterations[x - 1]:
-            ax.axvline(x - 0.5, color="#444444", linewidth=0.8, linestyle="--")
-    ax.set_xticks(xs, timeline.labels, fontsize=7)
-    ax.set_ylabel(f"device-resident {unit_name}")
-    ax.set_ylim(0, max(bottom) * 1.12)
-    ax.set_title(title, fontsize=10)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    totals = timeline.totals()
+    small = [t for t in totals if 0 < t < 0.2 * max(totals)]
+    panels = 2 if small else 1
+    unit_name, unit = _unit(max(totals))
+    fig, axes = plt.subplots(panels, 1, sharex=True, squeeze=False, dpi=120,
+                             figsize=(max(7.0, 0.9 * len(timeline.labels) + 3.0), 3.0 + 2.2 * panels))
+    _draw(axes[0][0], timeline, unit, None)
+    axes[0][0].set_title(title, fontsize=10)
+    axes[0][0].set_ylabel(f"device-resident {unit_name}")
+    if small:
+        zoom_name, zoom_unit = _unit(max(small))
+        _draw(axes[1][0], timeline, zoom_unit, max(small) / zoom_unit * 1.3)
+        axes[1][0].set_ylabel(f"zoom: {zoom_name}")
+    axes[-1][0].set_xticks(range(len(timeline.labels)), timeline.labels, fontsize=7)
+    axes[0][0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

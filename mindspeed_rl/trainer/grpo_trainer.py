@@ -51,7 +51,10 @@ def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, prompts, run_dir:
         rewards = compute_rule_rewards(responses, answers, rl.verifier_function, rl.verifier_weight)
         batch.columns["advantages"] = group_normalized_advantages(rewards, rl.n_samples_per_prompt)
         batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor, "compute_ref_log_prob", batch)
+        # ROLL's manual control: the update right after needs the train params again, so they stay.
+        batch.meta_info["is_offload_states"] = False
         batch.columns["old_logprobs"], old_metrics = forward_logprobs(actor, "compute_log_prob", batch)
+        batch.meta_info.pop("is_offload_states")
         update_metrics = merge_metrics(actor.call("update", batch, kl_coef=rl.init_kl_coef))
         metrics.update(ref_metrics | old_metrics | update_metrics)
         metrics.update({
@@ -66,7 +69,17 @@ def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, prompts, run_dir:
         _append_jsonl(metrics_path, metrics)
         if iteration % config.runtime.log_interval == 0:
             print(format_line(metrics), flush=True)
+    if config.runtime.memory_timeline and history:
+        _plot_memory_timeline(history, run_dir)
     return history
+
+
+def _plot_memory_timeline(history: list[dict], run_dir: Path) -> None:
+    from mindspeed_rl.memory.timeline import plot_memory_timeline
+
+    path = run_dir / "memory_timeline.png"
+    plot_memory_timeline(history, path, last_iterations=3)
+    print(f"[memory] timeline of the last iterations: {path}", flush=True)
 
 
 def generate(actor: RayActorGroup, prompt_batch, config: GRPOConfig) -> tuple[RolloutBatch, dict]:

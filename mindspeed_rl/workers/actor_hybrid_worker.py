@@ -16,9 +16,10 @@ import torch
 
 from mindspeed_rl.algorithms.grpo import GRPOLossConfig, count_loss_units, grpo_loss
 from mindspeed_rl.config import GRPOConfig
+from mindspeed_rl.memory.megatron_states import REF_PARAMS
+from mindspeed_rl.memory.roles import ACTOR_FORWARD, ACTOR_INFER, ACTOR_TRAIN, REFERENCE, offloaded_rpc
+from mindspeed_rl.memory.vllm_states import INFER_WEIGHTS
 from mindspeed_rl.protocol import MicroBatch, RolloutBatch
-
-REF_PARAMS = "reference_params"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,16 +95,32 @@ class ActorHybridWorkerBase:
                 bucket_bytes=int(gen.resharding_bucket_mb * 2**20), check_weights=gen.check_weights_after_switch,
             ),
         )
+        self._setup_memory()
         return {"timing/initialize": time.perf_counter() - started}
 
-    def _build_offloader(self, offloader):
-        from mindspeed_rl.memory import megatron_states as states
-        from mindspeed_rl.workers.sharding_manager import TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS
+    def _setup_memory(self) -> None:
+        """Inference states join the offloader; ROLL's roles, the ledger; then every state leaves the device."""
+        from mindspeed_rl.memory import MemoryLedger
+        from mindspeed_rl.memory.context_managers import log_gpu_memory_usage, register_memory_source
+        from mindspeed_rl.memory.roles import build_roles
+        from mindspeed_rl.memory.vllm_states import register_inference_states
 
-        offloader.register(TRAIN_PARAMS, lambda: states.param_tensors(self.actor.module))
-        offloader.register(TRAIN_GRADS, lambda: states.grad_buffer_tensors(self.actor.model), keep_contents=False)
-        offloader.register(TRAIN_OPTIMIZER, lambda: states.optimizer_state_tensors(self.actor.optimizer))
-        offloader.register(REF_PARAMS, lambda: states.param_tensors(self.reference.module))
+        register_inference_states(self.offloader, self.inference_model, self.accelerator)
+        self.roles = build_roles(self.offloader)
+        self.ledger = MemoryLedger(self.offloader.resident_bytes, self.accelerator)
+        register_memory_source(self.offloader.resident_bytes, self.accelerator)
+        # As ROLL's workers do after initialize: nothing stays on the device until a call needs it.
+        # vLLM holds dummy weights until the first switch, so there is nothing to keep there.
+        for name in self.offloader.states:
+            self.offloader.offload(name, keep_contents=False if name == INFER_WEIGHTS else None)
+        self.accelerator.empty_cache()
+        self.ledger.record("initialize")
+        log_gpu_memory_usage(head="initialized", rank=0)
+
+    def _build_offloader(self, offloader):
+        from mindspeed_rl.memory.megatron_states import register_megatron_states
+
+        register_megatron_states(offloader, self.actor, self.reference)
         return offloader
 
     def _build_rollout(self):
@@ -130,6 +147,7 @@ class ActorHybridWorkerBase:
         return self.actor.optimizer
 
     # -- the three phases ------------------------------------------------------------------------
+    @offloaded_rpc("generate", ACTOR_INFER)
     def generate_sequences(self, prompt_token_ids: list[list[int]]) -> tuple[Shard, dict[str, float]]:
         """Each inference-DP group samples its slice of the prompts; one rank per group reports it."""
         gen = self.config.generate_config
@@ -139,7 +157,7 @@ class ActorHybridWorkerBase:
         per_rank = len(prompt_token_ids) // dp_size
         start, stop = dp_rank * per_rank, (dp_rank + 1) * per_rank
         with self.sharding_manager.infer_mode():
-            bytes_in_infer = self.resident_bytes()
+            in_phase = self.ledger.record("generate")
             t0 = time.perf_counter()
             generations = self.inference_model.generate(
                 prompt_token_ids[start:stop], n=self.config.rl_config.n_samples_per_prompt,
@@ -147,27 +165,24 @@ class ActorHybridWorkerBase:
                 top_k=sampling.top_k, min_p=sampling.min_p, seed=None,
             )
             seconds = time.perf_counter() - t0
-        metrics = {"timing/rollout": seconds, **self.sharding_manager.pop_timings(),
-                   **_prefixed("memory/generate", bytes_in_infer)}
+        metrics = {"timing/rollout": seconds, **self.sharding_manager.pop_timings(), **in_phase.metrics()}
         value = [(start + g.prompt_index, g.token_ids, g.logprobs) for g in generations] if tp_rank == 0 else None
         return Shard(start=start, stop=stop, value=value), metrics
 
+    @offloaded_rpc("ref_logprob", REFERENCE)
     def compute_ref_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
-        self.offloader.reload(REF_PARAMS)
-        try:
-            bytes_in_phase = self.resident_bytes()
-            micro_batch_size = self.config.rl_config.ref_forward_micro_batch_size or self.config.actor_config.micro_batch_size
-            shard = self._forward_logprobs(self.reference, batch, micro_batch_size)
-        finally:
-            self.offloader.offload(REF_PARAMS)
-        return shard, _prefixed("memory/ref_logprob", bytes_in_phase)
+        in_phase = self.ledger.record("ref_logprob")
+        micro_batch_size = self.config.rl_config.ref_forward_micro_batch_size or self.config.actor_config.micro_batch_size
+        shard = self._forward_logprobs(self.reference, batch, micro_batch_size)
+        return shard, in_phase.metrics()
 
+    @offloaded_rpc("old_logprob", ACTOR_FORWARD)
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
         self.sharding_manager.enter_forward_mode()
-        bytes_in_phase = self.resident_bytes()
+        in_phase = self.ledger.record("old_logprob")
         micro_batch_size = self.config.rl_config.actor_forward_micro_batch_size or self.config.actor_config.micro_batch_size
         shard = self._forward_logprobs(self.actor, batch, micro_batch_size)
-        return shard, {**self.sharding_manager.pop_timings(), **_prefixed("memory/old_logprob", bytes_in_phase)}
+        return shard, {**self.sharding_manager.pop_timings(), **in_phase.metrics()}
 
     def _forward_logprobs(self, engine, batch: RolloutBatch, micro_batch_size: int) -> Shard:
         start, stop = self._train_dp_slice(len(batch))
@@ -175,23 +190,27 @@ class ActorHybridWorkerBase:
                                            temperature=self.config.generate_config.sampling_config.temperature)
         return Shard(start=start, stop=stop, value=logprobs if self._reports_train_results() else None)
 
+    @offloaded_rpc("update", ACTOR_TRAIN)
     def update(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
         """`epochs` passes over the batch in mini-batches, one optimizer step per mini-batch."""
+        from mindspeed_rl.memory import ActivationMeter
+
         rl = self.config.rl_config
         loss_config = GRPOLossConfig(clip_ratio=rl.clip_ratio, kl_penalty=rl.kl_penalty, kl_coef=kl_coef,
                                      entropy_coeff=rl.entropy_coeff, token_level_loss=rl.token_level_loss)
         mini_batch_size = rl.mini_batch_size_in_samples
         generator = torch.Generator().manual_seed(self.config.megatron_training.seed)
         steps: list[dict[str, float]] = []
-        with self.sharding_manager.train_mode():
-            bytes_in_phase = self.resident_bytes()
+        with self.sharding_manager.train_mode(), ActivationMeter(self.offloader.storage_keys()) as activations:
             for _ in range(rl.epochs):
                 order = torch.randperm(len(batch), generator=generator) if rl.shuffle_mini_batch else torch.arange(len(batch))
                 for first in range(0, len(batch), mini_batch_size):
                     steps.append(self._train_on_mini_batch(batch.select(order[first:first + mini_batch_size]), loss_config))
+            # Recorded after the steps: the optimizer creates its moments lazily at the first one.
+            in_phase = self.ledger.record("update", extra={"activations": activations.peak_bytes})
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         metrics["actor/optimizer_steps"] = float(len(steps))
-        return {**metrics, **self.sharding_manager.pop_timings(), **_prefixed("memory/update", bytes_in_phase)}
+        return {**metrics, **self.sharding_manager.pop_timings(), **in_phase.metrics()}
 
     def _train_on_mini_batch(self, mini_batch: RolloutBatch, loss_config: GRPOLossConfig) -> dict[str, float]:
         # Every rank holds the whole mini-batch, so the token count that normalises the loss is
@@ -224,24 +243,49 @@ class ActorHybridWorkerBase:
 
         return ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage()
 
+    # -- manual state control (ROLL) ---------------------------------------------------------------
+    def offload_states(self, include: list[str] | None = None, keep_contents: bool | None = None) -> dict[str, float]:
+        """Move states (default: all) off the device. Contents are kept, except grads (dropped
+        unless `keep_contents=True`) and the KV cache, so reload_states() restores them bit-exact."""
+        started = time.perf_counter()
+        copied = self.offloader.offload_all(include, keep_contents=keep_contents)
+        self.accelerator.empty_cache()
+        return {"timing/offload_states": time.perf_counter() - started,
+                "offload/offload_states/offload_bytes": float(copied),
+                **self.ledger.record("offload_states").metrics()}
+
+    def reload_states(self, include: list[str] | None = None) -> dict[str, float]:
+        """Bring states (default: all) back to the device."""
+        started = time.perf_counter()
+        copied = self.offloader.reload_all(include)
+        return {"timing/reload_states": time.perf_counter() - started,
+                "offload/reload_states/reload_bytes": float(copied),
+                **self.ledger.record("reload_states").metrics()}
+
+    @offloaded_rpc("rollout_probe", ACTOR_INFER)
+    def rollout_probe(self, prompt_token_ids: list[list[int]], seed: int) -> tuple[list, dict[str, float]]:
+        """Sample with vLLM's current weights, no switch: shows what a weight round trip did to them."""
+        sampling = self.config.generate_config.sampling_config
+        self.inference_model.rebuild_kv_cache()
+        generations = self.inference_model.generate(prompt_token_ids, n=2, max_tokens=sampling.max_tokens,
+                                                    temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=seed)
+        return [(g.token_ids, g.logprobs) for g in generations], {}
+
     def resident_bytes(self) -> dict[str, int]:
         """Device-resident bytes per category right now (the memory ledger's raw numbers)."""
-        return {**self.offloader.resident_bytes(), "kv_cache": self.inference_model.kv_cache_bytes()}
+        return self.offloader.resident_bytes()
 
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        from mindspeed_rl.engines.vllm_engine import remove_cpu_shm_segments
+
         if dist.is_initialized():
             dist.destroy_process_group()
+        remove_cpu_shm_segments()
 
 
 ActorHybridWorker = ray.remote(ActorHybridWorkerBase)
-
-
-def _prefixed(prefix: str, values: dict[str, int]) -> dict[str, float]:
-    out = {f"{prefix}/{k}_bytes": float(v) for k, v in values.items()}
-    out[f"{prefix}/total_bytes"] = float(sum(values.values()))
-    return out
 
 
 def _load_hf_checkpoint(model_dir: str):

@@ -1,0 +1,68 @@
+"""ROLL semantics on a worker's RPCs: reload the call's states before it, offload them after it.
+
+The hybrid worker plays several of ROLL's roles on one device, so each RPC names the role whose
+states it needs (`ROLES`). Per call, `batch.meta_info["is_offload_states"] = False` (or a
+`meta_info=` keyword for calls without a batch) keeps the states on the device afterwards, e.g.
+when the very next call needs them again. Which train states leave the device while vLLM
+generates is decided separately by MindSpeed-RL's `offload_train_*` flags in the switch.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from mindspeed_rl.memory.context_managers import StateSet, state_offload_manager
+from mindspeed_rl.memory.megatron_states import REF_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS
+from mindspeed_rl.memory.offload import Offloader
+from mindspeed_rl.memory.vllm_states import INFER_WEIGHTS, KV_CACHE
+
+ACTOR_INFER, ACTOR_FORWARD, ACTOR_TRAIN, REFERENCE = "actor_infer", "actor_forward", "actor_train", "reference"
+
+
+def build_roles(offloader: Offloader) -> dict[str, StateSet]:
+    return {
+        # Weights are reloaded before the switch writes into them; their contents may be dropped
+        # on the way out because every switch overwrites them. The KV cache is rebuilt by the
+        # switch itself, after the train states have left, so the two never peak together.
+        ACTOR_INFER: StateSet(offloader, [INFER_WEIGHTS, KV_CACHE], drop_on_offload=[INFER_WEIGHTS],
+                              reload_names=[INFER_WEIGHTS]),
+        ACTOR_FORWARD: StateSet(offloader, [TRAIN_PARAMS]),
+        ACTOR_TRAIN: StateSet(offloader, [TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER]),
+        REFERENCE: StateSet(offloader, [REF_PARAMS]),
+    }
+
+
+def _meta_info(args: tuple, explicit: dict | None) -> dict:
+    info: dict = {}
+    for arg in args:
+        info.update(getattr(arg, "meta_info", None) or {})
+    info.update(explicit or {})
+    return info
+
+
+def _attach(result, metrics: dict[str, float]):
+    """Add `metrics` to an RPC's result: a metrics dict, or a tuple whose last item is one."""
+    if isinstance(result, dict):
+        return {**result, **metrics}
+    if isinstance(result, tuple) and result and isinstance(result[-1], dict):
+        return (*result[:-1], {**result[-1], **metrics})
+    raise TypeError(f"an offloaded RPC must return metrics or (value, metrics), got {type(result).__name__}")
+
+
+def offloaded_rpc(phase: str, role: str) -> Callable:
+    """Decorate a worker method (the worker has `roles` and `ledger`): ROLL's automatic mode.
+
+    Records `timing/<phase>/{onload,execute,offload,total}`, the bytes copied each way, and the
+    ledger after the offload as `memory/after_<phase>/...`.
+    """
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def rpc(self, *args, meta_info: dict | None = None, **kwargs):
+            is_offload_states = bool(_meta_info(args, meta_info).get("is_offload_states", True))
+            metrics: dict[str, float] = {}
+            with state_offload_manager(self.roles[role], metrics, phase, is_offload_states=is_offload_states):
+                result = method(self, *args, **kwargs)
+            metrics.update(self.ledger.record(f"after_{phase}").metrics())
+            return _attach(result, metrics)
+        return rpc
+    return decorate

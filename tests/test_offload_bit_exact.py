@@ -1,0 +1,133 @@
+"""Offloading is invisible to training: real Megatron-core actors (fp32, and bf16 with fp32 master
+copies) train k steps while every state is offloaded and reloaded between steps, and end with
+params, fp32 masters and Adam moments identical (torch.equal) to an actor that never offloaded.
+The same for the reference model's params and log-probs, and for kept grads.
+
+Runs where: in the pytest process, a 1-rank gloo world (shared with the other single-rank tests).
+"""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mindspeed_rl.accelerator import get_accelerator
+from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
+from mindspeed_rl.memory import Offloader
+from mindspeed_rl.memory.megatron_states import REF_PARAMS, TRAIN_GRADS, register_megatron_states
+from mindspeed_rl.protocol import RolloutBatch
+from mindspeed_rl.workers.actor_hybrid_worker import _load_hf_checkpoint
+
+ADAM = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
+STEPS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def world():
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    accelerator = get_accelerator("cpu")
+    accelerator.seed_model_parallel_rng(1)
+    return accelerator
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_offload") / "model"
+    create_tiny_qwen2_checkpoint(out, vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=2,
+                                 num_attention_heads=4, num_query_groups=2, seed=11)
+    return str(out)
+
+
+def _batch() -> RolloutBatch:
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 64, (4,), generator=g).tolist() for _ in range(8)]
+    responses = [torch.randint(1, 64, (int(n),), generator=g).tolist() for n in torch.randint(2, 7, (8,), generator=g)]
+    return RolloutBatch.from_token_lists(prompts, responses, pad_id=0, response_width=6)
+
+
+def _loss_fn(batch: RolloutBatch):
+    def loss_fn(logprobs, entropy, mb):
+        loss = -(logprobs * mb.response_mask).sum() / batch.response_mask.sum()
+        return loss, {"loss": loss.item()}
+    return loss_fn
+
+
+def _optimizer_tensors(actor: MegatronEngine) -> list[torch.Tensor]:
+    from mindspeed_rl.memory.megatron_states import optimizer_state_tensors
+
+    return [t.clone() for t in optimizer_state_tensors(actor.optimizer)]
+
+
+def _train(actor: MegatronEngine, batch: RolloutBatch, offloader: Offloader | None) -> None:
+    for _ in range(STEPS):
+        actor.train_step(batch, micro_batch_size=4, temperature=1.0, loss_fn=_loss_fn(batch))
+        if offloader is not None:
+            offloader.offload_all()
+            assert sum(offloader.resident_bytes().values()) == 0
+            offloader.reload_all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_training_with_offload_between_steps_is_bit_exact(world, checkpoint, dtype):
+    spec, state = _load_hf_checkpoint(checkpoint)
+    oracle = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=ADAM)
+    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=ADAM)
+    reference = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=None)
+    offloader = Offloader(world)
+    register_megatron_states(offloader, actor, reference)
+    batch = _batch()
+
+    _train(oracle, batch, offloader=None)
+    _train(actor, batch, offloader=offloader)
+
+    # Two fp32 Adam moments per parameter, plus an fp32 master copy for each bf16 one (Megatron
+    # keeps norm weights in fp32 even in bf16 models: those have no master).
+    expected = sum(p.numel() * (8 if p.dtype == torch.float32 else 12) for p in actor.module.parameters())
+    assert offloader.resident_bytes()["optimizer_states"] == expected, "every moment and master is offloaded"
+    for (name, got), (_, want) in zip(actor.module.named_parameters(), oracle.module.named_parameters()):
+        assert torch.equal(got, want), name
+    got_states, want_states = _optimizer_tensors(actor), _optimizer_tensors(oracle)
+    assert len(got_states) == len(want_states) > 0
+    assert all(torch.equal(a, b) for a, b in zip(got_states, want_states))
+    assert any(s.abs().sum() > 0 for s in got_states), "the moments moved: the comparison is not vacuous"
+    for got, start in zip(actor.module.parameters(), reference.module.parameters()):
+        assert not torch.equal(got, start) or got.numel() < 8, "training changed the weights"
+
+
+def test_reference_model_and_kept_grads_round_trip(world, checkpoint):
+    spec, state = _load_hf_checkpoint(checkpoint)
+    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=ADAM)
+    reference = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=None)
+    offloader = Offloader(world)
+    register_megatron_states(offloader, actor, reference, keep_grads=True)
+    batch = _batch()
+
+    before = reference.compute_logprobs(batch, micro_batch_size=4, temperature=1.0)
+    params = [p.detach().clone() for p in reference.module.parameters()]
+    offloader.offload(REF_PARAMS)
+    assert offloader.resident_bytes()[REF_PARAMS] == 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in reference.module.parameters())
+    offloader.reload(REF_PARAMS)
+    assert all(torch.equal(a, b) for a, b in zip(reference.module.parameters(), params))
+    assert torch.equal(reference.compute_logprobs(batch, micro_batch_size=4, temperature=1.0), before)
+
+    actor.train_step(batch, micro_batch_size=4, temperature=1.0, loss_fn=_loss_fn(batch))
+    grads = [b.grad_data.clone() for b in actor.model.buffers]
+    assert any(g.abs().sum() > 0 for g in grads)
+    assert offloader.offload(TRAIN_GRADS) == sum(g.nbytes for g in grads)
+    offloader.reload(TRAIN_GRADS)
+    assert all(torch.equal(b.grad_data, g) for b, g in zip(actor.model.buffers, grads))
