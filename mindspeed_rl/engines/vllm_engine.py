@@ -7,6 +7,7 @@ shared/reference/vllm_cpu_recipe.md (in-process engine, KV storage resize; prepa
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Iterable
@@ -49,6 +50,7 @@ class VLLMEngine:
 
         kwargs = {}
         if config.on_cpu:
+            _make_cpu_shm_names_unique()
             # vLLM on CPU sizes KV by bytes, not by gpu_memory_utilization of a device.
             kwargs["kv_cache_memory_bytes"] = max(int(config.cpu_kvcache_space_gb * GIB), 1 << 20)
         else:
@@ -193,3 +195,38 @@ def _unpack_cpu_linears(model: torch.nn.Module) -> None:
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def _make_cpu_shm_names_unique() -> None:
+    """Name vLLM's CPU all-reduce shared-memory segments after this run's rendezvous port.
+
+    Under external_launcher vLLM derives the name from the "env://" init method, so every run on
+    a machine uses the same names: a segment left by a killed run, or a concurrent run with the
+    same TP group, makes `init_shm_manager` fail with EEXIST. MASTER_PORT is shared by the ranks
+    of one run and differs between runs.
+    """
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    if getattr(shm, "_mindspeed_unique_names", False):
+        return
+    original = shm.make_group_name
+
+    def make_group_name(communicator) -> str:
+        name = original(communicator)
+        rest = name.lstrip("/")
+        return f"{name[: len(name) - len(rest)]}msrl{os.environ.get('MASTER_PORT', '0')}{rest}"
+
+    shm.make_group_name = staticmethod(make_group_name)
+    shm._mindspeed_unique_names = True
+
+
+def remove_cpu_shm_segments() -> None:
+    """Unlink this run's vLLM shared-memory segments (vLLM leaves them behind at exit)."""
+    prefix = f"msrl{os.environ.get('MASTER_PORT', '0')}"
+    shm_dir = "/dev/shm"
+    if os.path.isdir(shm_dir):
+        for name in os.listdir(shm_dir):
+            if name.startswith(prefix) and "cpushm" in name:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(shm_dir, name))

@@ -1,0 +1,128 @@
+"""The resharding plan, checked in one process by simulating every rank: each rank's resulting
+vLLM shards equal the oracle (full HF tensors cut the way vLLM cuts them), and each rank receives
+exactly the bytes its shard needs and does not hold.
+
+Runs where: in the pytest process; pure tensor code, no collectives.
+"""
+import pytest
+import torch
+
+from mindspeed_rl.models.qwen2 import hf_to_megatron_shard
+from mindspeed_rl.resharding.layouts import megatron_layout, padded_vocab, vllm_layout
+from mindspeed_rl.resharding.naive import materialize
+from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
+from mindspeed_rl.resharding.transfer import split_into_rounds
+from resharding_oracle import random_hf_state, tiny_spec, vllm_shard_oracle
+
+LAYOUTS = [  # (world, train tp, train pp, infer tp)
+    (1, 1, 1, 1), (2, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2),
+    (4, 4, 1, 1), (4, 4, 1, 2), (4, 2, 2, 1), (4, 2, 2, 2), (4, 2, 2, 4), (4, 1, 4, 2), (4, 1, 1, 4),
+    (8, 2, 2, 4), (8, 4, 2, 8), (8, 1, 2, 8),
+]
+
+
+def train_shards(hf, spec, train: TrainLayout, world: int) -> dict[int, dict[str, torch.Tensor]]:
+    shards = {}
+    for rank in range(world):
+        tp_rank, pp_rank = train.coordinates(rank, world)
+        shards[rank] = hf_to_megatron_shard(hf, spec, tp_rank=tp_rank, tp=train.tp, pp_rank=pp_rank, pp=train.pp)
+    return shards
+
+
+def simulate(plan, shards, spec, infer_tp):
+    out = {rank: {t.name: torch.zeros(t.shape) for t in vllm_layout(spec, tp=infer_tp, tp_rank=rank % infer_tp)}
+           for rank in shards}
+    for c in plan.copies:
+        src = shards[c.src_rank][c.src_tensor].narrow(c.dim, c.src_start, c.length)
+        out[c.dst_rank][c.dst_tensor].narrow(c.dim, c.dst_start, c.length).copy_(src)
+    return out
+
+
+@pytest.mark.parametrize("world,tp,pp,infer_tp", LAYOUTS)
+@pytest.mark.parametrize("kv", [2, 4])
+def test_every_rank_gets_exactly_the_oracle(world, tp, pp, infer_tp, kv):
+    if kv % tp:
+        pytest.skip("megatron needs whole query groups per TP rank")
+    spec = tiny_spec(kv=kv, heads=8, hidden=64, vocab=96)  # vocab 96: vLLM pads to 128
+    hf = random_hf_state(spec)
+    train = TrainLayout(tp=tp, pp=pp)
+    plan = build_plan(spec, train, InferLayout(tp=infer_tp), world)
+    got = simulate(plan, train_shards(hf, spec, train, world), spec, infer_tp)
+    for rank in range(world):
+        expected = vllm_shard_oracle(hf, spec, infer_tp, rank % infer_tp)
+        assert set(got[rank]) == set(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(got[rank][name], tensor), (rank, name)
+
+
+@pytest.mark.parametrize("world,tp,pp,infer_tp", LAYOUTS)
+def test_received_bytes_are_the_minimum(world, tp, pp, infer_tp):
+    """Minimum per rank = elements of its vLLM shard whose HF range it does not hold itself."""
+    spec = tiny_spec(heads=8, kv=4, hidden=64, vocab=96)
+    train = TrainLayout(tp=tp, pp=pp)
+    plan = build_plan(spec, train, InferLayout(tp=infer_tp), world)
+    for rank in range(world):
+        tp_rank, pp_rank = train.coordinates(rank, world)
+        held = {}
+        for t in megatron_layout(spec, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank):
+            for s in t.segments:
+                held.setdefault(s.hf_name, set()).update(range(s.hf_start, s.hf_start + s.length))
+        hf = random_hf_state(spec)
+        minimum = 0
+        for t in vllm_layout(spec, tp=infer_tp, tp_rank=rank % infer_tp):
+            for s in t.segments:
+                unit = hf[s.hf_name].numel() // hf[s.hf_name].shape[t.dim]
+                missing = set(range(s.hf_start, s.hf_start + s.length)) - held.get(s.hf_name, set())
+                minimum += len(missing) * unit
+        assert plan.received_numel(rank) == minimum
+
+
+def test_same_layout_moves_nothing():
+    spec = tiny_spec(heads=8, kv=4, vocab=128)  # no vLLM vocab padding difference
+    for world, tp in ((2, 2), (4, 4), (4, 2)):
+        plan = build_plan(spec, TrainLayout(tp=tp), InferLayout(tp=tp), world)
+        assert all(plan.received_numel(r) == 0 for r in range(world))
+
+
+def test_megatron_layout_matches_the_checkpoint_converter():
+    """Two independent descriptions of Megatron's layout (segments vs the HF->Megatron converter)."""
+    spec = tiny_spec(heads=8, kv=4)
+    hf = random_hf_state(spec)
+    for tp, pp in ((1, 1), (2, 1), (4, 2), (1, 4)):
+        for tp_rank in range(tp):
+            for pp_rank in range(pp):
+                converted = hf_to_megatron_shard(hf, spec, tp_rank=tp_rank, tp=tp, pp_rank=pp_rank, pp=pp)
+                layout = megatron_layout(spec, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
+                assert {t.name for t in layout} == set(converted)
+                for t in layout:
+                    assert torch.equal(materialize(t, hf, torch.float32), converted[t.name]), t.name
+
+
+def test_rounds_respect_the_bucket_on_every_rank():
+    spec = tiny_spec(heads=8, kv=4, hidden=64, vocab=96)
+    plan = build_plan(spec, TrainLayout(tp=1, pp=4), InferLayout(tp=2), 4)
+    remote = [c for c in plan.copies if c.src_rank != c.dst_rank]
+    bucket = 3000  # elements; smaller than several copies, larger than any single row
+    rounds = split_into_rounds(remote, bucket)
+    for members in rounds:
+        for rank in range(4):
+            assert sum(c.numel for c in members if c.src_rank == rank) <= bucket
+            assert sum(c.numel for c in members if c.dst_rank == rank) <= bucket
+    assert sum(c.numel for r in rounds for c in r) == sum(c.numel for c in remote)
+
+
+def test_kv_heads_fewer_than_infer_tp_are_replicated():
+    spec = tiny_spec(heads=8, kv=2, hidden=64)
+    layout = {t.name: t for t in vllm_layout(spec, tp=8, tp_rank=5)}
+    qkv = layout["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.shape == ((1 + 2) * 8, 64)  # one q head, one (replicated) k and v head
+    assert qkv.segments[1].hf_start == 1 * 8  # ranks 4..7 serve KV head 1
+
+
+def test_impossible_layouts_are_refused_with_the_reason():
+    spec = tiny_spec(heads=8, kv=4)
+    with pytest.raises(ValueError, match="infer TP 3 must divide num_attention_heads=8"):
+        build_plan(spec, TrainLayout(tp=1), InferLayout(tp=3), 3)
+    with pytest.raises(ValueError, match="train TP=8 must divide num_key_value_heads=4"):
+        build_plan(spec, TrainLayout(tp=8), InferLayout(tp=1), 8)
+    assert padded_vocab(96) == 128
