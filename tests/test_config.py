@@ -331,3 +331,15 @@ def test_cli_unknown_config_name_exits_2(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "Cannot find primary config 'grpo_does_not_exist'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "name,train,infer",
+    [("grpo_tiny_cpu_tp2_infer_dp2", (2, 1, 1), (1, 2)), ("grpo_tiny_cpu_pp2_infer_tp2", (1, 2, 1), (2, 1))],
+)
+def test_two_rank_demo_variants_load(name, train, infer) -> None:
+    config = load(name)
+    a, g = config.actor_config, config.generate_config
+    assert config.world_size == 2
+    assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, config.train_data_parallel_size) == train
+    assert (g.infer_tensor_parallel_size, config.infer_data_parallel_size) == infer
