@@ -9,6 +9,7 @@ generates is decided separately by MindSpeed-RL's `offload_train_*` flags in the
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable
 
 from mindspeed_rl.memory.context_managers import StateSet, state_offload_manager
@@ -64,5 +65,16 @@ def offloaded_rpc(phase: str, role: str) -> Callable:
                 result = method(self, *args, **kwargs)
             metrics.update(self.ledger.record(f"after_{phase}").metrics())
             return _attach(result, metrics)
+        # Ray unwraps methods and checks every call against the signature it finds: show it the
+        # wrapper's own, which accepts `meta_info`.
+        rpc.__signature__ = _with_meta_info(inspect.signature(method))
+        del rpc.__wrapped__
         return rpc
     return decorate
+
+
+def _with_meta_info(signature: inspect.Signature) -> inspect.Signature:
+    params = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
+    extra = [p for p in signature.parameters.values() if p.kind == p.VAR_KEYWORD]
+    meta_info = inspect.Parameter("meta_info", inspect.Parameter.KEYWORD_ONLY, default=None)
+    return signature.replace(parameters=[*params, meta_info, *extra])
