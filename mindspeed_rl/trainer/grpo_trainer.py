@@ -70,15 +70,16 @@ def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, prompts, run_dir:
         if iteration % config.runtime.log_interval == 0:
             print(format_line(metrics), flush=True)
     if config.runtime.memory_timeline and history:
-        _plot_memory_timeline(history, run_dir)
+        _plot_memory_timeline(history, run_dir, config.world_size)
     return history
 
 
-def _plot_memory_timeline(history: list[dict], run_dir: Path) -> None:
+def _plot_memory_timeline(history: list[dict], run_dir: Path, world_size: int) -> None:
     from mindspeed_rl.memory.timeline import plot_memory_timeline
 
     path = run_dir / "memory_timeline.png"
-    plot_memory_timeline(history, path, last_iterations=3)
+    plot_memory_timeline(history, path, last_iterations=3,
+                         title=f"Device memory per phase (memory ledger; per rank, the largest of {world_size})")
     print(f"[memory] timeline of the last iterations: {path}", flush=True)
 
 
