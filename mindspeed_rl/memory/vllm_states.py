@@ -65,7 +65,6 @@ class VllmSleepWake:
         self.asleep: set[str] = set()
         self.weights_kept = True
         self.weight_bytes = sum(t.nbytes for t in engine.named_weights().values())
-        self.kv_bytes = engine.kv_cache_bytes()
 
     def states(self) -> list["_SleepState"]:
         return [_SleepState(self, INFER_WEIGHTS), _SleepState(self, KV_CACHE)]
@@ -94,8 +93,8 @@ class VllmSleepWake:
 
     def resident_bytes(self, category: str) -> int:
         if category in self.asleep:
-            return 0
-        return self.weight_bytes if category == INFER_WEIGHTS else self.kv_bytes
+            return 0  # sleeping tensors keep their sizes; only our flag knows they are unmapped
+        return self.weight_bytes if category == INFER_WEIGHTS else self.engine.kv_cache_bytes()
 
 
 class _SleepState:

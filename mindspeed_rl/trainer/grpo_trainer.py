@@ -125,8 +125,12 @@ def _append_jsonl(path: Path, record: dict) -> None:
 
 
 def format_line(m: dict) -> str:
-    phases = ("rollout", "resharding_enter_infer", "onload_forward", "onload_train")
+    phases = ("rollout", "resharding_enter_infer")
     seconds = " ".join(f"{p}={m.get('timing/' + p, 0.0):.2f}s" for p in phases)
+    # ROLL's automatic mode moves states around every call; its cost summed over the phases.
+    for stage in ("onload", "offload"):
+        spent = sum(m.get(f"timing/{p}/{stage}", 0.0) for p in ("generate", "ref_logprob", "old_logprob", "update"))
+        seconds += f" {stage}={spent:.2f}s"
     memory = " ".join(f"{p}={m.get(f'memory/{p}/total_bytes', 0) / 2**20:.0f}MiB"
                       for p in ("generate", "ref_logprob", "old_logprob", "update"))
     return (f"[iter {m['iteration']:>4}] reward={m['reward/mean']:.3f} acc={m['reward/accuracy']:.3f} "
