@@ -15,13 +15,13 @@ import torch
 
 from mindspeed_rl.engines.megatron_engine import MegatronEngine
 from mindspeed_rl.engines.vllm_engine import VLLMEngine
+from mindspeed_rl.memory.megatron_states import TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS
 from mindspeed_rl.memory.offload import Offloader
+from mindspeed_rl.memory.vllm_states import INFER_WEIGHTS
 from mindspeed_rl.resharding.fingerprint import verify_transfer
 from mindspeed_rl.resharding.layouts import uncovered_ranges
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
 from mindspeed_rl.resharding.transfer import Transfer
-
-TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER = "train_params", "train_grads", "optimizer_states"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +77,9 @@ class ShardingManager:
     # -- train -> infer --------------------------------------------------------------------------
     def enter_infer_mode(self) -> None:
         with self._timed("timing/resharding_enter_infer"):
-            self.offloader.reload(TRAIN_PARAMS)  # the source of the push must be resident
+            # Both ends of the push must be resident (a no-op when the RPC already reloaded them).
+            self.offloader.reload(TRAIN_PARAMS)
+            self.offloader.reload(INFER_WEIGHTS)
             self.push_weights()
             if self.flags.offload_train_param:
                 self.offloader.offload(TRAIN_PARAMS)
