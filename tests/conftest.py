@@ -6,3 +6,32 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+import socket
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def world():
+    """A one-rank gloo world with Megatron's parallel state (TP1/PP1), shared by in-process tests."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_rl.accelerator import get_accelerator
+
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    accelerator = get_accelerator("cpu")
+    accelerator.seed_model_parallel_rng(1)
+    return accelerator

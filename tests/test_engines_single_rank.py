@@ -2,13 +2,10 @@
 
 Runs where: in the pytest process; builds a tiny Qwen2 checkpoint in a temp dir.
 """
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from mindspeed_rl.accelerator import get_accelerator
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
 from mindspeed_rl.protocol import RolloutBatch
@@ -21,20 +18,6 @@ from mindspeed_rl.workers.actor_hybrid_worker import _load_hf_checkpoint
 ADAM = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
 PROMPTS = [[5, 9, 6, 11], [7, 9, 8, 11], [4, 9, 4, 11]]
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def world():
-    if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    accelerator = get_accelerator("cpu")
-    accelerator.seed_model_parallel_rng(1)
-    return accelerator
 
 
 @pytest.fixture(scope="module")
