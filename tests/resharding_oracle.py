@@ -64,3 +64,54 @@ def make_checkpoint(path, **kwargs) -> str:
     sizes.update(kwargs)
     create_tiny_qwen2_checkpoint(path, **sizes)
     return str(path)
+
+
+# -- MoE (Qwen3-MoE) ------------------------------------------------------------------------------
+def tiny_moe_spec(*, vocab=96, hidden=64, layers=2, heads=4, kv=2, head_dim=32, experts=4, topk=2, moe_ffn=64) -> Qwen2Spec:
+    return Qwen2Spec(vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=2 * moe_ffn, num_layers=layers,
+                     num_attention_heads=heads, num_query_groups=kv, head_dim=head_dim, rms_norm_eps=1e-6,
+                     rope_theta=1e6, max_position_embeddings=128, tie_word_embeddings=False, qkv_bias=False,
+                     qk_layernorm=True, num_experts=experts, moe_ffn_hidden_size=moe_ffn, moe_topk=topk)
+
+
+def vllm_moe_shard_oracle(hf: dict[str, torch.Tensor], spec: Qwen2Spec, *, tp: int, dp: int, rank: int,
+                          expert_parallel: bool) -> dict[str, torch.Tensor]:
+    """What vLLM puts in rank `rank` of a TP=`tp` x DP=`dp` Qwen3MoeForCausalLM (plain experts).
+
+    Attention: TP over the `tp` ranks of a DP group. MoE: vLLM flattens TP x DP; rank r = dp_rank*tp +
+    tp_rank holds experts [r*E/n, (r+1)*E/n) whole with expert parallelism, else every expert's r-th
+    slice of the intermediate dimension (checked against live vLLM 0.32 in the multiprocess test)."""
+    tp_rank, n = rank % tp, tp * dp
+    kv = spec.num_query_groups
+    kv_part = (lambda t: t.chunk(tp)[tp_rank]) if kv >= tp else (lambda t: t.chunk(kv)[tp_rank * kv // tp])
+    padded = -(-spec.vocab_size // 64) * 64
+
+    def vocab(t):
+        full = torch.zeros(padded, *t.shape[1:])
+        full[: t.shape[0]] = t
+        return full.chunk(tp)[tp_rank].clone()
+
+    out = {"model.embed_tokens.weight": vocab(hf["model.embed_tokens.weight"]), "lm_head.weight": vocab(hf["lm_head.weight"]),
+           "model.norm.weight": hf["model.norm.weight"]}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.qkv_proj.weight"] = torch.cat([hf[p + "self_attn.q_proj.weight"].chunk(tp)[tp_rank],
+                                                          kv_part(hf[p + "self_attn.k_proj.weight"]),
+                                                          kv_part(hf[p + "self_attn.v_proj.weight"])])
+        out[p + "self_attn.o_proj.weight"] = hf[p + "self_attn.o_proj.weight"].chunk(tp, dim=1)[tp_rank]
+        for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.weight",
+                     "post_attention_layernorm.weight", "mlp.gate.weight"):
+            out[p + name] = hf[p + name]
+        e = p + "mlp.experts.{}."
+        if expert_parallel:
+            ids = range(rank * spec.num_experts // n, (rank + 1) * spec.num_experts // n)
+            w13 = [torch.cat([hf[e.format(x) + "gate_proj.weight"], hf[e.format(x) + "up_proj.weight"]]) for x in ids]
+            w2 = [hf[e.format(x) + "down_proj.weight"] for x in ids]
+        else:
+            ids = range(spec.num_experts)
+            w13 = [torch.cat([hf[e.format(x) + "gate_proj.weight"].chunk(n)[rank],
+                              hf[e.format(x) + "up_proj.weight"].chunk(n)[rank]]) for x in ids]
+            w2 = [hf[e.format(x) + "down_proj.weight"].chunk(n, dim=1)[rank] for x in ids]
+        out[p + "mlp.experts.routed_experts.w13_weight"] = torch.stack(w13)
+        out[p + "mlp.experts.routed_experts.w2_weight"] = torch.stack(w2)
+    return out

@@ -4,15 +4,18 @@ exactly the bytes its shard needs and does not hold.
 
 Runs where: in the pytest process; pure tensor code, no collectives.
 """
+import math
+
 import pytest
 import torch
 
 from mindspeed_rl.models.qwen2 import hf_to_megatron_shard
-from mindspeed_rl.resharding.layouts import megatron_layout, padded_vocab, vllm_layout
+from mindspeed_rl.resharding.layouts import (hf_shapes, megatron_layout, padded_vocab, parameter_shapes, tensor_view,
+                                             vllm_layout)
 from mindspeed_rl.resharding.naive import materialize
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
 from mindspeed_rl.resharding.transfer import split_into_rounds
-from resharding_oracle import random_hf_state, tiny_spec, vllm_shard_oracle
+from resharding_oracle import random_hf_state, tiny_moe_spec, tiny_spec, vllm_moe_shard_oracle, vllm_shard_oracle
 
 LAYOUTS = [  # (world, train tp, train pp, infer tp)
     (1, 1, 1, 1), (2, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2),
@@ -126,3 +129,97 @@ def test_impossible_layouts_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="train TP=8 must divide num_key_value_heads=4"):
         build_plan(spec, TrainLayout(tp=8), InferLayout(tp=1), 8)
     assert padded_vocab(96) == 128
+
+
+# -- MoE (Qwen3-MoE: experts + router, q/k norms, no qkv bias) ------------------------------------
+MOE_LAYOUTS = [  # (world, train tp, pp, ep) -> (infer tp, expert parallel); the issue's matrix plus PP/DP variants
+    *[(2, 1, 1, 2, itp, iep) for itp in (1, 2) for iep in (False, True)],
+    *[(4, 2, 1, 2, itp, iep) for itp in (1, 2, 4) for iep in (False, True)],
+    (4, 1, 1, 2, 2, True), (4, 1, 1, 4, 1, False), (4, 1, 2, 2, 2, True), (2, 2, 1, 1, 1, True), (1, 1, 1, 1, 1, False),
+]
+
+
+def moe_train_shards(hf, spec, train: TrainLayout, world: int) -> dict[int, dict[str, torch.Tensor]]:
+    shards = {}
+    for rank in range(world):
+        tp_rank, pp_rank = train.coordinates(rank, world)
+        shards[rank] = hf_to_megatron_shard(hf, spec, tp_rank=tp_rank, tp=train.tp, pp_rank=pp_rank, pp=train.pp,
+                                            ep_rank=train.ep_rank(rank), ep=train.ep)
+    return shards
+
+
+def simulate_moe(plan, shards, infer: InferLayout):
+    """Every rank's vLLM parameters (3-D expert tensors included) filled by the plan's copies."""
+    out = {rank: {name: torch.zeros(shape) for name, shape in parameter_shapes(list(plan.infer_tensors[rank].values())).items()}
+           for rank in shards}
+    for c in plan.copies:
+        src = tensor_view(shards[c.src_rank], c.src_tensor).narrow(c.dim, c.src_start, c.length)
+        tensor_view(out[c.dst_rank], c.dst_tensor).narrow(c.dim, c.dst_start, c.length).copy_(src)
+    return out
+
+
+@pytest.mark.parametrize("world,tp,pp,ep,infer_tp,infer_ep", MOE_LAYOUTS)
+def test_moe_every_rank_gets_exactly_the_oracle(world, tp, pp, ep, infer_tp, infer_ep):
+    spec = tiny_moe_spec()
+    hf = random_hf_state(spec)
+    train, infer = TrainLayout(tp=tp, pp=pp, ep=ep), InferLayout(tp=infer_tp, expert_parallel=infer_ep)
+    plan = build_plan(spec, train, infer, world)
+    got = simulate_moe(plan, moe_train_shards(hf, spec, train, world), infer)
+    for rank in range(world):
+        expected = vllm_moe_shard_oracle(hf, spec, tp=infer_tp, dp=world // infer_tp, rank=rank, expert_parallel=infer_ep)
+        assert set(got[rank]) == set(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(got[rank][name], tensor), (rank, name)
+
+
+@pytest.mark.parametrize("world,tp,pp,ep,infer_tp,infer_ep", MOE_LAYOUTS)
+def test_moe_received_bytes_are_the_minimum(world, tp, pp, ep, infer_tp, infer_ep):
+    spec = tiny_moe_spec()
+    shapes = hf_shapes(spec)
+    train, infer = TrainLayout(tp=tp, pp=pp, ep=ep), InferLayout(tp=infer_tp, expert_parallel=infer_ep)
+    plan = build_plan(spec, train, infer, world)
+    for rank in range(world):
+        held = {}
+        for t in plan.train_tensors[rank].values():
+            for s in t.segments:
+                held.setdefault(s.hf_name, set()).update(range(s.hf_start, s.hf_start + s.length))
+        minimum = 0
+        for t in plan.infer_tensors[rank].values():
+            for s in t.segments:
+                unit = math.prod(shapes[s.hf_name]) // shapes[s.hf_name][t.dim]
+                minimum += len(set(range(s.hf_start, s.hf_start + s.length)) - held.get(s.hf_name, set())) * unit
+        assert plan.received_numel(rank) == minimum
+
+
+def test_moe_megatron_layout_matches_the_checkpoint_converter():
+    spec = tiny_moe_spec()
+    hf = random_hf_state(spec)
+    for tp, ep in ((1, 1), (1, 2), (2, 2), (1, 4)):
+        for tp_rank in range(tp):
+            for ep_rank in range(ep):
+                converted = hf_to_megatron_shard(hf, spec, tp_rank=tp_rank, tp=tp, ep_rank=ep_rank, ep=ep)
+                layout = megatron_layout(spec, tp=tp, tp_rank=tp_rank, pp=1, pp_rank=0, ep=ep, ep_rank=ep_rank)
+                assert {t.key for t in layout} == set(converted)
+                for t in layout:
+                    assert torch.equal(materialize(t, hf, torch.float32), converted[t.name]), t.name
+
+
+def test_moe_expert_rank_order_follows_megatron():
+    """Expert groups come from the same rank order with tp := expert TP: tp fastest, then ep."""
+    train = TrainLayout(tp=2, ep=2)
+    assert [train.ep_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [InferLayout(tp=2).dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+
+
+def test_moe_impossible_layouts_are_refused_with_the_reason():
+    spec = tiny_moe_spec(experts=4, moe_ffn=64)
+    with pytest.raises(ValueError, match="train EP=2 must divide the data-parallel size 1"):
+        build_plan(spec, TrainLayout(tp=2, ep=2), InferLayout(tp=1), 2)
+    with pytest.raises(ValueError, match="train EP=8 must divide num_experts=4"):
+        build_plan(spec, TrainLayout(ep=8), InferLayout(tp=1), 8)
+    with pytest.raises(ValueError, match=r"infer EP = TP x DP = 8 must divide num_experts=4"):
+        build_plan(spec, TrainLayout(ep=4), InferLayout(tp=1, expert_parallel=True), 8)
+    with pytest.raises(ValueError, match="must divide moe_intermediate_size=64"):
+        build_plan(tiny_moe_spec(moe_ffn=64, experts=8), TrainLayout(ep=8), InferLayout(tp=1), 128)
+    with pytest.raises(ValueError, match="needs a MoE model"):
+        build_plan(tiny_spec(), TrainLayout(ep=2), InferLayout(tp=1), 2)

@@ -98,6 +98,7 @@ def megatron_on_cpu() -> Iterator[None]:
     `torch.cuda.synchronize` becomes a no-op because there is no stream to wait for.
     Re-entrant: nested uses leave the outer patch in place.
     """
+    patch_moe_without_transformer_engine()  # idempotent; a module global, invisible to vLLM
     saved = (torch.cuda.current_device, torch.cuda.synchronize)
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -106,3 +107,42 @@ def megatron_on_cpu() -> Iterator[None]:
             yield
     finally:
         torch.cuda.current_device, torch.cuda.synchronize = saved
+
+
+def patch_moe_without_transformer_engine() -> None:
+    """P5: megatron's router GEMM reads `moe_utils.te_general_gemm`, which is only bound when
+    TransformerEngine imports (NameError at moe_utils.py:1192 otherwise); None means "no TE"."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+class SequenceParallelRMSNorm:
+    """P6: the local spec's WrappedTorchNorm asserts `not sequence_parallel`, yet megatron requires
+    sequence parallel for MoE with TP > 1. A torch RMSNorm whose weight is marked
+    `sequence_parallel`, so finalize_model_grads all-reduces its grad over TP as for TE norms."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def with_sequence_parallel_norms(layer_spec, num_layers: int):
+    """P6: the block spec of `num_layers` layers whose norms (layer, q/k, final) are SP-capable."""
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec = copy.deepcopy(layer_spec)
+    layer = spec.submodules
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(layer, name) is WrappedTorchNorm:
+            setattr(layer, name, SequenceParallelRMSNorm)
+    attention = layer.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name, None) is WrappedTorchNorm:
+            setattr(attention, name, SequenceParallelRMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelRMSNorm)

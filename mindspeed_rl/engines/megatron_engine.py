@@ -29,15 +29,21 @@ class OptimizerSettings:
     clip_grad: float
 
 
-def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int):
+def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, ep: int = 1):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp)
+    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp, ep=ep)
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
+                                          qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    if config.sequence_parallel:
+        from mindspeed_rl.accelerator.megatron_cpu import with_sequence_parallel_norms
+
+        layer_spec = with_sequence_parallel_norms(layer_spec, spec.num_layers // pp)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=layer_spec,
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -56,6 +62,7 @@ def load_hf_into_megatron(model: torch.nn.Module, hf_state: dict[str, torch.Tens
         hf_state, spec,
         tp_rank=ps.get_tensor_model_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(), ep=ps.get_expert_model_parallel_world_size(),
     )
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(shard))
@@ -93,6 +100,14 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
     return logprobs, entropy
 
 
+def _pad_sequence(ids: torch.Tensor, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    extra = length - ids.shape[1]
+    if extra == 0:
+        return ids, positions
+    more = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
+    return torch.nn.functional.pad(ids, (0, extra)), torch.cat([positions, more], dim=1)
+
+
 class MegatronEngine:
     """One Megatron model (actor with optimizer, or reference without) on this rank's shard."""
 
@@ -104,8 +119,9 @@ class MegatronEngine:
         self.accelerator = accelerator
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.ep = ps.get_expert_model_parallel_world_size()
         with accelerator.megatron_context():
-            module = build_gpt_model(spec, params_dtype=params_dtype, tp=self.tp, pp=self.pp)
+            module = build_gpt_model(spec, params_dtype=params_dtype, tp=self.tp, pp=self.pp, ep=self.ep)
             load_hf_into_megatron(module, hf_state, spec)
             module.to(accelerator.device)
             self.optimizer = None
@@ -145,13 +161,23 @@ class MegatronEngine:
                       collect_non_loss_data: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from megatron.core import parallel_state as ps
+
+        # Sequence parallel (MoE with TP > 1) splits the sequence over TP ranks; tokens appended
+        # after the last one change no earlier logit (causal), so pad and cut the logits back.
+        multiple = self.tp if self.module.config.sequence_parallel else 1
+        width = micro_batches[0].input_ids.shape[1]
+        seq_length = -(-width // multiple) * multiple
+
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             mb = next(data_iterator)
-            output = model(mb.input_ids, mb.position_ids, None)
+            ids, positions = _pad_sequence(mb.input_ids, mb.position_ids, seq_length)
+            output = model(ids, positions, None)
+            if ps.is_pipeline_last_stage() and seq_length != width:
+                output = output[:, :width]
             return output, partial(loss_func, mb)
 
-        seq_length = micro_batches[0].input_ids.shape[1]
-        assert all(mb.input_ids.shape[1] == seq_length for mb in micro_batches), "pipeline p2p needs one shape"
+        assert all(mb.input_ids.shape[1] == width for mb in micro_batches), "pipeline p2p needs one shape"
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro_batches),

@@ -22,6 +22,8 @@ class VLLMEngineConfig:
     model_dir: str
     tensor_parallel_size: int
     data_parallel_size: int = 1
+    # MoE: experts split over the TP x DP ranks instead of each expert's columns (vLLM's EP).
+    enable_expert_parallel: bool = False
     dtype: str
     max_model_len: int
     max_num_seqs: int
@@ -62,6 +64,7 @@ class VLLMEngine:
             dtype=config.dtype,
             tensor_parallel_size=config.tensor_parallel_size,
             data_parallel_size=config.data_parallel_size,
+            enable_expert_parallel=config.enable_expert_parallel,
             distributed_executor_backend="external_launcher",
             # Weights always come from the trainer (the first switch pushes them); reading the
             # checkpoint here would only be overwritten.
@@ -77,7 +80,10 @@ class VLLMEngine:
             **kwargs,
         )
         if config.on_cpu:
+            from mindspeed_rl.engines.vllm_cpu_moe import unpack_cpu_experts
+
             _unpack_cpu_linears(self.model)
+            unpack_cpu_experts(self.model)
         self.weights_loaded = False
         self._kv_storages: dict[int, torch.UntypedStorage] = {}
         self._kv_nbytes: dict[int, int] = {}
@@ -187,8 +193,11 @@ def _unpack_cpu_linears(model: torch.nn.Module) -> None:
             continue
         module.cpu_linear = _plain_linear
         weight = module.weight
-        if weight.numel() == 0 and hasattr(module, "output_size_per_partition"):
-            shape = (module.output_size_per_partition, module.input_size_per_partition)
+        if weight.numel() == 0 and hasattr(module, "input_size"):
+            # Replicated linears (e.g. the MoE router gate) have no *_per_partition sizes.
+            rows = getattr(module, "output_size_per_partition", None) or module.output_size
+            cols = getattr(module, "input_size_per_partition", None) or module.input_size
+            shape = (rows, cols)
             module.weight = torch.nn.Parameter(torch.zeros(shape, dtype=weight.dtype, device=weight.device),
                                                requires_grad=False)
 

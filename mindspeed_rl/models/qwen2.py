@@ -1,4 +1,5 @@
-"""Qwen2 / Qwen2.5 dense: HF config -> Megatron TransformerConfig, and HF <-> Megatron weights.
+"""Qwen2 / Qwen2.5 dense (and the attention/embedding part of Qwen3-MoE): HF config -> Megatron
+TransformerConfig, and HF <-> Megatron weights. The MoE MLP lives in `models/qwen3_moe.py`.
 
 Megatron's layouts (measured in shared/reference/megatron_cpu_recipe.md, Q5):
 - `linear_qkv` interleaves per query group: [q_g0, k_g0, v_g0, q_g1, ...]; TP takes whole groups.
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen2Spec:
-    """The architecture numbers every layout computation needs."""
+    """The architecture numbers every layout computation needs (num_experts > 0: a Qwen3-MoE)."""
 
     vocab_size: int
     hidden_size: int
@@ -28,6 +29,16 @@ class Qwen2Spec:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    qkv_bias: bool = True  # Qwen2 has q/k/v biases, Qwen3 does not
+    qk_layernorm: bool = False  # Qwen3's per-head q_norm / k_norm
+    num_experts: int = 0  # 0: dense MLP
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    norm_topk_prob: bool = True
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "Qwen2Spec":
@@ -36,6 +47,7 @@ class Qwen2Spec:
         if rope_theta is None:
             rope_theta = rope_parameters.get("rope_theta", 10000.0)
         heads = hf_config.num_attention_heads
+        moe = _moe_fields(hf_config)
         return cls(
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -48,13 +60,35 @@ class Qwen2Spec:
             rope_theta=float(rope_theta),
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(hf_config.tie_word_embeddings),
+            qkv_bias=bool(getattr(hf_config, "attention_bias", True)),
+            qk_layernorm=hf_config.model_type.startswith("qwen3"),
+            **moe,
         )
 
 
-def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, seq_parallel: bool = False):
+def _moe_fields(hf_config) -> dict:
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
+    if not experts:
+        return {}
+    if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+        raise ValueError("MoE: only models whose every layer is sparse (decoder_sparse_step=1, no mlp_only_layers)")
+    if getattr(hf_config, "shared_expert_intermediate_size", 0):
+        raise ValueError("MoE: shared experts (Qwen2-MoE) are not supported; Qwen3-MoE style only")
+    return dict(num_experts=experts, moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+                moe_topk=hf_config.num_experts_per_tok, norm_topk_prob=bool(hf_config.norm_topk_prob))
+
+
+def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, seq_parallel: bool = False,
+                       ep: int = 1):
     from megatron.core.transformer import TransformerConfig
 
     bf16 = params_dtype == torch.bfloat16
+    moe = {}
+    if spec.is_moe:
+        from mindspeed_rl.models.qwen3_moe import moe_config_fields
+
+        moe = moe_config_fields(spec, ep=ep, tp=tp)
+        seq_parallel = seq_parallel or tp > 1  # megatron: MoE with TP needs sequence parallel
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -65,7 +99,8 @@ def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, p
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=True,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
         normalization="RMSNorm",
         layernorm_epsilon=spec.rms_norm_eps,
         tensor_model_parallel_size=tp,
@@ -85,6 +120,7 @@ def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, p
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
+        **moe,
     )
 
 
@@ -115,8 +151,10 @@ def _qkv_megatron_to_hf(qkv: torch.Tensor, spec: Qwen2Spec) -> tuple[torch.Tenso
 
 
 def hf_to_megatron_shard(hf: dict[str, torch.Tensor], spec: Qwen2Spec, *, tp_rank: int, tp: int,
-                         pp_rank: int = 0, pp: int = 1) -> dict[str, torch.Tensor]:
-    """The Megatron state dict of one (tp_rank, pp_rank) shard, cut from full HF tensors."""
+                         pp_rank: int = 0, pp: int = 1, ep_rank: int = 0, ep: int = 1) -> dict[str, torch.Tensor]:
+    """The Megatron state dict of one (tp_rank, pp_rank, ep_rank) shard, cut from full HF tensors.
+
+    MoE experts are split over EP (contiguous blocks) and each expert over ETP = TP."""
 
     def col(t: torch.Tensor) -> torch.Tensor:
         return torch.chunk(t, tp, dim=0)[tp_rank].clone()
@@ -131,10 +169,18 @@ def hf_to_megatron_shard(hf: dict[str, torch.Tensor], spec: Qwen2Spec, *, tp_ran
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
         out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"].clone()
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
-        for kind in ("weight", "bias"):
+        for kind in qkv_kinds(spec):
             qkv = _qkv_hf_to_megatron(*(hf[f"{src}self_attn.{p}_proj.{kind}"] for p in "qkv"), spec)
             out[f"{dst}self_attention.linear_qkv.{kind}"] = col(qkv)
+        if spec.qk_layernorm:
+            out[dst + "self_attention.q_layernorm.weight"] = hf[src + "self_attn.q_norm.weight"].clone()
+            out[dst + "self_attention.k_layernorm.weight"] = hf[src + "self_attn.k_norm.weight"].clone()
         out[dst + "self_attention.linear_proj.weight"] = row(hf[src + "self_attn.o_proj.weight"])
+        if spec.is_moe:
+            from mindspeed_rl.models.qwen3_moe import hf_to_megatron_moe
+
+            out.update(hf_to_megatron_moe(hf, spec, src, dst, etp_rank=tp_rank, etp=tp, ep_rank=ep_rank, ep=ep))
+            continue
         gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([col(gate), col(up)], dim=0)
         out[dst + "mlp.linear_fc2.weight"] = row(hf[src + "mlp.down_proj.weight"])
@@ -146,9 +192,15 @@ def hf_to_megatron_shard(hf: dict[str, torch.Tensor], spec: Qwen2Spec, *, tp_ran
     return out
 
 
+def qkv_kinds(spec: Qwen2Spec) -> tuple[str, ...]:
+    return ("weight", "bias") if spec.qkv_bias else ("weight",)
+
+
 def megatron_shards_to_hf(shards: list[dict[str, torch.Tensor]], spec: Qwen2Spec, *, pp_rank: int = 0,
                           pp: int = 1) -> dict[str, torch.Tensor]:
-    """Full HF tensors of one pipeline stage from all of its TP shards (index = tp_rank)."""
+    """Full HF tensors of one pipeline stage from all of its TP shards (index = tp_rank). Dense only."""
+    if spec.is_moe or spec.qk_layernorm or not spec.qkv_bias:
+        raise ValueError("megatron_shards_to_hf (the naive gather baseline) handles dense Qwen2 only")
 
     def col(name: str) -> torch.Tensor:
         return torch.cat([s[name] for s in shards], dim=0)

@@ -12,6 +12,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from mindspeed_rl.resharding.layouts import tensor_view
 from mindspeed_rl.resharding.plan import Copy, Plan
 
 _BITS_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -55,7 +56,7 @@ def verify_transfer(plan: Plan, rank: int, sources: dict[str, torch.Tensor], des
     infer_dtype = next(iter(destinations.values())).dtype
 
     def source_prints(copies: list[Copy]) -> torch.Tensor:
-        return torch.stack([range_fingerprint(sources[c.src_tensor], c.dim, c.src_start, c.length, infer_dtype)
+        return torch.stack([range_fingerprint(tensor_view(sources, c.src_tensor), c.dim, c.src_start, c.length, infer_dtype)
                             for c in copies])
 
     ops, received = [], {}
@@ -74,8 +75,8 @@ def verify_transfer(plan: Plan, rank: int, sources: dict[str, torch.Tensor], des
     checked = 0
     for peer, copies in incoming.items():
         for copy, expected in zip(copies, received[peer]):
-            got = range_fingerprint(destinations[copy.dst_tensor], copy.dim, copy.dst_start, copy.length,
-                                    destinations[copy.dst_tensor].dtype)
+            target = tensor_view(destinations, copy.dst_tensor)
+            got = range_fingerprint(target, copy.dim, copy.dst_start, copy.length, target.dtype)
             if not torch.equal(got, expected):
                 raise WeightMismatchError(
                     f"rank {rank}: inference weight {copy.dst_tensor}[{copy.dst_start}:{copy.dst_start + copy.length}] "

@@ -11,9 +11,15 @@ and TP takes whole groups; `linear_fc1` is [gate_r; up_r]; embedding/output rows
 `linear_proj`/`linear_fc2` columns are split evenly. vLLM: `qkv_proj` is [q_r; k_r; v_r] with KV
 heads replicated when infer TP > KV heads; `gate_up_proj` is [gate_r; up_r]; vocab rows are split
 over the padded vocabulary.
+
+MoE (Qwen3-MoE): each expert is its own 2-D HF tensor (`mlp.experts.{e}.gate_proj.weight`). vLLM
+fuses a layer's experts into 3-D parameters (`w13_weight` [E_local, 2F', H], `w2_weight`
+[E_local, H, F']), so a LocalTensor may address one expert `param[index]` of such a parameter;
+its `key` ("name[index]") is what plans and transfers refer to.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from mindspeed_rl.models.qwen2 import Qwen2Spec, layers_of_stage
@@ -37,6 +43,37 @@ class LocalTensor:
     shape: tuple[int, ...]
     dim: int  # the dimension the segments run along; other dims are whole
     segments: tuple[Segment, ...]
+    index: int | None = None  # set: this is param[index] of a stacked (3-D expert) parameter
+
+    @property
+    def key(self) -> str:
+        return self.name if self.index is None else f"{self.name}[{self.index}]"
+
+    def at(self, index: int) -> "LocalTensor":
+        return LocalTensor(self.name, self.shape, self.dim, self.segments, index)
+
+
+_KEY = re.compile(r"^(.*)\[(\d+)\]$")
+
+
+def tensor_view(tensors: dict, key: str):
+    """The tensor a LocalTensor key names: `tensors[name]`, or `tensors[name][index]` (a view)."""
+    match = _KEY.match(key)
+    if match is None:
+        return tensors[key]
+    return tensors[match.group(1)][int(match.group(2))]
+
+
+def parameter_shapes(layout: list[LocalTensor]) -> dict[str, tuple[int, ...]]:
+    """Shapes of the parameters a layout lives in (stacked ones get their leading expert dim)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for t in layout:
+        if t.index is None:
+            shapes[t.name] = t.shape
+        else:
+            count = max(shapes.get(t.name, (0,))[0], t.index + 1)
+            shapes[t.name] = (count, *t.shape)
+    return shapes
 
 
 def _whole(name: str, hf_name: str, shape: tuple[int, ...]) -> LocalTensor:
@@ -68,19 +105,57 @@ def hf_shapes(spec: Qwen2Spec) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes.update({
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q_rows, h), p + "self_attn.q_proj.bias": (q_rows,),
-            p + "self_attn.k_proj.weight": (kv_rows, h), p + "self_attn.k_proj.bias": (kv_rows,),
-            p + "self_attn.v_proj.weight": (kv_rows, h), p + "self_attn.v_proj.bias": (kv_rows,),
-            p + "self_attn.o_proj.weight": (h, q_rows),
-            p + "mlp.gate_proj.weight": (spec.ffn_hidden_size, h), p + "mlp.up_proj.weight": (spec.ffn_hidden_size, h),
-            p + "mlp.down_proj.weight": (h, spec.ffn_hidden_size),
+            p + "self_attn.q_proj.weight": (q_rows, h), p + "self_attn.k_proj.weight": (kv_rows, h),
+            p + "self_attn.v_proj.weight": (kv_rows, h), p + "self_attn.o_proj.weight": (h, q_rows),
         })
+        if spec.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,),
+                           p + "self_attn.v_proj.bias": (kv_rows,)})
+        if spec.qk_layernorm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        if spec.is_moe:
+            f = spec.moe_ffn_hidden_size
+            shapes[p + "mlp.gate.weight"] = (spec.num_experts, h)
+            for e in range(spec.num_experts):
+                x = f"{p}mlp.experts.{e}."
+                shapes.update({x + "gate_proj.weight": (f, h), x + "up_proj.weight": (f, h), x + "down_proj.weight": (h, f)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (spec.ffn_hidden_size, h),
+                           p + "mlp.up_proj.weight": (spec.ffn_hidden_size, h),
+                           p + "mlp.down_proj.weight": (h, spec.ffn_hidden_size)})
     return shapes
 
 
+def _qkv_kinds(spec: Qwen2Spec) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return (("weight", (spec.hidden_size,)), ("bias", ())) if spec.qkv_bias else (("weight", (spec.hidden_size,)),)
+
+
+def _qk_norms(spec: Qwen2Spec, src: str, dst_q: str, dst_k: str) -> list[LocalTensor]:
+    if not spec.qk_layernorm:
+        return []
+    hd = (spec.head_dim,)
+    return [_whole(dst_q, src + "self_attn.q_norm.weight", hd), _whole(dst_k, src + "self_attn.k_norm.weight", hd)]
+
+
+def _expert(spec: Qwen2Spec, src: str, expert: int, part: int, size: int) -> tuple[LocalTensor, LocalTensor]:
+    """(gate_up rows [gate_part; up_part], down columns part) of one expert split `size` ways."""
+    h, f = spec.hidden_size, spec.moe_ffn_hidden_size
+    x = f"{src}mlp.experts.{expert}."
+    n = f // size
+    fc1 = _stack("", [(x + "gate_proj.weight", part * n, n), (x + "up_proj.weight", part * n, n)], (h,))
+    fc2 = _even("", x + "down_proj.weight", (h, f), 1, part, size)
+    return fc1, fc2
+
+
+def _named(t: LocalTensor, name: str, index: int | None = None) -> LocalTensor:
+    return LocalTensor(name, t.shape, t.dim, t.segments, index)
+
+
 # -- Megatron ------------------------------------------------------------------------------------
-def megatron_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, pp: int, pp_rank: int) -> list[LocalTensor]:
-    """The parameters of one Megatron (tp_rank, pp_rank) shard, named as `named_parameters()`."""
+def megatron_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int = 1,
+                    ep_rank: int = 0) -> list[LocalTensor]:
+    """The parameters of one Megatron (tp_rank, pp_rank, ep_rank) shard, named as `named_parameters()`.
+    Experts: EP rank r holds experts [r*E/ep, (r+1)*E/ep), each split over expert TP = TP."""
     shapes = hf_shapes(spec)
     h, hd = spec.hidden_size, spec.head_dim
     q_per_group = spec.num_attention_heads // spec.num_query_groups
@@ -93,14 +168,23 @@ def megatron_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, pp: int, pp_rank:
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
         out.append(_whole(dst + "input_layernorm.weight", src + "input_layernorm.weight", (h,)))
         out.append(_whole(dst + "pre_mlp_layernorm.weight", src + "post_attention_layernorm.weight", (h,)))
-        for kind, rest in (("weight", (h,)), ("bias", ())):
+        for kind, rest in _qkv_kinds(spec):
             pieces = []
             for g in range(tp_rank * groups_per_rank, (tp_rank + 1) * groups_per_rank):
                 pieces += [(f"{src}self_attn.q_proj.{kind}", g * q_per_group * hd, q_per_group * hd),
                            (f"{src}self_attn.k_proj.{kind}", g * hd, hd),
                            (f"{src}self_attn.v_proj.{kind}", g * hd, hd)]
             out.append(_stack(f"{dst}self_attention.linear_qkv.{kind}", pieces, rest))
+        out += _qk_norms(spec, src, dst + "self_attention.q_layernorm.weight", dst + "self_attention.k_layernorm.weight")
         out.append(_even(dst + "self_attention.linear_proj.weight", src + "self_attn.o_proj.weight", shapes[src + "self_attn.o_proj.weight"], 1, tp_rank, tp))
+        if spec.is_moe:
+            out.append(_whole(dst + "mlp.router.weight", src + "mlp.gate.weight", (spec.num_experts, h)))
+            per_rank = spec.num_experts // ep
+            for local in range(per_rank):
+                fc1, fc2 = _expert(spec, src, ep_rank * per_rank + local, tp_rank, tp)
+                m = f"{dst}mlp.experts.local_experts.{local}."
+                out += [_named(fc1, m + "linear_fc1.weight"), _named(fc2, m + "linear_fc2.weight")]
+            continue
         out.append(_stack(dst + "mlp.linear_fc1.weight", [(src + "mlp.gate_proj.weight", tp_rank * f_part, f_part),
                                                           (src + "mlp.up_proj.weight", tp_rank * f_part, f_part)], (h,)))
         out.append(_even(dst + "mlp.linear_fc2.weight", src + "mlp.down_proj.weight", shapes[src + "mlp.down_proj.weight"], 1, tp_rank, tp))
@@ -117,9 +201,13 @@ def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
 
 
-def vllm_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int) -> list[LocalTensor]:
-    """The parameters of one vLLM TP shard of Qwen2ForCausalLM, named as `named_parameters()`."""
+def vllm_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, dp: int = 1, dp_rank: int = 0,
+                expert_parallel: bool = False) -> list[LocalTensor]:
+    """The parameters of one vLLM rank (Qwen2ForCausalLM / Qwen3MoeForCausalLM), named as
+    `named_parameters()`. Only MoE layers depend on DP: vLLM flattens TP x DP for them."""
     _check_vllm_tp(spec, tp)
+    if spec.is_moe:
+        _check_vllm_moe(spec, tp * dp, expert_parallel)
     h, hd = spec.hidden_size, spec.head_dim
     heads_per_rank = spec.num_attention_heads // tp
     kv_heads = spec.num_query_groups
@@ -138,22 +226,50 @@ def vllm_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int) -> list[LocalTensor]:
     out = [vocab_shard("model.embed_tokens.weight", "model.embed_tokens.weight")]
     for layer in range(spec.num_layers):
         p = f"model.layers.{layer}."
-        for kind, rest in (("weight", (h,)), ("bias", ())):
+        for kind, rest in _qkv_kinds(spec):
             out.append(_stack(f"{p}self_attn.qkv_proj.{kind}", [
                 (f"{p}self_attn.q_proj.{kind}", tp_rank * heads_per_rank * hd, heads_per_rank * hd),
                 (f"{p}self_attn.k_proj.{kind}", kv_first * hd, kv_per_rank * hd),
                 (f"{p}self_attn.v_proj.{kind}", kv_first * hd, kv_per_rank * hd),
             ], rest))
         out.append(_even(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", (h, spec.num_attention_heads * hd), 1, tp_rank, tp))
+        out += _qk_norms(spec, p, p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
+        out.append(_whole(p + "input_layernorm.weight", p + "input_layernorm.weight", (h,)))
+        out.append(_whole(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", (h,)))
+        if spec.is_moe:
+            out += _vllm_moe(spec, p, tp * dp, dp_rank * tp + tp_rank, expert_parallel)
+            continue
         out.append(_stack(p + "mlp.gate_up_proj.weight", [(p + "mlp.gate_proj.weight", tp_rank * f_part, f_part),
                                                            (p + "mlp.up_proj.weight", tp_rank * f_part, f_part)], (h,)))
         out.append(_even(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", (h, spec.ffn_hidden_size), 1, tp_rank, tp))
-        out.append(_whole(p + "input_layernorm.weight", p + "input_layernorm.weight", (h,)))
-        out.append(_whole(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", (h,)))
     out.append(_whole("model.norm.weight", "model.norm.weight", (h,)))
     if not spec.tie_word_embeddings:
         out.append(vocab_shard("lm_head.weight", "lm_head.weight"))
     return out
+
+
+def _vllm_moe(spec: Qwen2Spec, p: str, size: int, rank: int, expert_parallel: bool) -> list[LocalTensor]:
+    """Router + fused experts of one layer on vLLM MoE rank `rank` of `size` (= TP x DP).
+
+    With expert parallelism each rank holds whole experts, contiguous blocks
+    (`determine_expert_map`, "linear" placement); without, every rank holds every expert's
+    `rank`-th slice of the intermediate dimension."""
+    fused = p + "mlp.experts.routed_experts."
+    out = [_whole(p + "mlp.gate.weight", p + "mlp.gate.weight", (spec.num_experts, spec.hidden_size))]
+    per_rank = spec.num_experts // size if expert_parallel else spec.num_experts
+    for local in range(per_rank):
+        expert, part, parts = (rank * per_rank + local, 0, 1) if expert_parallel else (local, rank, size)
+        fc1, fc2 = _expert(spec, p, expert, part, parts)
+        out += [_named(fc1, fused + "w13_weight", local), _named(fc2, fused + "w2_weight", local)]
+    return out
+
+
+def _check_vllm_moe(spec: Qwen2Spec, size: int, expert_parallel: bool) -> None:
+    if expert_parallel and spec.num_experts % size:
+        raise ValueError(f"infer EP = TP x DP = {size} must divide num_experts={spec.num_experts}")
+    if not expert_parallel and spec.moe_ffn_hidden_size % size:
+        raise ValueError(f"infer TP x DP = {size} must divide moe_intermediate_size={spec.moe_ffn_hidden_size} "
+                         "(vLLM splits MoE layers over all TP x DP ranks without expert parallelism)")
 
 
 def _check_vllm_tp(spec: Qwen2Spec, tp: int) -> None:
@@ -162,7 +278,7 @@ def _check_vllm_tp(spec: Qwen2Spec, tp: int) -> None:
         raise ValueError(f"infer TP {tp} must divide num_attention_heads={spec.num_attention_heads}")
     if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
         raise ValueError(f"infer TP {tp} must divide num_key_value_heads={kv} or be a multiple of it")
-    if spec.ffn_hidden_size % tp:
+    if not spec.is_moe and spec.ffn_hidden_size % tp:
         raise ValueError(f"infer TP {tp} must divide intermediate_size={spec.ffn_hidden_size}")
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_rl.models.qwen2 import Qwen2Spec, megatron_shards_to_hf
-from mindspeed_rl.resharding.layouts import LocalTensor, vllm_layout
+from mindspeed_rl.resharding.layouts import LocalTensor, tensor_view, vllm_layout
 
 
 def materialize(local: LocalTensor, hf: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -22,12 +22,13 @@ def materialize(local: LocalTensor, hf: dict[str, torch.Tensor], dtype: torch.dt
 
 @torch.no_grad()
 def load_full_hf(destinations: dict[str, torch.Tensor], hf: dict[str, torch.Tensor], spec: Qwen2Spec, *,
-                 tp: int, tp_rank: int) -> None:
-    """Write this rank's vLLM shards, cut from full HF tensors, into the live parameters."""
-    for local in vllm_layout(spec, tp=tp, tp_rank=tp_rank):
-        target = destinations[local.name]
+                 tp: int, tp_rank: int, **moe) -> None:
+    """Write this rank's vLLM shards, cut from full HF tensors, into the live parameters.
+    `moe`: vllm_layout's dp / dp_rank / expert_parallel."""
+    for local in vllm_layout(spec, tp=tp, tp_rank=tp_rank, **moe):
+        target = tensor_view(destinations, local.key)
         if tuple(target.shape) != local.shape:
-            raise ValueError(f"vLLM parameter {local.name} has shape {tuple(target.shape)}, layout says {local.shape}")
+            raise ValueError(f"vLLM parameter {local.key} has shape {tuple(target.shape)}, layout says {local.shape}")
         target.zero_()
         for seg in local.segments:
             target.narrow(local.dim, seg.local_start, seg.length).copy_(

@@ -20,19 +20,29 @@ from mindspeed_rl.resharding.layouts import LocalTensor, hf_shapes, megatron_lay
 class TrainLayout:
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # MoE expert parallelism; expert TP = TP (megatron's default)
 
     def coordinates(self, rank: int, world_size: int) -> tuple[int, int]:
         """(tp_rank, pp_rank) in Megatron's default order tp-cp-ep-dp-pp (tp fastest, pp slowest)."""
         dp = world_size // (self.tp * self.pp)
         return rank % self.tp, rank // (self.tp * dp)
 
+    def ep_rank(self, rank: int) -> int:
+        """Megatron builds expert groups from the same order with tp := expert TP and ep in place:
+        the rank within its pipeline stage is etp_rank + ETP * (ep_rank + EP * expert_dp_rank)."""
+        return (rank // self.tp) % self.ep
+
 
 @dataclass(frozen=True, kw_only=True)
 class InferLayout:
     tp: int = 1
+    expert_parallel: bool = False  # vLLM's enable_expert_parallel: EP = TP x DP, whole experts per rank
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp  # vLLM's TP groups are blocks of consecutive ranks
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.tp
 
 
 @dataclass(frozen=True)
@@ -78,16 +88,18 @@ def build_plan(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_si
     train_tensors, holders = {}, defaultdict(list)
     for rank in range(world_size):
         tp_rank, pp_rank = train.coordinates(rank, world_size)
-        tensors = megatron_layout(spec, tp=train.tp, tp_rank=tp_rank, pp=train.pp, pp_rank=pp_rank)
-        train_tensors[rank] = {t.name: t for t in tensors}
+        tensors = megatron_layout(spec, tp=train.tp, tp_rank=tp_rank, pp=train.pp, pp_rank=pp_rank, ep=train.ep,
+                                  ep_rank=train.ep_rank(rank))
+        train_tensors[rank] = {t.key: t for t in tensors}
         for tensor in tensors:
             for seg in tensor.segments:
                 holders[seg.hf_name].append((rank, tensor, seg))
     infer_tensors, copies = {}, []
     sent = defaultdict(int)  # load balancing among equivalent holders
     for rank in range(world_size):
-        tensors = vllm_layout(spec, tp=infer.tp, tp_rank=infer.tp_rank(rank))
-        infer_tensors[rank] = {t.name: t for t in tensors}
+        tensors = vllm_layout(spec, tp=infer.tp, tp_rank=infer.tp_rank(rank), dp=world_size // infer.tp,
+                              dp_rank=infer.dp_rank(rank), expert_parallel=infer.expert_parallel)
+        infer_tensors[rank] = {t.key: t for t in tensors}
         for tensor in tensors:
             for seg in tensor.segments:
                 unit = math.prod(shapes[seg.hf_name]) // shapes[seg.hf_name][tensor.dim]
@@ -115,8 +127,8 @@ def _cover(rank: int, dst: LocalTensor, seg, holders, unit: int, sent: dict[int,
         assert src.dim == dst.dim, f"{seg.hf_name}: train and infer split different dims"
         if src_rank != rank:
             sent[src_rank] += (b - a) * unit
-        piece = Copy(src_rank, rank, src.name, src_seg.local_start + a - src_seg.hf_start,
-                     dst.name, seg.local_start + a - lo, b - a, dst.dim, unit)
+        piece = Copy(src_rank, rank, src.key, src_seg.local_start + a - src_seg.hf_start,
+                     dst.key, seg.local_start + a - lo, b - a, dst.dim, unit)
         last = copies[-1] if copies else None
         if last and last.src_rank == src_rank and last.src_tensor == src.name \
                 and last.src_start + last.length == piece.src_start and last.dst_start + last.length == piece.dst_start:
@@ -134,7 +146,19 @@ def _check_sizes(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_
         raise ValueError(f"infer TP={infer.tp} must divide the world size {world_size}")
     if spec.num_query_groups % train.tp:
         raise ValueError(f"train TP={train.tp} must divide num_key_value_heads={spec.num_query_groups}")
-    if spec.vocab_size % train.tp or spec.ffn_hidden_size % train.tp:
+    if spec.vocab_size % train.tp or (not spec.is_moe and spec.ffn_hidden_size % train.tp):
         raise ValueError(f"train TP={train.tp} must divide the vocabulary and intermediate sizes")
     if spec.num_layers % train.pp:
         raise ValueError(f"train PP={train.pp} must divide num_layers={spec.num_layers}")
+    if train.ep > 1 and not spec.is_moe:
+        raise ValueError(f"train EP={train.ep} needs a MoE model (num_experts > 0)")
+    if infer.expert_parallel and not spec.is_moe:
+        raise ValueError("infer expert parallelism needs a MoE model (num_experts > 0)")
+    if spec.is_moe:
+        dp = world_size // (train.tp * train.pp)
+        if dp % train.ep:
+            raise ValueError(f"train EP={train.ep} must divide the data-parallel size {dp} (world / (TP*PP))")
+        if spec.num_experts % train.ep:
+            raise ValueError(f"train EP={train.ep} must divide num_experts={spec.num_experts}")
+        if spec.moe_ffn_hidden_size % train.tp:
+            raise ValueError(f"train TP={train.tp} (= expert TP) must divide moe_intermediate_size={spec.moe_ffn_hidden_size}")

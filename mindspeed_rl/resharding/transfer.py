@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from mindspeed_rl.resharding.layouts import tensor_view
 from mindspeed_rl.resharding.plan import Copy, Plan
 
 
@@ -61,7 +62,7 @@ def split_into_rounds(copies: list[Copy], bucket_numel: int) -> list[list[Copy]]
 
 
 def _view(tensors: dict[str, torch.Tensor], name: str, copy: Copy, start: int) -> torch.Tensor:
-    return tensors[name].narrow(copy.dim, start, copy.length)
+    return tensor_view(tensors, name).narrow(copy.dim, start, copy.length)
 
 
 class Transfer:

@@ -1,0 +1,59 @@
+"""Qwen3-MoE's sparse MLP on Megatron: config fields and HF -> Megatron expert weights.
+
+HF (checkpoint format): `mlp.gate.weight` [E, H] (router) and per expert
+`mlp.experts.{e}.{gate,up}_proj.weight` [F, H], `down_proj.weight` [H, F].
+Megatron local spec with `SequentialMLP` (moe_grouped_gemm=False): `mlp.router.weight` [E, H]
+(replicated) and on EP rank r the experts [r*E/ep, (r+1)*E/ep) as
+`mlp.experts.local_experts.{j}.linear_fc1.weight` = [gate_t; up_t] per expert-TP shard t, and
+`linear_fc2.weight` = down_proj columns of shard t.
+
+Routing: HF takes softmax over all experts, then top-k, then renormalises when
+`norm_topk_prob`; Megatron's default (top-k on logits, then softmax over the k) is the same
+function, and `moe_router_pre_softmax=True` is HF's non-renormalised variant.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def moe_config_fields(spec, *, ep: int, tp: int) -> dict:
+    """TransformerConfig keyword arguments of the MoE part."""
+    if spec.num_experts % ep:
+        raise ValueError(f"train EP={ep} must divide num_experts={spec.num_experts}")
+    if spec.moe_ffn_hidden_size % tp:
+        raise ValueError(f"train TP={tp} (= expert TP) must divide moe_intermediate_size={spec.moe_ffn_hidden_size}")
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_grouped_gemm=False,  # SequentialMLP: plain per-expert linears, no grouped-GEMM kernel on CPU
+        # gloo cannot all-gather tensors of different sizes (megatron_cpu_recipe.md, Q1), which the
+        # alltoall dispatcher does with ETP > 1; allgather works at any ETP.
+        moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="none",  # RL fine-tuning: no auxiliary loss in the objective
+        moe_aux_loss_coeff=0.0,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp,
+    )
+
+
+def local_experts(spec, ep_rank: int, ep: int) -> range:
+    """Global expert ids held by EP rank `ep_rank` (contiguous blocks, as Megatron assigns them)."""
+    per_rank = spec.num_experts // ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def hf_to_megatron_moe(hf: dict[str, torch.Tensor], spec, src: str, dst: str, *, etp_rank: int, etp: int,
+                       ep_rank: int, ep: int) -> dict[str, torch.Tensor]:
+    """Router and local experts of one layer (src: HF prefix, dst: Megatron prefix)."""
+    out = {dst + "mlp.router.weight": hf[src + "mlp.gate.weight"].clone()}
+    for local, expert in enumerate(local_experts(spec, ep_rank, ep)):
+        e = f"{src}mlp.experts.{expert}."
+        gate = torch.chunk(hf[e + "gate_proj.weight"], etp, dim=0)[etp_rank]
+        up = torch.chunk(hf[e + "up_proj.weight"], etp, dim=0)[etp_rank]
+        m = f"{dst}mlp.experts.local_experts.{local}."
+        out[m + "linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        out[m + "linear_fc2.weight"] = torch.chunk(hf[e + "down_proj.weight"], etp, dim=1)[etp_rank].clone()
+    return out
