@@ -13,7 +13,7 @@ from mindspeed_rl.resharding.fingerprint import verify_transfer
 from mindspeed_rl.resharding.naive import load_full_hf
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
 from mindspeed_rl.resharding.transfer import Transfer
-from mindspeed_rl.workers.actor_hybrid_worker import _load_hf_checkpoint
+from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 
 ADAM = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
 PROMPTS = [[5, 9, 6, 11], [7, 9, 8, 11], [4, 9, 4, 11]]
@@ -30,7 +30,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def actor(world, checkpoint):
-    spec, state = _load_hf_checkpoint(checkpoint)
+    spec, state = load_hf_checkpoint(checkpoint)
     return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=ADAM)
 
 
@@ -43,7 +43,7 @@ def rollout(world, checkpoint):
         max_num_batched_tokens=1024, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
         cpu_kvcache_space_gb=0.0625, on_cpu=True))
     # The engine starts from dummy weights; load the checkpoint the way the naive baseline does.
-    spec, state = _load_hf_checkpoint(checkpoint)
+    spec, state = load_hf_checkpoint(checkpoint)
     load_full_hf(engine.named_weights(), state, spec, tp=1, tp_rank=0)
     engine.mark_weights_loaded()
     return engine
@@ -115,7 +115,7 @@ def test_hf_weights_round_trip_exact(actor, checkpoint):
     from mindspeed_rl.models.qwen2 import hf_to_megatron_shard
 
     exported = actor.hf_weights_full()
-    _, original = _load_hf_checkpoint(checkpoint)
+    _, original = load_hf_checkpoint(checkpoint)
     assert set(exported) == set(original)
     again = hf_to_megatron_shard(exported, actor.spec, tp_rank=0, tp=1)
     for name, param in actor.module.named_parameters():

@@ -34,12 +34,12 @@ def _check_layout(rank, checkpoint, tp, pp, ids, oracle_logprobs, oracle_logits)
     from mindspeed_rl.accelerator import get_accelerator
     from mindspeed_rl.engines.megatron_engine import MegatronEngine
     from mindspeed_rl.protocol import RolloutBatch
-    from mindspeed_rl.workers.actor_hybrid_worker import _load_hf_checkpoint
+    from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     acc = get_accelerator("cpu")
     acc.seed_model_parallel_rng(1)
-    spec, state = _load_hf_checkpoint(checkpoint)
+    spec, state = load_hf_checkpoint(checkpoint)
     engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc, optimizer=None)
 
     if pp == 1:  # full logits are only visible without a pipeline

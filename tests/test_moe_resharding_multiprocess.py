@@ -150,9 +150,9 @@ def _worker(rank, world, port, checkpoint, live_tp, live_ep, train_layouts, orac
     from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig, remove_cpu_shm_segments
     from mindspeed_rl.resharding.layouts import parameter_shapes, vllm_layout
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
-    from mindspeed_rl.workers.actor_hybrid_worker import _load_hf_checkpoint
+    from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 
-    spec, state = _load_hf_checkpoint(checkpoint)
+    spec, state = load_hf_checkpoint(checkpoint)
     assert spec.is_moe and spec.qk_layernorm and not spec.qkv_bias
     rollout = VLLMEngine(VLLMEngineConfig(
         model_dir=checkpoint, tensor_parallel_size=live_tp, data_parallel_size=world // live_tp,

@@ -14,7 +14,7 @@ from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettin
 from mindspeed_rl.memory import Offloader
 from mindspeed_rl.memory.megatron_states import REF_PARAMS, TRAIN_GRADS, register_megatron_states
 from mindspeed_rl.protocol import RolloutBatch
-from mindspeed_rl.workers.actor_hybrid_worker import _load_hf_checkpoint
+from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 
 ADAM = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
 STEPS = 3
@@ -59,7 +59,7 @@ def _train(actor: MegatronEngine, batch: RolloutBatch, offloader: Offloader | No
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_training_with_offload_between_steps_is_bit_exact(world, checkpoint, dtype):
-    spec, state = _load_hf_checkpoint(checkpoint)
+    spec, state = load_hf_checkpoint(checkpoint)
     oracle = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=ADAM)
     actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=ADAM)
     reference = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=None)
@@ -85,7 +85,7 @@ def test_training_with_offload_between_steps_is_bit_exact(world, checkpoint, dty
 
 
 def test_reference_model_and_kept_grads_round_trip(world, checkpoint):
-    spec, state = _load_hf_checkpoint(checkpoint)
+    spec, state = load_hf_checkpoint(checkpoint)
     actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=ADAM)
     reference = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=None)
     offloader = Offloader(world)

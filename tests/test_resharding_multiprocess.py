@@ -102,9 +102,9 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
     from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
     from mindspeed_rl.resharding.layouts import vllm_layout
     from mindspeed_rl.resharding.plan import TrainLayout
-    from mindspeed_rl.workers.actor_hybrid_worker import _load_hf_checkpoint
+    from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 
-    spec, state = _load_hf_checkpoint(checkpoint)
+    spec, state = load_hf_checkpoint(checkpoint)
     rollout = VLLMEngine(VLLMEngineConfig(
         model_dir=checkpoint, tensor_parallel_size=live_infer_tp, data_parallel_size=world // live_infer_tp,
         dtype="float32", max_model_len=32, max_num_seqs=16, max_num_batched_tokens=512, seed=0, enforce_eager=True,

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import ray
 import torch
 
 from mindspeed_rl.algorithms.grpo import GRPOLossConfig, count_loss_units, grpo_loss
 from mindspeed_rl.config import GRPOConfig
+from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 from mindspeed_rl.memory.megatron_states import REF_PARAMS
 from mindspeed_rl.memory.roles import ACTOR_FORWARD, ACTOR_INFER, ACTOR_TRAIN, REFERENCE, offloaded_rpc
 from mindspeed_rl.memory.vllm_states import INFER_WEIGHTS
@@ -69,13 +69,14 @@ class ActorHybridWorkerBase:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=cfg.actor_config.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.actor_config.pipeline_model_parallel_size,
+            expert_model_parallel_size=cfg.actor_config.expert_model_parallel_size,
         )
         acc.seed_model_parallel_rng(cfg.megatron_training.seed)
-        spec, actor_state = _load_hf_checkpoint(self.model_dir)
+        spec, actor_state = load_hf_checkpoint(self.model_dir)
         dtype = torch.bfloat16 if cfg.megatron_training.bf16 else torch.float32
         self.actor = MegatronEngine(spec=spec, hf_state=actor_state, params_dtype=dtype, accelerator=acc,
                                     optimizer=_optimizer_settings(cfg))
-        ref_state = actor_state if self.ref_model_dir == self.model_dir else _load_hf_checkpoint(self.ref_model_dir)[1]
+        ref_state = actor_state if self.ref_model_dir == self.model_dir else load_hf_checkpoint(self.ref_model_dir)[1]
         self.reference = MegatronEngine(spec=spec, hf_state=ref_state, params_dtype=dtype, accelerator=acc, optimizer=None)
         del actor_state, ref_state
         self.offloader = self._build_offloader(Offloader(acc))
@@ -89,8 +90,10 @@ class ActorHybridWorkerBase:
                                offload_train_optimizer=gen.offload_train_optimizer),
             switch=SwitchSettings(
                 train=TrainLayout(tp=cfg.actor_config.tensor_model_parallel_size,
-                                  pp=cfg.actor_config.pipeline_model_parallel_size),
-                infer=InferLayout(tp=gen.infer_tensor_parallel_size),
+                                  pp=cfg.actor_config.pipeline_model_parallel_size,
+                                  ep=cfg.actor_config.expert_model_parallel_size),
+                infer=InferLayout(tp=gen.infer_tensor_parallel_size,
+                                  expert_parallel=gen.infer_expert_parallel_size > 1),
                 rank=self.rank_info.rank, world_size=self.rank_info.world_size,
                 bucket_bytes=int(gen.resharding_bucket_mb * 2**20), check_weights=gen.check_weights_after_switch,
             ),
@@ -134,7 +137,7 @@ class ActorHybridWorkerBase:
             max_num_batched_tokens=gen.max_num_batched_tokens or gen.max_model_len * gen.max_num_seqs,
             seed=self.config.megatron_training.seed, enforce_eager=gen.enforce_eager,
             gpu_memory_utilization=gen.gpu_memory_utilization, cpu_kvcache_space_gb=gen.cpu_kvcache_space_gb,
-            on_cpu=self.accelerator.is_host,
+            on_cpu=self.accelerator.is_host, enable_expert_parallel=gen.infer_expert_parallel_size > 1,
         ))
 
     @property
@@ -286,21 +289,6 @@ class ActorHybridWorkerBase:
 
 
 ActorHybridWorker = ray.remote(ActorHybridWorkerBase)
-
-
-def _load_hf_checkpoint(model_dir: str):
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    from mindspeed_rl.models.qwen2 import Qwen2Spec
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors files (expected an HF checkpoint directory)")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file)))
-    return Qwen2Spec.from_hf_config(AutoConfig.from_pretrained(model_dir)), state
 
 
 def _optimizer_settings(cfg: GRPOConfig):

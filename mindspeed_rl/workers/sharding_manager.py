@@ -19,7 +19,7 @@ from mindspeed_rl.memory.megatron_states import TRAIN_GRADS, TRAIN_OPTIMIZER, TR
 from mindspeed_rl.memory.offload import Offloader
 from mindspeed_rl.memory.vllm_states import INFER_WEIGHTS
 from mindspeed_rl.resharding.fingerprint import verify_transfer
-from mindspeed_rl.resharding.layouts import uncovered_ranges
+from mindspeed_rl.resharding.layouts import tensor_view, uncovered_ranges
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
 from mindspeed_rl.resharding.transfer import Transfer
 
@@ -59,12 +59,16 @@ class ShardingManager:
     def _check_and_clear_padding(self) -> None:
         """The live vLLM shapes must be the layout's; padding rows never receive data, so zero them once."""
         destinations = self.rollout.named_weights()
-        for name, local in self.plan.infer_tensors[self.switch.rank].items():
-            if name not in destinations or tuple(destinations[name].shape) != local.shape:
-                got = tuple(destinations[name].shape) if name in destinations else "missing"
-                raise ValueError(f"vLLM parameter {name}: live shape {got}, resharding layout expects {local.shape}")
+        for key, local in self.plan.infer_tensors[self.switch.rank].items():
+            try:
+                target = tensor_view(destinations, key)
+            except (KeyError, IndexError):
+                raise ValueError(f"vLLM has no parameter {key} that the resharding layout expects") from None
+            if tuple(target.shape) != local.shape:
+                raise ValueError(f"vLLM parameter {key}: live shape {tuple(target.shape)}, "
+                                 f"resharding layout expects {local.shape}")
             for start, length in uncovered_ranges(local):
-                destinations[name].narrow(local.dim, start, length).zero_()
+                target.narrow(local.dim, start, length).zero_()
 
     def _timed(self, key: str):
         @contextlib.contextmanager
