@@ -30,7 +30,8 @@ test: venv
 	$(PY) -m pytest -q tests
 
 bench: venv
-	$(PY) benchmarks/bench_switch.py
+	$(PY) benchmarks/bench_resharding.py --json bench_resharding.json
+	$(PY) benchmarks/bench_offload.py --json bench_offload.json
 
 clean-venv:
 	rm -rf $(VENV)
