@@ -30,14 +30,15 @@ def main(cfg: DictConfig) -> None:
     _task_started = True
     try:
         config = load_config(cfg)
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        # Imported late so that config errors and --cfg/--help do not pay for importing torch, vLLM, Megatron.
+        from mindspeed_rl.trainer import run_grpo
+
+        # Paths and data files are checked before any worker starts; those errors are config errors too.
+        run_grpo(config, run_dir=run_dir)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         sys.exit(CONFIG_ERROR_EXIT_CODE)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    # Imported late so that config errors and --cfg/--help do not pay for importing torch, vLLM, Megatron.
-    from mindspeed_rl.trainer import run_grpo
-
-    run_grpo(config, run_dir=run_dir)
 
 
 if __name__ == "__main__":

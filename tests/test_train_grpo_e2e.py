@@ -42,3 +42,17 @@ def test_two_iterations_write_metrics(tmp_path):
         assert r["timing/rollout"] > 0
     # Adam moments exist from the first step on: 2 x the parameter bytes, resident while updating.
     assert records[1]["memory/update/optimizer_states_bytes"] == 2 * records[1]["memory/update/train_params_bytes"]
+
+
+def test_bad_prompts_file_is_a_config_error(tmp_path):
+    """A malformed data file stops the run before any worker starts: one line naming key, file and line."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    (tmp_path / "model").mkdir()
+    cmd = [sys.executable, "cli/train_grpo.py", "--config-name", "grpo_tiny_cpu", "synthetic_data.enabled=false",
+           f"megatron_training.tokenizer_name_or_path={tmp_path / 'model'}", f"megatron_training.data_path={data}",
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert f"megatron_training.data_path: {data}:2:" in done.stderr

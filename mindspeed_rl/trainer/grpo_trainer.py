@@ -22,8 +22,9 @@ def run_grpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
     from mindspeed_rl.accelerator import detect_device
 
     model_dir, ref_dir, prompts_path = setup.resolve_assets(config)
+    rows = setup.read_prompt_rows(prompts_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = setup.load_prompts(prompts_path, tokenizer, config.rl_config.max_prompt_length)
+    prompts = setup.tokenize_prompts(rows, tokenizer, config.rl_config.max_prompt_length, prompts_path)
     device = detect_device() if config.runtime.device == "auto" else config.runtime.device
     threads = setup.threads_per_rank(config)
     setup.start_ray(config, device, threads)

@@ -41,11 +41,19 @@ def resolve_assets(config: GRPOConfig) -> tuple[str, str, str]:
     return os.path.abspath(model_dir), os.path.abspath(ref_dir), os.path.abspath(prompts_path)
 
 
-def load_prompts(prompts_path: str, tokenizer, max_prompt_length: int) -> list[Prompt]:
+def read_prompt_rows(prompts_path: str) -> list[dict]:
+    """The data file's rows, validated before anything heavy is loaded."""
     from mindspeed_rl.data.arith_task import read_prompts_jsonl
 
+    try:
+        return read_prompts_jsonl(prompts_path)
+    except ValueError as error:  # names the file and line
+        raise ConfigError("megatron_training.data_path", str(error)) from None
+
+
+def tokenize_prompts(rows: list[dict], tokenizer, max_prompt_length: int, prompts_path: str) -> list[Prompt]:
     prompts = []
-    for row in read_prompts_jsonl(prompts_path):
+    for row in rows:
         ids = tokenizer.encode(row["prompt"], add_special_tokens=False)
         if len(ids) <= max_prompt_length:  # MindSpeed-RL drops over-long prompts the same way
             prompts.append(Prompt(token_ids=ids, answer=str(row["answer"])))
