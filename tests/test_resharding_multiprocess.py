@@ -8,28 +8,16 @@ the spawn, vLLM's sampled-token log-probs after the push equal Megatron's (< 1e-
 Runs where: spawned process groups (2 and 4 ranks, gloo), one vLLM engine per process.
 """
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from resharding_oracle import make_checkpoint, vllm_shard_oracle
+from resharding_oracle import free_port, make_checkpoint, perturbed_state, vllm_shard_oracle
 
 PROMPTS = [[5, 9, 6, 11], [7, 9, 8, 11, 3], [4, 9, 4]]
 MAX_TOKENS = 5
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _perturbed_state(state, case: int):
-    g = torch.Generator().manual_seed(100 + case)  # same on every rank; differs per layout case
-    return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()}
 
 
 def _push(spec, engine, destinations, train, infer_tp, world, rank):
@@ -113,7 +101,7 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
     for case, (tp, pp) in enumerate(train_layouts):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         acc.seed_model_parallel_rng(1)
-        hf_state = _perturbed_state(state, case)
+        hf_state = perturbed_state(state, case)
         engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.float32, accelerator=acc, optimizer=None)
         train = TrainLayout(tp=tp, pp=pp)
         for infer_tp in oracle_infer_tps:  # plain tensors shaped like vLLM's shards
@@ -139,17 +127,17 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
 @pytest.mark.parametrize("live_infer_tp", [2, 1])
 def test_two_ranks(tmp_path, live_infer_tp):
     checkpoint = make_checkpoint(tmp_path / "model")
-    mp.spawn(_worker, args=(2, _free_port(), checkpoint, live_infer_tp, [(1, 1), (2, 1), (1, 2)], [1, 2]),
+    mp.spawn(_worker, args=(2, free_port(), checkpoint, live_infer_tp, [(1, 1), (2, 1), (1, 2)], [1, 2]),
              nprocs=2, join=True)
 
 
 def test_two_ranks_kv_heads_replicated_in_inference(tmp_path):
     """One KV head, infer TP2: vLLM replicates it on both ranks."""
     checkpoint = make_checkpoint(tmp_path / "model", num_query_groups=1)
-    mp.spawn(_worker, args=(2, _free_port(), checkpoint, 2, [(1, 1), (1, 2)], [1]), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), checkpoint, 2, [(1, 1), (1, 2)], [1]), nprocs=2, join=True)
 
 
 def test_four_ranks(tmp_path):
     checkpoint = make_checkpoint(tmp_path / "model", hidden_size=256, num_attention_heads=8, num_query_groups=4)
-    mp.spawn(_worker, args=(4, _free_port(), checkpoint, 4, [(4, 1), (2, 2), (1, 4), (1, 1)], [1, 2]),
+    mp.spawn(_worker, args=(4, free_port(), checkpoint, 4, [(4, 1), (2, 2), (1, 4), (1, 1)], [1, 2]),
              nprocs=4, join=True)

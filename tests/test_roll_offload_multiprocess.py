@@ -62,7 +62,8 @@ def cluster(tmp_path_factory):
     config = _config(tmp_path)
     model_dir, ref_dir, prompts_path = setup.resolve_assets(config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = setup.load_prompts(prompts_path, tokenizer, config.rl_config.max_prompt_length)
+    prompts = setup.tokenize_prompts(setup.read_prompt_rows(prompts_path), tokenizer,
+                                     config.rl_config.max_prompt_length, prompts_path)
     setup.start_ray(config, "cpu", 1)
     actor = RayActorGroup(config=config, device="cpu", env_vars=default_env_vars(1), model_dir=model_dir,
                           ref_model_dir=ref_dir)

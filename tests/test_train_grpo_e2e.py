@@ -12,13 +12,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def run_cli(tmp_path, config_name: str, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "cli/train_grpo.py", "--config-name", config_name, *overrides,
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"})
+
+
 def test_two_iterations_write_metrics(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "cli/train_grpo.py", "--config-name", "grpo_tiny_cpu",
-           "megatron_training.train_iters=2", f"synthetic_data.data_dir={tmp_path / 'assets'}",
-           f"hydra.run.dir={run_dir}"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"})
+    done = run_cli(tmp_path, "grpo_tiny_cpu", "megatron_training.train_iters=2",
+                   f"synthetic_data.data_dir={tmp_path / 'assets'}")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("[iter")]
     assert len(lines) == 2, done.stdout[-2000:]
@@ -49,10 +53,9 @@ def test_bad_prompts_file_is_a_config_error(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
     (tmp_path / "model").mkdir()
-    cmd = [sys.executable, "cli/train_grpo.py", "--config-name", "grpo_tiny_cpu", "synthetic_data.enabled=false",
-           f"megatron_training.tokenizer_name_or_path={tmp_path / 'model'}", f"megatron_training.data_path={data}",
-           f"hydra.run.dir={tmp_path / 'run'}"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = run_cli(tmp_path, "grpo_tiny_cpu", "synthetic_data.enabled=false",
+                   f"megatron_training.tokenizer_name_or_path={tmp_path / 'model'}",
+                   f"megatron_training.data_path={data}", timeout=120)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert f"megatron_training.data_path: {data}:2:" in done.stderr
@@ -61,11 +64,8 @@ def test_bad_prompts_file_is_a_config_error(tmp_path):
 def test_pp2_train_tp2_infer_variant_runs(tmp_path):
     """The 2-rank variant: Megatron PP2 stages are resharded into vLLM TP2 halves every iteration."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "cli/train_grpo.py", "--config-name", "grpo_tiny_cpu_pp2_infer_tp2",
-           "megatron_training.train_iters=2", f"synthetic_data.data_dir={tmp_path / 'assets'}",
-           f"hydra.run.dir={run_dir}"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"})
+    done = run_cli(tmp_path, "grpo_tiny_cpu_pp2_infer_tp2", "megatron_training.train_iters=2",
+                   f"synthetic_data.data_dir={tmp_path / 'assets'}")
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
