@@ -14,6 +14,9 @@ from typing import Iterable
 
 import torch
 
+from mindspeed_rl.accelerator import get_accelerator
+from mindspeed_rl.memory.offload import StorageGroup
+
 GIB = 1024**3
 
 
@@ -85,9 +88,9 @@ class VLLMEngine:
             _unpack_cpu_linears(self.model)
             unpack_cpu_experts(self.model)
         self.weights_loaded = False
-        self._kv_storages: dict[int, torch.UntypedStorage] = {}
-        self._kv_nbytes: dict[int, int] = {}
-        self.kv_cache_resident = True
+        # One storage backs every layer's KV view; freeing it by resize keeps the views bound.
+        self._kv_cache = StorageGroup("kv_cache", self._kv_tensors, get_accelerator("cpu" if config.on_cpu else "auto"),
+                                      keep_contents=False)
 
     # -- handles -------------------------------------------------------------------------------
     @property
@@ -141,42 +144,27 @@ class VLLMEngine:
                 tensors.extend(t for t in kv if isinstance(t, torch.Tensor))
         return tensors
 
+    @property
+    def kv_cache_resident(self) -> bool:
+        return self._kv_cache.resident
+
     def kv_cache_bytes(self) -> int:
-        if not self.kv_cache_resident:
-            return 0
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in self._kv_tensors()}
-        return sum(s.nbytes() for s in storages.values())
+        return self._kv_cache.resident_bytes()
 
     def release_kv_cache(self) -> int:
         """Free the KV cache storage; every per-layer view stays bound for `rebuild_kv_cache`."""
-        if not self.kv_cache_resident:
-            return 0
-        for tensor in self._kv_tensors():
-            storage = tensor.untyped_storage()
-            if storage.nbytes() > 0 and storage.data_ptr() not in self._kv_nbytes:
-                self._kv_storages[storage.data_ptr()] = storage
-                self._kv_nbytes[storage.data_ptr()] = storage.nbytes()
-        freed = 0
-        for ptr, storage in self._kv_storages.items():
-            freed += self._kv_nbytes[ptr]
-            storage.resize_(0)
-        self.kv_cache_resident = False
+        freed = self._kv_cache.resident_bytes()
+        self._kv_cache.offload(keep_contents=False)
         return freed
 
     def rebuild_kv_cache(self) -> int:
-        if self.kv_cache_resident:
+        if self._kv_cache.resident:
             return 0
-        rebuilt = 0
-        for ptr, storage in self._kv_storages.items():
-            storage.resize_(self._kv_nbytes[ptr])
-            storage.fill_(0)  # deterministic contents: a rebuilt cache is bit-identical to a fresh one
-            rebuilt += self._kv_nbytes[ptr]
-        self._kv_storages.clear()
-        self._kv_nbytes.clear()
+        # Rebuilt as zeros, so a rebuilt cache is bit-identical to a fresh one.
+        self._kv_cache.reload()
         # Cached blocks held keys/values of the freed memory; nothing in them is valid now.
         self.llm.reset_prefix_cache()
-        self.kv_cache_resident = True
-        return rebuilt
+        return self._kv_cache.resident_bytes()
 
 
 def _unpack_cpu_linears(model: torch.nn.Module) -> None:
