@@ -129,3 +129,30 @@ def perturbed_state(state: dict[str, torch.Tensor], case: int) -> dict[str, torc
     """Distinct weights per layout case (same on every rank), so each push has something to prove."""
     g = torch.Generator().manual_seed(100 + case)
     return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+PROMPTS = [[5, 9, 6, 11], [7, 9, 8, 11, 3], [4, 9, 4]]
+MAX_TOKENS = 5
+
+
+def assert_vllm_logprobs_match_megatron(engine, rollout, rank: int, world: int, infer_tp: int) -> None:
+    """Each rank's own vLLM samples scored by the (SPMD) Megatron model of the same weights (< 1e-4)."""
+    import torch.distributed as dist
+
+    from mindspeed_rl.protocol import RolloutBatch
+
+    gens = rollout.generate(PROMPTS, n=2, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0,
+                            seed=rank // infer_tp)  # one seed per TP group: its ranks must sample alike
+    mine = [(PROMPTS[g.prompt_index], g.token_ids, g.logprobs) for g in gens]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    for owner, samples in enumerate(everyone):  # every rank runs every batch: Megatron is SPMD
+        batch = RolloutBatch.from_token_lists([p for p, _, _ in samples], [t for _, t, _ in samples], pad_id=0,
+                                              response_width=MAX_TOKENS)
+        got = engine.compute_logprobs(batch, micro_batch_size=2, temperature=1.0)
+        if owner == rank:
+            expected = torch.zeros(batch.response_logprobs_shape)
+            for row, (_, _, lps) in enumerate(samples):
+                expected[row, : len(lps)] = torch.tensor(lps)
+            diff = ((got - expected).abs() * batch.response_mask).max().item()
+            assert diff < 1e-4, (rank, diff)

@@ -14,10 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from resharding_oracle import free_port, make_checkpoint, perturbed_state, vllm_shard_oracle
+from resharding_oracle import (
+    assert_vllm_logprobs_match_megatron,
+    free_port,
+    make_checkpoint,
+    perturbed_state,
+    vllm_shard_oracle,
+)
 
-PROMPTS = [[5, 9, 6, 11], [7, 9, 8, 11, 3], [4, 9, 4]]
-MAX_TOKENS = 5
 
 
 def _push(spec, engine, destinations, train, infer_tp, world, rank):
@@ -57,27 +61,6 @@ def _assert_fingerprint_catches_corruption(spec, engine, destinations, plan, ran
     assert raised == (rank == 0)
 
 
-def _logprobs_match(engine, rollout, rank, world, infer_tp):
-    """Each rank's own vLLM samples scored by the (SPMD) Megatron model of the same weights."""
-    from mindspeed_rl.protocol import RolloutBatch
-
-    gens = rollout.generate(PROMPTS, n=2, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0,
-                             seed=rank // infer_tp)  # one seed per TP group: its ranks must sample alike
-    mine = [(PROMPTS[g.prompt_index], g.token_ids, g.logprobs) for g in gens]
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
-    for owner, samples in enumerate(everyone):
-        batch = RolloutBatch.from_token_lists([p for p, _, _ in samples], [t for _, t, _ in samples], pad_id=0,
-                                              response_width=MAX_TOKENS)
-        got = engine.compute_logprobs(batch, micro_batch_size=2, temperature=1.0)
-        if owner == rank:
-            expected = torch.zeros(batch.response_logprobs_shape)
-            for row, (_, _, lps) in enumerate(samples):
-                expected[row, : len(lps)] = torch.tensor(lps)
-            diff = ((got - expected).abs() * batch.response_mask).max().item()
-            assert diff < 1e-4, (rank, diff, got, expected)
-
-
 def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_infer_tps):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
@@ -114,7 +97,7 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
         _assert_oracle(live, hf_state, spec, live_infer_tp, rank, f"live: train tp{tp} pp{pp} -> infer tp{live_infer_tp}")
         if case == 0:
             _assert_fingerprint_catches_corruption(spec, engine, live, plan, rank)
-        _logprobs_match(engine, rollout, rank, world, live_infer_tp)
+        assert_vllm_logprobs_match_megatron(engine, rollout, rank, world, live_infer_tp)
         ps.destroy_model_parallel()
     dist.barrier()
     dist.destroy_process_group()
