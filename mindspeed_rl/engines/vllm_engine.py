@@ -55,7 +55,10 @@ class VLLMEngine:
 
         kwargs = {}
         if config.on_cpu:
+            from mindspeed_rl.engines.vllm_cpu_moe import add_cpu_variable_size_collectives
+
             _make_cpu_shm_names_unique()
+            add_cpu_variable_size_collectives()
             # vLLM on CPU sizes KV by bytes, not by gpu_memory_utilization of a device.
             kwargs["kv_cache_memory_bytes"] = max(int(config.cpu_kvcache_space_gb * GIB), 1 << 20)
         else:
