@@ -140,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['reload_vs_fresh_copy']:.2f} of it)   bit-exact: {result['bit_exact']}")
     print(f"  process RSS while offloaded: {result['rss_freed_bytes'] / 2**30:.2f} GiB lower than while resident")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        partial = args.json.with_name(args.json.name + ".partial")
+        partial.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(partial, args.json)  # never a half-written result file
     return 0 if result["bit_exact"] else 1
 
 

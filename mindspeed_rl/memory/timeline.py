@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,10 @@ def plot_memory_timeline(records: list[dict], path: str | Path, *, last_iteratio
     axes[-1][0].set_xticks(range(len(timeline.labels)), timeline.labels, fontsize=7)
     axes[0][0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial.png")
+    fig.savefig(partial)  # then renamed: a reader never sees a half-written picture
+    os.replace(partial, path)
     plt.close(fig)
     return timeline
 
