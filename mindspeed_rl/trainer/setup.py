@@ -73,15 +73,28 @@ def prompt_batches(prompts: list[Prompt], batch_size: int, *, seed: int, shuffle
             yield [prompts[i] for i in order[start:start + batch_size]]
 
 
-def start_ray(config: GRPOConfig, device: str, threads_per_rank: int) -> None:
+def start_ray(config: GRPOConfig, device: str, threads_per_rank: int, *, attempts: int = 2) -> None:
     import ray
 
-    if not ray.is_initialized():
-        # Logical CPUs: one per rank at least, whatever the host has (ranks are mostly idle while
-        # another role runs; threads are capped separately).
-        ray.init(num_cpus=max(config.world_size, os.cpu_count() or 1), include_dashboard=False,
-                 log_to_driver=True, configure_logging=False,
-                 runtime_env={"env_vars": {"PYTHONWARNINGS": "ignore"}})
+    if ray.is_initialized():
+        return
+    # The raylet waits for its Python agents; on a small, busy host they can take longer to start
+    # than Ray's default allows, which fails the whole start ("node timed out during startup").
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for attempt in range(1, attempts + 1):
+        try:
+            # Logical CPUs: one per rank at least, whatever the host has (ranks are mostly idle
+            # while another role runs; threads are capped separately).
+            ray.init(num_cpus=max(config.world_size, os.cpu_count() or 1), include_dashboard=False,
+                     log_to_driver=True, configure_logging=False,
+                     runtime_env={"env_vars": {"PYTHONWARNINGS": "ignore"}})
+            return
+        except Exception as error:  # Ray raises a bare Exception for a failed node start
+            ray.shutdown()
+            if attempt == attempts:
+                raise
+            print(f"[ray] start failed ({error}); retrying", flush=True)
 
 
 def threads_per_rank(config: GRPOConfig) -> int:
