@@ -1,6 +1,7 @@
 """Offload and reload throughput of the storage offloader against a raw copy of the same bytes.
 
     python benchmarks/bench_offload.py --json FILE [--gib 1] [--tensors 16] [--repeats 5] [--device auto]
+                                       [--no-huge-pages]
 
 One run, side by side: a state of `--gib` GiB in `--tensors` tensors is offloaded (copy to the
 host mirror, then the device storage is freed) and reloaded (storage re-acquired, copy back)
@@ -29,8 +30,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tensors", type=int, default=16, help="number of tensors the state is split into")
     parser.add_argument("--repeats", type=int, default=5, help="steady-state rounds (median reported)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "npu"))
-    parser.add_argument("--no-thp", action="store_true",
-                        help="do not ask torch's CPU allocator for transparent huge pages (as the workers do)")
+    parser.add_argument("--no-huge-pages", action="store_true",
+                        help="ablation: 4 KiB pages for CPU storages and mirrors, and no THP in torch's allocator")
     args = parser.parse_args(argv)
     for key, low in (("gib", 0.0), ("tensors", 0), ("repeats", 0)):
         if getattr(args, key) <= low:
@@ -50,11 +51,19 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
+def _ratio_range(reference: list[float], measured: list[float]) -> list[float]:
+    ratios = [r / m for r, m in zip(reference, measured)]
+    return [min(ratios), max(ratios)]
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
 
     from mindspeed_rl.accelerator import get_accelerator
+    from mindspeed_rl.accelerator.host_memory import huge_pages_enabled, set_huge_pages
     from mindspeed_rl.memory import Offloader
+
+    set_huge_pages(not args.no_huge_pages)
 
     acc = get_accelerator(args.device)
     numel = int(args.gib * 2**30) // 4 // args.tensors
@@ -62,7 +71,9 @@ def run(args: argparse.Namespace) -> dict:
     states = [torch.randn(numel, generator=g).to(acc.device) for _ in range(args.tensors)]
     samples = [t[:: max(1, numel // 1024)].clone() for t in states]  # a cheap bit-exactness check
     nbytes = sum(t.nbytes for t in states)
-    raw_dst = [torch.empty(numel, pin_memory=acc.supports_pinned_memory) for _ in states]
+    # The same kind of host memory as the mirrors (pinned, or huge pages on CPU): the fastest
+    # destination this machine offers, so the raw copy is the strongest baseline.
+    raw_dst = [torch.empty(0, dtype=torch.float32).set_(acc.host_buffer(t.nbytes)) for t in states]
     for dst in raw_dst:
         dst.zero_()  # touch every page: "preallocated" means already mapped
 
@@ -77,7 +88,11 @@ def run(args: argparse.Namespace) -> dict:
         acc.synchronize()
 
     def fresh_copy() -> None:
-        fresh = [torch.empty_like(t) for t in states]
+        fresh = []
+        for t in states:  # new device memory from the same allocator a reload uses
+            storage = torch.UntypedStorage(0, device=acc.device)
+            acc.acquire_storage(storage, t.nbytes)
+            fresh.append(torch.empty(0, dtype=t.dtype, device=acc.device).set_(storage))
         for src, dst in zip(raw_dst, fresh):
             dst.copy_(src)
         acc.synchronize()
@@ -110,6 +125,10 @@ def run(args: argparse.Namespace) -> dict:
         "offload_vs_raw": med["raw"] / med["offload"],
         "reload_vs_raw": med["raw_to_device"] / med["reload"],
         "reload_vs_fresh_copy": med["fresh"] / med["reload"],
+        # Per-round ratios (each round's raw copy against the same round's offload/reload): the
+        # spread shows how much the shared machine's memory speed moves within one run.
+        "offload_vs_raw_range": _ratio_range(rounds["raw"], rounds["offload"]),
+        "reload_vs_raw_range": _ratio_range(rounds["raw_to_device"], rounds["reload"]),
         "gib_per_second_offload": nbytes / med["offload"] / 2**30,
         "gib_per_second_reload": nbytes / med["reload"] / 2**30,
         "gib_per_second_raw_copy": nbytes / med["raw"] / 2**30,
@@ -118,24 +137,30 @@ def run(args: argparse.Namespace) -> dict:
         "steady_state": "median of --repeats rounds after the first offload allocated the mirrors",
         "bit_exact": exact,
         "device": acc.name, "pinned": acc.supports_pinned_memory, "threads": torch.get_num_threads(),
-        "thp_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1",
+        "huge_pages": huge_pages_enabled(),
         "tensors": args.tensors, "repeats": args.repeats,
     }
+
+
+def _fmt_range(bounds: list[float]) -> str:
+    return f"{bounds[0]:.2f}-{bounds[1]:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     # torch reads this once, at its first allocation: it must be set before torch is imported.
-    os.environ["THP_MEM_ALLOC_ENABLE"] = "0" if args.no_thp else os.environ.get("THP_MEM_ALLOC_ENABLE", "1")
+    os.environ["THP_MEM_ALLOC_ENABLE"] = "0" if args.no_huge_pages else os.environ.get("THP_MEM_ALLOC_ENABLE", "1")
     result = run(args)
     gib = result["bytes"] / 2**30
-    print(f"{gib:.2f} GiB on {result['device']} ({result['threads']} threads, thp={result['thp_alloc']}, "
+    print(f"{gib:.2f} GiB on {result['device']} ({result['threads']} threads, huge pages={result['huge_pages']}, "
           f"pinned={result['pinned']}), median of {result['repeats']} steady-state rounds:")
     print(f"  raw copy    {result['seconds_raw_copy']:.3f} s  ({result['gib_per_second_raw_copy']:.1f} GiB/s)")
     print(f"  offload     {result['seconds_offload']:.3f} s  ({result['gib_per_second_offload']:.1f} GiB/s)"
-          f"  = {result['offload_vs_raw']:.2f} of raw copy  (first: {result['seconds_offload_first']:.3f} s)")
+          f"  = {result['offload_vs_raw']:.2f} of raw copy  (rounds {_fmt_range(result['offload_vs_raw_range'])}; "
+          f"first: {result['seconds_offload_first']:.3f} s)")
     print(f"  reload      {result['seconds_reload']:.3f} s  ({result['gib_per_second_reload']:.1f} GiB/s)"
-          f"  = {result['reload_vs_raw']:.2f} of raw copy  (first: {result['seconds_reload_first']:.3f} s)")
+          f"  = {result['reload_vs_raw']:.2f} of raw copy  (rounds {_fmt_range(result['reload_vs_raw_range'])}; "
+          f"first: {result['seconds_reload_first']:.3f} s)")
     print(f"  fresh copy  {result['seconds_fresh_copy']:.3f} s  (copy into new memory; reload = "
           f"{result['reload_vs_fresh_copy']:.2f} of it)   bit-exact: {result['bit_exact']}")
     print(f"  process RSS while offloaded: {result['rss_freed_bytes'] / 2**30:.2f} GiB lower than while resident")

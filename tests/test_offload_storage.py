@@ -124,3 +124,57 @@ def test_state_set_drops_what_the_role_rewrites():
     assert role.reload_states() == 0
     assert offloader.is_resident("inference_weights") and not offloader.is_resident("other")
     assert torch.equal(weights[0], torch.zeros(64))
+
+
+def _minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _thp_available() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def test_large_storages_come_back_in_huge_pages_and_really_free_their_memory():
+    """On CPU a reloaded storage is a fresh 2 MiB-aligned mapping: one page fault per 2 MiB instead
+    of one per 4 KiB, and the memory leaves the process (RSS) while offloaded."""
+    import psutil
+
+    from mindspeed_rl.accelerator.host_memory import HUGE_PAGE_BYTES, huge_page_storage
+
+    acc = get_accelerator("cpu")
+    assert huge_page_storage(100).nbytes() == 100, "small requests use torch's allocator"
+    storage = huge_page_storage(3 * HUGE_PAGE_BYTES + 5)
+    assert storage.nbytes() == 3 * HUGE_PAGE_BYTES + 5 and storage.data_ptr() % HUGE_PAGE_BYTES == 0
+
+    nbytes = 64 << 20
+    big = torch.arange(nbytes // 4, dtype=torch.float32)  # from torch's allocator, 4 KiB-aligned
+    view = big[1000:2000].view(10, 100)
+    expected = big.clone()
+    offloader = Offloader(acc)
+    offloader.register("big", lambda: [big, view])
+    process = psutil.Process()
+    for round_trip in range(3):
+        rss_resident = process.memory_info().rss
+        assert offloader.offload("big") == nbytes
+        assert big.untyped_storage().nbytes() == 0
+        freed = rss_resident - process.memory_info().rss
+        if round_trip == 0:  # the first offload also fills the new 64 MiB mirror: the two cancel out
+            assert abs(freed) < 0.1 * nbytes, f"torch's storage was not freed: RSS grew by {-freed}"
+        else:
+            assert freed > 0.9 * nbytes, f"round {round_trip}: only {freed} bytes left the process"
+        faults = _minor_faults()
+        assert offloader.reload("big") == nbytes
+        faults = _minor_faults() - faults
+        assert big.data_ptr() % HUGE_PAGE_BYTES == 0
+        assert torch.equal(big, expected) and torch.equal(view, expected[1000:2000].view(10, 100))
+        if _thp_available():  # 4 KiB pages take nbytes / 4096 = 16384 faults, 2 MiB pages 32;
+            # the bound leaves room for a few 2 MiB regions the kernel had to fill with small pages.
+            assert faults < nbytes // 4096 // 8, f"{faults} page faults to reload 64 MiB"
+    view.fill_(-1.0)  # the view still aliases the (re-acquired) storage
+    assert torch.equal(big[1000:2000], torch.full((1000,), -1.0))

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mindspeed_rl.accelerator.host_memory import huge_page_storage
+
 
 @dataclass(frozen=True)
 class Accelerator:
@@ -65,9 +67,30 @@ class Accelerator:
         return int(self._module().max_memory_allocated())
 
     def host_buffer(self, nbytes: int) -> torch.UntypedStorage:
-        """A host mirror for offloading; pinned where the device can DMA from it."""
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.supports_pinned_memory)
-        return buffer.untyped_storage()
+        """A host mirror for offloading; pinned where the device can DMA from it, huge pages on CPU."""
+        if self.is_host:
+            return huge_page_storage(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True).untyped_storage()
+
+    def release_storage(self, storage: torch.UntypedStorage) -> None:
+        """Free a storage's device memory in place: every tensor viewing it stays bound to it.
+
+        On a device the storage goes back to the caching allocator (`resize_(0)`). On CPU its memory
+        is swapped out into a temporary that dies at once, which also frees storages torch cannot
+        resize (our huge-page mappings); either way the storage then has 0 bytes.
+        """
+        if self.is_host:
+            storage._swap_data_ptr_(torch.UntypedStorage(0))
+        else:
+            storage.resize_(0)
+
+    def acquire_storage(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Give a released storage `nbytes` of fresh device memory (contents undefined)."""
+        assert storage.nbytes() == 0, "only a released storage is re-acquired"
+        if self.is_host:
+            storage._swap_data_ptr_(huge_page_storage(nbytes))
+        else:
+            storage.resize_(nbytes)
 
     def megatron_context(self) -> contextlib.AbstractContextManager:
         """Megatron-core assumes CUDA; on CPU its calls run inside the compatibility layer.

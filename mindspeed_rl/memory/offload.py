@@ -5,9 +5,10 @@ params, inference weights, KV cache). `Offloader` holds them by name and offload
 them; the ledger reads `resident_bytes()` from the same objects, so what is counted is what is
 moved.
 
-Storage groups free memory with `storage.resize_(0)` instead of re-binding `.data`: every
-parameter, grad view and optimizer-state tensor object stays in place, so Megatron's contiguous
-buffers, the optimizer's param groups, DDP hooks and vLLM's layers never notice. Host mirrors are
+Storage groups free memory in place (`Accelerator.release_storage`: `resize_(0)` on a device, a
+data-pointer swap on CPU) instead of re-binding `.data`: every parameter, grad view and
+optimizer-state tensor object stays in place, so Megatron's contiguous buffers, the optimizer's
+param groups, DDP hooks and vLLM's layers never notice. Host mirrors are
 allocated once (pinned where the accelerator can DMA from them) and reused: after the first
 offload, offload and reload only copy. With pinned mirrors every copy of a group is issued
 non-blocking and the group waits once at the end.
@@ -75,7 +76,7 @@ class StorageGroup:
         slots: dict[int, _Slot] = {}
         for tensor in self.collect():
             storage = tensor.untyped_storage()
-            key = storage._cdata  # the StorageImpl: stable across resize_, shared by all views
+            key = storage._cdata  # the StorageImpl: stable across release/acquire, shared by all views
             if key in slots or storage.nbytes() == 0:
                 continue
             old = self.slots.get(key)
@@ -107,7 +108,7 @@ class StorageGroup:
                 copied += slot.nbytes
             self.accelerator.synchronize()  # the mirrors must be complete before the storage goes
         for slot in self.slots.values():
-            slot.storage.resize_(0)
+            self.accelerator.release_storage(slot.storage)
         self._saved = keep
         self.resident = False
         return copied
@@ -118,7 +119,7 @@ class StorageGroup:
         copied = 0
         pinned = self.accelerator.supports_pinned_memory
         for slot in self.slots.values():
-            slot.storage.resize_(slot.nbytes)
+            self.accelerator.acquire_storage(slot.storage, slot.nbytes)
             device_bytes = _bytes_view(slot.storage)
             if self._saved:
                 device_bytes.copy_(slot.mirror, non_blocking=pinned)
