@@ -1,0 +1,105 @@
+"""The loop's derived metrics (MindSpeed-RL names and formulas), the TensorBoard sink and the
+training-curves plot. Runs where: in-process, no Ray, no engines."""
+import json
+
+import pytest
+import torch
+
+from mindspeed_rl.trainer.curves import main as curves_main
+from mindspeed_rl.trainer.curves import moving_average, plot_training_curves, series_keys
+from mindspeed_rl.trainer.metrics import length_stats, phase_timings, rollout_mismatch, throughput
+from mindspeed_rl.trainer.sinks import TENSORBOARD_SUBDIR, MetricsSinks
+
+
+def test_length_stats_are_mean_min_max():
+    assert length_stats("response_length", torch.tensor([2, 4, 9])) == {
+        "response_length/mean": 5.0, "response_length/min": 2.0, "response_length/max": 9.0}
+
+
+def test_throughput_is_mindspeed_rl_formula_with_mean_lengths():
+    # (mean response 3 + mean prompt 5) tokens x 4 samples / 2 devices = 16 tokens per device
+    got = throughput(prompt_lengths=torch.tensor([5, 5, 4, 6]), response_lengths=torch.tensor([1, 5, 3, 3]),
+                     world_size=2, seconds_all=4.0, seconds_rollout=2.0, seconds_update=0.5, use_max_lengths=False)
+    assert got == {"e2e_tps": 4.0, "vllm_tps": 8.0, "update_tps": 32.0}
+
+
+def test_log_max_throughput_uses_the_longest_sample():
+    got = throughput(prompt_lengths=torch.tensor([5, 5, 4, 6]), response_lengths=torch.tensor([1, 5, 3, 3]),
+                     world_size=2, seconds_all=4.0, seconds_rollout=2.0, seconds_update=0.0, use_max_lengths=True)
+    assert got["e2e_tps"] == (6 + 5) * 4 / 2 / 4.0
+    assert got["update_tps"] == 0.0, "a phase that took no time reports 0, not a division error"
+
+
+def test_phase_timings_sum_our_parts_into_mindspeed_rl_names():
+    got = phase_timings({"timing/update/total": 1.5, "timing/resharding_enter_infer": 0.25,
+                         "timing/resharding_exit_infer": 0.125, "timing/onload_forward": 0.5,
+                         "timing/onload_train": 0.25})
+    assert got == {"timing/update": 1.5, "timing/resharding_to_infer": 0.375, "timing/resharding_to_train": 0.75}
+
+
+def test_rollout_mismatch_ignores_padding():
+    rollout = torch.tensor([[-1.0, -2.0, 99.0]])
+    old = torch.tensor([[-1.5, -2.0, 0.0]])
+    got = rollout_mismatch(rollout, old, torch.tensor([[1.0, 1.0, 0.0]]))
+    assert got == {"rollout/logprob_max_abs_diff": 0.5, "rollout/logprob_mean_abs_diff": 0.25}
+
+
+def test_moving_average_grows_its_window_from_the_start():
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def _records(n=30):
+    return [{"iteration": i, "reward/mean": i / n, "math_17k_acc_rewards/mean": i / (2 * n),
+             "format_rewards/mean": 0.5, "reward/accuracy": i / n, "actor/kl_loss": 1e-3 * i,
+             "response_length/mean": 4.0, "response_length/max": 6.0, "e2e_tps": 100.0, "vllm_tps": 300.0,
+             "update_tps": 200.0, "actor/lr": 1e-4} for i in range(1, n + 1)]
+
+
+def test_series_keys_expand_verifier_patterns():
+    keys = series_keys(_records(2), ["reward/mean", "*_rewards/mean"])
+    assert keys == ["reward/mean", "format_rewards/mean", "math_17k_acc_rewards/mean"]
+
+
+def test_training_curves_png_draws_every_quantity(tmp_path):
+    path = tmp_path / "training_curves.png"
+    drawn = plot_training_curves(_records(), path)
+    assert {"reward/mean", "math_17k_acc_rewards/mean", "format_rewards/mean", "reward/accuracy", "actor/kl_loss",
+            "response_length/mean", "e2e_tps", "actor/lr"} <= set(drawn)
+    assert path.stat().st_size > 20_000
+    assert not list(tmp_path.glob("*.partial.png"))
+
+
+def test_training_curves_redraw_from_metrics_jsonl(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    assert curves_main([str(metrics)]) == 0
+    assert (tmp_path / "training_curves.png").stat().st_size > 20_000
+
+
+def test_curves_cli_rejects_a_missing_file(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        curves_main([str(tmp_path / "nope.jsonl")])
+    assert exit_info.value.code == 2
+
+
+def test_sinks_write_jsonl_and_tensorboard_events(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sinks = MetricsSinks(tmp_path, metrics_file="metrics.jsonl", use_tensorboard=True)
+    for record in _records(3):
+        sinks.write(record)
+    sinks.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["iteration"] for line in lines] == [1, 2, 3]
+    events = EventAccumulator(str(tmp_path / TENSORBOARD_SUBDIR))
+    events.Reload()
+    scalars = events.Scalars("reward/mean")
+    assert [(s.step, round(s.value, 6)) for s in scalars] == [(1, round(1 / 3, 6)), (2, round(2 / 3, 6)), (3, 1.0)]
+    assert "iteration" not in events.Tags()["scalars"]
+
+
+def test_sinks_without_tensorboard_write_no_event_files(tmp_path):
+    sinks = MetricsSinks(tmp_path, metrics_file="metrics.jsonl", use_tensorboard=False)
+    sinks.write({"iteration": 1, "reward/mean": 0.5})
+    sinks.close()
+    assert not (tmp_path / TENSORBOARD_SUBDIR).exists()
