@@ -163,8 +163,8 @@ def test_weighted_sum_of_two_verifiers(monkeypatch):
                         lambda response, answer: float(response.startswith(" ")))
     got = compute_rule_rewards([" 7", "12", "x"], ["7", "1", "7"],
                                ["arith_acc", "starts_with_space"], [1.0, 0.5])
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, torch.tensor([1.5, 0.2, 0.0]))
+    assert got.total.dtype == torch.float32
+    torch.testing.assert_close(got.total, torch.tensor([1.5, 0.2, 0.0]))
     with pytest.raises(ValueError, match=r"'nope'.*arith_acc"):
         compute_rule_rewards(["7"], ["7"], ["nope"], [1.0])
-    assert accuracy([" 7", "12", "7"], ["7", "1", "8"]) == pytest.approx(1.0 / 3.0)
+    assert accuracy([" 7", "12", "7"], ["7", "1", "8"], ["arith_acc"]) == pytest.approx(1.0 / 3.0)

@@ -1,18 +1,47 @@
 """Rule rewards: a registry of verifiers named by ``rl_config.verifier_function`` and combined with
-``rl_config.verifier_weight``, as in MindSpeed-RL."""
+``rl_config.verifier_weight``, as in MindSpeed-RL (``mindspeed_rl/models/rule_verifier.py``).
+
+Each verifier is ``fn(response, label) -> float``. The scores keep MindSpeed-RL's meaning and
+scale per name (see each function); where MindSpeed-RL compares answers with Qwen-math's
+``math_equal``, mathruler's ``grade_answer`` or DAPO's string normalisation, this module uses
+HF math-verify (:mod:`mindspeed_rl.data.math_answers`) for every name, so one notion of
+"same answer" holds across verifiers. The format checks read the response with surrounding
+whitespace stripped: a newline before the end-of-sequence token is not a format error.
+"""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from mindspeed_rl.data.math_answers import (
+    DEFAULT_SAMPLE_TIME_LIMIT_SECONDS,
+    answers_equivalent,
+    last_answer_line,
+    last_boxed_content,
+    sample_time_limit,
+)
 
 Verifier = Callable[[str, str], float]
 
 # ASCII digits only: str.isdigit() also accepts e.g. "²", which int() rejects.
 _LEADING_INTEGER = re.compile(r"\s*([0-9]+)")
 ARITH_FORMAT_CREDIT = 0.2
+
+# MindSpeed-RL's `acc` reads the response up to the first end-of-turn marker.
+_STOP_WORDS = ("</s>", "<|im_end|>", "<|endoftext|>")
+# `format`: a think block then an answer block. As in MindSpeed-RL, MULTILINE lets "$" match at
+# any line end, so lines after the one closing </answer> are not checked.
+_THINK_ANSWER_FORMAT = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL | re.MULTILINE)
+# `base_acc`: think, then an answer block holding a box.
+_THINK_ANSWER_BOXED_FORMAT = re.compile(r"<think>.*</think>.*<answer>.*\\boxed\{.*\}.*</answer>", re.DOTALL)
+# `step`: markers of step-by-step reasoning; three or more earn the full score. "^\d+\." is
+# anchored to the start of the response only (no MULTILINE), as in MindSpeed-RL.
+_REASONING_STEP = re.compile(r"(Step \d+:|^\d+\.|\n-|\n\*|First,|Second,|Next,|Finally,)")
+STEPS_FOR_FULL_SCORE = 3
 
 
 def leading_integer(response: str) -> str | None:
@@ -38,54 +67,182 @@ def arith_acc(response: str, answer: str) -> float:
     return 1.0 if int(digits) == int(answer) else ARITH_FORMAT_CREDIT
 
 
+def boxed_answer_is_correct(response: str, label: str) -> bool:
+    """Whether the last non-empty ``\\boxed{}`` of ``response`` is equivalent to ``label``."""
+    answer = last_boxed_content(response)
+    return bool(answer) and answers_equivalent(answer, label)
+
+
+def math_17k_acc(response: str, label: str) -> float:
+    """1.0 if the last box's content equals the label mathematically, else 0.0. No format needed."""
+    return 1.0 if boxed_answer_is_correct(response, label) else 0.0
+
+
+def acc(response: str, label: str) -> float:
+    """1.0 correct boxed answer, -0.5 boxed but wrong, -1.0 no (complete, non-empty) box.
+
+    Only the text before the first end-of-turn marker counts.
+    """
+    for stop_word in _STOP_WORDS:
+        response = response.split(stop_word, 1)[0]
+    answer = last_boxed_content(response)
+    if not answer:
+        return -1.0
+    return 1.0 if answers_equivalent(answer, label) else -0.5
+
+
+def base_acc(response: str, label: str) -> float:
+    """1.0 if the response is ``<think>…</think>…<answer>…\\boxed{…}…</answer>`` and its last box
+    is correct, else 0.0."""
+    if not _THINK_ANSWER_BOXED_FORMAT.fullmatch(response.strip()):
+        return 0.0
+    return math_17k_acc(response, label)
+
+
+def acc_for_dapo(response: str, label: str) -> float:
+    """DAPO's score: 1.0 if the last "Answer: ..." line near the end is correct, else -1.0."""
+    answer = last_answer_line(response)
+    return 1.0 if answer is not None and answers_equivalent(answer, label) else -1.0
+
+
+def format_reward(response: str, label: str) -> float:
+    """``format``: 1.0 for ``<think>…</think>`` then ``<answer>…</answer>``, else 0.0. Label unused."""
+    return 1.0 if _THINK_ANSWER_FORMAT.match(response.strip()) else 0.0
+
+
+def strict_format(response: str, label: str) -> float:
+    """``strict_format``: 1.0 if well structured (see :func:`has_strict_structure`), else -0.5."""
+    return 1.0 if has_strict_structure(response) else -0.5
+
+
+def has_strict_structure(response: str) -> bool:
+    """Exactly one each of ``<think>``, ``</think>``, ``<answer>``, ``\\boxed{``, ``</answer>``, in
+    that order, the response starting with ``<think>`` and ending with ``</answer>``."""
+    text = response.strip()
+    markers = ("<think>", "</think>", "<answer>", "\\boxed{", "</answer>")
+    if any(text.count(marker) != 1 for marker in markers):
+        return False
+    positions = [text.find(marker) for marker in markers]
+    in_order = positions == sorted(positions)
+    return in_order and text.startswith("<think>") and text.endswith("</answer>")
+
+
+def step(response: str, label: str) -> float:
+    """``step``: min(1, number of reasoning-step markers / 3). Label unused."""
+    return min(1.0, len(_REASONING_STEP.findall(response)) / STEPS_FOR_FULL_SCORE)
+
+
 VERIFIERS: dict[str, Verifier] = {
     "arith_acc": arith_acc,
+    "acc": acc,
+    "base_acc": base_acc,
+    "math_17k_acc": math_17k_acc,
+    "acc_for_dapo": acc_for_dapo,
+    "format": format_reward,
+    "strict_format": strict_format,
+    "step": step,
 }
+
+# How each accuracy verifier decides correctness, for `answer_is_correct`: its answer form.
+_CORRECTNESS_BY_VERIFIER: dict[str, Callable[[str, str], bool]] = {
+    "arith_acc": lambda response, label: arith_acc(response, label) == 1.0,
+    "acc_for_dapo": lambda response, label: acc_for_dapo(response, label) == 1.0,
+    "acc": boxed_answer_is_correct,
+    "base_acc": boxed_answer_is_correct,
+    "math_17k_acc": boxed_answer_is_correct,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuleRewards:
+    """Rewards of one batch: the weighted total and each verifier's unweighted scores."""
+
+    total: torch.Tensor  # float32 [num_samples], sum_k weight_k * verifier_k
+    per_verifier: dict[str, torch.Tensor]  # name -> float32 [num_samples], unweighted
+
+    def __post_init__(self) -> None:
+        if self.total.dtype != torch.float32 or self.total.dim() != 1:
+            raise ValueError(
+                f"total must be float32 [num_samples], got {self.total.dtype} {tuple(self.total.shape)}"
+            )
+        for name, scores in self.per_verifier.items():
+            if scores.dtype != torch.float32 or scores.shape != self.total.shape:
+                raise ValueError(
+                    f"per_verifier[{name!r}] must be float32 {tuple(self.total.shape)}, "
+                    f"got {scores.dtype} {tuple(scores.shape)}"
+                )
 
 
 def compute_rule_rewards(
     responses: list[str],
-    answers: list[str],
+    labels: list[str],
     verifier_functions: list[str],
     verifier_weights: list[float],
-) -> torch.Tensor:
-    """Per-response ``sum_k weight_k * verifier_k(response, answer)`` as a float32 tensor."""
-    _check_rule_reward_args(responses, answers, verifier_functions, verifier_weights)
-    verifiers = [(VERIFIERS[name], weight) for name, weight in zip(verifier_functions, verifier_weights)]
-    scores = [
-        sum(weight * verify(response, answer) for verify, weight in verifiers)
-        for response, answer in zip(responses, answers)
-    ]
-    return torch.tensor(scores, dtype=torch.float32)
+    *,
+    timeout_seconds: float = DEFAULT_SAMPLE_TIME_LIMIT_SECONDS,
+) -> RuleRewards:
+    """Score every response with every named verifier; ``total = sum_k weight_k * score_k``.
+
+    ``timeout_seconds`` bounds each sample's answer check (see :mod:`math_answers`). A name
+    listed twice is scored once and its weights add up.
+    """
+    _check_rule_reward_args(responses, labels, verifier_functions, verifier_weights)
+    per_verifier: dict[str, torch.Tensor] = {}
+    total = torch.zeros(len(responses), dtype=torch.float64)
+    with sample_time_limit(timeout_seconds):
+        for name, weight in zip(verifier_functions, verifier_weights):
+            if name not in per_verifier:
+                verify = VERIFIERS[name]
+                scores = [float(verify(response, label)) for response, label in zip(responses, labels)]
+                per_verifier[name] = torch.tensor(scores, dtype=torch.float32)
+            total += weight * per_verifier[name].to(torch.float64)
+    return RuleRewards(total=total.to(torch.float32), per_verifier=per_verifier)
+
+
+def answer_is_correct(response: str, label: str, verifier_functions: list[str]) -> bool:
+    """Whether the response's final answer is right, in the answer form the verifiers read.
+
+    The first accuracy verifier in ``verifier_functions`` decides: ``arith_acc`` the exact
+    leading integer, ``acc_for_dapo`` the "Answer:" line, ``acc``/``base_acc``/``math_17k_acc``
+    the last box (format requirements do not count). With only format verifiers, the last box.
+    """
+    _check_verifier_names(verifier_functions)
+    for name in verifier_functions:
+        if name in _CORRECTNESS_BY_VERIFIER:
+            return _CORRECTNESS_BY_VERIFIER[name](response, label)
+    return boxed_answer_is_correct(response, label)
+
+
+def accuracy(responses: list[str], labels: list[str], verifier_functions: list[str]) -> float:
+    """Fraction of responses whose answer is correct (:func:`answer_is_correct`); 0.0 if none."""
+    if len(responses) != len(labels):
+        raise ValueError(f"{len(responses)} responses but {len(labels)} labels")
+    _check_verifier_names(verifier_functions)
+    if not responses:
+        return 0.0
+    correct = sum(answer_is_correct(r, a, verifier_functions) for r, a in zip(responses, labels))
+    return correct / len(responses)
+
+
+def _check_verifier_names(verifier_functions: list[str]) -> None:
+    if not verifier_functions:
+        raise ValueError(f"verifier_function is empty; registered verifiers: {sorted(VERIFIERS)}")
+    for name in verifier_functions:
+        if name not in VERIFIERS:
+            raise ValueError(f"unknown verifier_function {name!r}; registered verifiers: {sorted(VERIFIERS)}")
 
 
 def _check_rule_reward_args(
     responses: list[str],
-    answers: list[str],
+    labels: list[str],
     verifier_functions: list[str],
     verifier_weights: list[float],
 ) -> None:
-    if len(responses) != len(answers):
-        raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+    if len(responses) != len(labels):
+        raise ValueError(f"{len(responses)} responses but {len(labels)} labels")
     if len(verifier_functions) != len(verifier_weights):
         raise ValueError(
             f"verifier_function has {len(verifier_functions)} entries {verifier_functions} but "
             f"verifier_weight has {len(verifier_weights)} {verifier_weights}"
         )
-    if not verifier_functions:
-        raise ValueError(f"verifier_function is empty; registered verifiers: {sorted(VERIFIERS)}")
-    for name in verifier_functions:
-        if name not in VERIFIERS:
-            raise ValueError(
-                f"unknown verifier_function {name!r}; registered verifiers: {sorted(VERIFIERS)}"
-            )
-
-
-def accuracy(responses: list[str], answers: list[str]) -> float:
-    """Fraction of responses whose leading integer is exactly the answer (no format credit)."""
-    if len(responses) != len(answers):
-        raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
-    if not responses:
-        return 0.0
-    correct = sum(arith_acc(response, answer) == 1.0 for response, answer in zip(responses, answers))
-    return correct / len(responses)
+    _check_verifier_names(verifier_functions)
