@@ -1,27 +1,19 @@
-"""The CPU demo's locally generated assets: tokenizer, tiny Qwen2 checkpoint, arithmetic task,
-rule rewards. transformers is imported lazily, only when a checkpoint or tokenizer is written."""
+"""Data: the prompt datasets and templates, the rule verifiers, and the CPU demos' locally generated
+assets. Names are imported on first use, so the preprocessing CLI does not pay for torch or transformers."""
+from importlib import import_module
 
-from mindspeed_rl.data.arith_task import (
-    ensure_demo_assets,
-    make_arith_prompts,
-    read_prompts_jsonl,
-    write_prompts_jsonl,
-)
-from mindspeed_rl.data.rewards import VERIFIERS, accuracy, arith_acc, compute_rule_rewards
-from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
-from mindspeed_rl.data.tokenizer import EOS_TOKEN, EOS_TOKEN_ID, train_arith_tokenizer
+_EXPORTS = {
+    "ensure_demo_assets": "arith_task", "make_arith_prompts": "arith_task", "read_prompts_jsonl": "arith_task",
+    "write_prompts_jsonl": "arith_task",
+    "VERIFIERS": "rewards", "RuleRewards": "rewards", "accuracy": "rewards", "answer_is_correct": "rewards",
+    "arith_acc": "rewards", "compute_rule_rewards": "rewards",
+    "create_tiny_qwen2_checkpoint": "tiny_model",
+    "EOS_TOKEN": "tokenizer", "EOS_TOKEN_ID": "tokenizer", "train_arith_tokenizer": "tokenizer",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "EOS_TOKEN",
-    "EOS_TOKEN_ID",
-    "VERIFIERS",
-    "accuracy",
-    "arith_acc",
-    "compute_rule_rewards",
-    "create_tiny_qwen2_checkpoint",
-    "ensure_demo_assets",
-    "make_arith_prompts",
-    "read_prompts_jsonl",
-    "train_arith_tokenizer",
-    "write_prompts_jsonl",
-]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mindspeed_rl.data' has no attribute {name!r}")
+    return getattr(import_module(f"mindspeed_rl.data.{_EXPORTS[name]}"), name)
