@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Optional, Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers, trainers
@@ -111,16 +111,88 @@ def _check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
     assert tokenizer.token_to_id(EOS_TOKEN) == EOS_TOKEN_ID
 
 
-def save_hf_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
-    """Write ``tokenizer.json`` + ``tokenizer_config.json`` loadable by ``AutoTokenizer`` offline."""
+def save_hf_tokenizer(
+    tokenizer: Tokenizer, out_dir: Path, *, eos_token: str = EOS_TOKEN, chat_template: Optional[str] = None
+) -> None:
+    """Write ``tokenizer.json`` + ``tokenizer_config.json`` loadable by ``AutoTokenizer`` offline.
+
+    ``chat_template`` (a Jinja string) is stored inside ``tokenizer_config.json``, where every
+    loader (transformers, vLLM, MindSpeed-RL) finds it. The pad token is always ``<|endoftext|>``.
+    """
     # Imported here: transformers is heavy and only this step needs it.
     from transformers import PreTrainedTokenizerFast
 
+    extra = {} if chat_template is None else {"chat_template": chat_template}
     hf_tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token=EOS_TOKEN,
+        eos_token=eos_token,
         pad_token=EOS_TOKEN,
         # The default clean-up rewrites spaces around punctuation and would break the round trip.
         clean_up_tokenization_spaces=False,
+        **extra,
     )
-    hf_tokenizer.save_pretrained(str(out_dir))
+    hf_tokenizer.save_pretrained(str(out_dir), **({} if chat_template is None else {"save_jinja_files": False}))
+
+
+# --- closed-vocabulary chat tokenizer (the tiny math demo) ----------------------------------------
+CHAT_START_TOKEN = "<|im_start|>"
+CHAT_END_TOKEN = "<|im_end|>"
+# Qwen2.5's chat template without its default system prompt and tool calls: the tiny model would
+# have to read dozens of extra tokens per prompt for nothing.
+QWEN_STYLE_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_closed_vocab_tokenizer(
+    texts: Iterable[str], *, pieces: Sequence[str], vocab_size: Optional[int] = None
+) -> Tokenizer:
+    """A Qwen2-pipeline tokenizer whose vocabulary is exactly what ``texts`` and ``pieces`` need.
+
+    Ids: ``<|endoftext|>`` (0), the byte-level symbols of every non-letter character of ``texts``
+    (digits, spaces, punctuation), ``<|im_start|>`` and ``<|im_end|>`` (special), then one
+    non-special token per entry of ``pieces`` and per distinct word of ``texts`` (a word as Qwen's
+    regex cuts it, leading space included: "Tom", " has"). Words are added tokens rather than BPE
+    merges because a merge chain puts every prefix ("Ġh", "Ġha") in the vocabulary, and a random
+    policy samples from all of it: the vocabulary stays in the tens. The cost is a closed world:
+    a letter outside these words has no id (the tests check every generated prompt round-trips).
+    ``vocab_size`` pads with ``<|unused_k|>`` fillers (non-special) to that many ids.
+    """
+    texts = list(texts)
+    words, symbols = _words_and_symbols(texts)
+    base_vocab = {EOS_TOKEN: EOS_TOKEN_ID}
+    for symbol in symbols:
+        base_vocab.setdefault(symbol, len(base_vocab))
+    tokenizer = _qwen2_style_tokenizer()
+    tokenizer.model = models.BPE(vocab=base_vocab, merges=[])
+    tokenizer.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
+    tokenizer.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in (CHAT_START_TOKEN, CHAT_END_TOKEN)]
+    )
+    non_special = list(dict.fromkeys([*pieces, *sorted(words)]))
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in non_special])
+    natural_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if vocab_size is not None:
+        if vocab_size < natural_size:
+            raise ValueError(f"vocab_size={vocab_size} is too small: the task needs {natural_size} ids")
+        _pad_vocab(tokenizer, vocab_size)
+    _check_vocab(tokenizer, tokenizer.get_vocab_size(with_added_tokens=True))
+    return tokenizer
+
+
+def _words_and_symbols(texts: list[str]) -> tuple[set[str], list[str]]:
+    """Distinct letter-bearing pre-tokens (the words) and the byte-level symbols of the rest."""
+    splitter = pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False)
+    byte_level = _byte_level_pre_tokenizer()
+    words, others = set(), set()
+    for text in texts:
+        for piece, _ in splitter.pre_tokenize_str(text):
+            if any(ch.isalpha() for ch in piece):
+                words.add(piece)
+            else:
+                others.update(piece)
+    symbols = {c for ch in others for piece, _ in byte_level.pre_tokenize_str(ch) for c in piece}
+    return words, sorted(symbols)

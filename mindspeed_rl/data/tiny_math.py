@@ -1,0 +1,271 @@
+"""The tiny math demo's assets: small-integer word problems in DAPO-Math-17k's parquet schema, a
+closed-vocabulary chat tokenizer, and a random tiny Qwen2 checkpoint. Nothing is downloaded.
+
+``ensure_tiny_math_assets`` creates, once, under ``data_dir``: ``model/`` (checkpoint + tokenizer
+with a Qwen-style chat template in ``tokenizer_config.json``) and ``tiny_math.parquet``.
+``assets.json`` records the generation parameters; a later call with the same parameters reuses
+the files, a call with different ones regenerates them.
+
+Why the task and tokenizer look the way they do (the demo must learn in 100 GRPO iterations from
+a random model, which samples nearly uniformly from its whole vocabulary at first):
+- every answer is one token: ``\\boxed{0}`` ... ``\\boxed{2*max_operand}`` are single tokens, so a
+  random response already holds some ``\\boxed{n}`` and about one in ten of those is right: GRPO
+  gets non-zero advantages from the first iteration. With ``\\boxed{``, digit and ``}`` as three
+  tokens a random model hits a right answer about once per 10^4 samples and never starts learning.
+- every other piece of MindSpeed-RL's ``format`` answer (``<think>``, ``</think>``, ``<answer>``,
+  ``</answer>``) is one token too: ``<think></think><answer>\\boxed{5}</answer>`` is 5 tokens.
+- the vocabulary is 65 tokens at max_operand=4 (words are whole tokens, no BPE prefixes), and the answers
+  are few (0..2*max_operand) and unevenly frequent, like the sums of the arithmetic demo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from tokenizers import Tokenizer
+
+from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint, replace_dir
+from mindspeed_rl.data.tokenizer import (
+    CHAT_END_TOKEN,
+    QWEN_STYLE_CHAT_TEMPLATE,
+    build_closed_vocab_tokenizer,
+    save_hf_tokenizer,
+)
+
+MODEL_SUBDIR = "model"
+DATA_FILE = "tiny_math.parquet"
+MANIFEST_FILE = "assets.json"
+# Bump when the generators change, so caches written by older code are regenerated.
+ASSETS_FORMAT_VERSION = 1
+TASK_NAME = "math_word"
+# DAPO-Math-17k's own values for the constant columns (data_source names this generator).
+DATA_SOURCE = "tiny_math_word"
+ABILITY = "MATH"
+REWARD_STYLE = "rule-lighteval/MATH_v2"
+CHAT_ROLES = ("system", "user", "assistant")
+FORMAT_PIECES = ("<think>", "</think>", "<answer>", "</answer>", "\\boxed{", "}")
+NAMES = ("Tom", "Ann", "Sam")
+ITEMS = ("apples", "pens", "cards")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WordProblemTemplate:
+    """One wording; ``{name}``, ``{a}``, ``{b}``, ``{item}`` are filled in. ``subtract``: the
+    answer is a - b (then b < a), else a + b."""
+
+    text: str
+    subtract: bool
+
+    def __post_init__(self) -> None:
+        for slot in ("{name}", "{a}", "{b}", "{item}"):
+            if slot not in self.text:
+                raise ValueError(f"template {self.text!r} lacks {slot}")
+
+
+# Several wordings per operation, so the policy must read the verb, not the sentence shape. The
+# name only opens a sentence: one token per name instead of a second " Tom" form.
+TEMPLATES = (
+    WordProblemTemplate(text="{name} has {a} {item} and gets {b} more. How many {item} now?", subtract=False),
+    WordProblemTemplate(text="{name} has {a} {item} and buys {b} more. How many {item} in all?", subtract=False),
+    WordProblemTemplate(text="There are {a} {item} in a box. {name} puts in {b} more. How many {item} are in the box?",
+                        subtract=False),
+    WordProblemTemplate(text="{name} has {a} {item} and gives away {b}. How many {item} are left?", subtract=True),
+    WordProblemTemplate(text="{name} had {a} {item} and lost {b}. How many {item} are left?", subtract=True),
+)
+
+
+def answer_token(answer: int) -> str:
+    """The single token that answers ``answer`` in MindSpeed-RL's boxed form."""
+    return f"\\boxed{{{answer}}}"
+
+
+def correct_response(answer: int) -> str:
+    """The shortest response both ``math_17k_acc`` and MindSpeed-RL's ``format`` accept."""
+    return f"<think></think><answer>{answer_token(answer)}</answer>"
+
+
+def make_word_problems(num_prompts: int, max_operand: int, seed: int) -> list[dict[str, Any]]:
+    """``num_prompts`` rows in DAPO-Math-17k's schema; operands in [1, max_operand]."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    if max_operand < 2:
+        raise ValueError(f"max_operand must be >= 2 (a subtraction needs b < a), got {max_operand}")
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_prompts):
+        template = rng.choice(TEMPLATES)
+        if template.subtract:
+            a = rng.randint(2, max_operand)
+            b = rng.randint(1, a - 1)
+        else:
+            a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+        text = template.text.format(name=rng.choice(NAMES), item=rng.choice(ITEMS), a=a, b=b)
+        answer = a - b if template.subtract else a + b
+        rows.append(_dapo_row(text, answer, str(uuid.UUID(int=rng.getrandbits(128), version=4))))
+    return rows
+
+
+def _dapo_row(problem: str, answer: int, index: str) -> dict[str, Any]:
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"content": problem, "role": "user"}],
+        "ability": ABILITY,
+        "reward_model": {"ground_truth": str(answer), "style": REWARD_STYLE},
+        "extra_info": {"index": index},
+    }
+
+
+def write_dapo_parquet(path: str | os.PathLike[str], rows: list[dict[str, Any]]) -> None:
+    """Write rows with DAPO-Math-17k's column types, atomically (temp file + ``os.replace``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    message = pa.struct([("content", pa.string()), ("role", pa.string())])
+    schema = pa.schema([
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(message)),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+        ("extra_info", pa.struct([("index", pa.string())])),
+    ])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp_name)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+def tokenizer_corpus(max_operand: int) -> list[str]:
+    """Every text the tokenizer must cover: each template with every name and item, the roles,
+    every digit (labels and multi-digit operands) and the newline of the chat template."""
+    texts = [
+        template.text.format(name=name, item=item, a=max_operand, b=1)
+        for template in TEMPLATES for name in NAMES for item in ITEMS
+    ]
+    return texts + list(CHAT_ROLES) + ["0123456789", "\n"]
+
+
+def build_tiny_math_tokenizer(max_operand: int, vocab_size: Optional[int] = None) -> Tokenizer:
+    """Words of the problems, digits, chat tokens, the format pieces and one token per answer."""
+    answers = [answer_token(n) for n in range(2 * max_operand + 1)]
+    return build_closed_vocab_tokenizer(
+        tokenizer_corpus(max_operand), pieces=[*FORMAT_PIECES, *answers], vocab_size=vocab_size
+    )
+
+
+def ensure_tiny_math_assets(
+    data_dir: str | os.PathLike[str],
+    *,
+    seed: int = 1234,
+    num_prompts: int = 512,
+    max_operand: int = 4,
+    hidden_size: int = 128,
+    ffn_hidden_size: int = 256,
+    num_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_query_groups: int = 2,
+    max_position_embeddings: int = 256,
+    init_std: float = 0.05,
+    vocab_size: Optional[int] = None,
+) -> tuple[Path, Path]:
+    """Return ``(model_dir, data_path)`` under ``data_dir``, generating them if needed.
+
+    ``vocab_size`` None: the tokenizer's own size (see :func:`tiny_math_vocab_size`); a larger
+    value pads with filler tokens. Call it from one process (the driver) before workers start.
+    """
+    params: dict[str, Any] = {
+        "task": TASK_NAME,
+        "format_version": ASSETS_FORMAT_VERSION,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "ffn_hidden_size": ffn_hidden_size,
+        "num_layers": num_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_query_groups": num_query_groups,
+        "max_position_embeddings": max_position_embeddings,
+        "init_std": init_std,
+        "num_prompts": num_prompts,
+        "max_operand": max_operand,
+        "seed": seed,
+    }
+    root = Path(data_dir)
+    model_dir, data_path = root / MODEL_SUBDIR, root / DATA_FILE
+    if not _cache_matches(root, params):
+        _generate_assets(root, params)
+    return model_dir, data_path
+
+
+def tiny_math_vocab_size(max_operand: int) -> int:
+    """The unpadded vocabulary size for ``max_operand`` (the model block's ``padded_vocab_size``)."""
+    return build_tiny_math_tokenizer(max_operand).get_vocab_size(with_added_tokens=True)
+
+
+def _cache_matches(root: Path, params: dict[str, Any]) -> bool:
+    manifest = root / MANIFEST_FILE
+    complete = (
+        manifest.is_file()
+        and (root / MODEL_SUBDIR / "config.json").is_file()
+        and (root / MODEL_SUBDIR / "tokenizer_config.json").is_file()
+        and (root / DATA_FILE).is_file()
+    )
+    if not complete:
+        return False
+    try:
+        return json.loads(manifest.read_text(encoding="utf-8")) == params
+    except json.JSONDecodeError:
+        return False
+
+
+def _generate_assets(root: Path, params: dict[str, Any]) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    # Drop the manifest first: a crash mid-way must not leave new files under an old manifest.
+    (root / MANIFEST_FILE).unlink(missing_ok=True)
+    tokenizer = build_tiny_math_tokenizer(params["max_operand"], params["vocab_size"])
+    staging = Path(tempfile.mkdtemp(prefix=f".{MODEL_SUBDIR}.tmp-", dir=root))
+    try:
+        staged_model = create_tiny_qwen2_checkpoint(
+            staging / MODEL_SUBDIR,
+            vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+            hidden_size=params["hidden_size"],
+            ffn_hidden_size=params["ffn_hidden_size"],
+            num_layers=params["num_layers"],
+            num_attention_heads=params["num_attention_heads"],
+            num_query_groups=params["num_query_groups"],
+            max_position_embeddings=params["max_position_embeddings"],
+            seed=params["seed"],
+            init_std=params["init_std"],
+            tokenizer=tokenizer,
+        )
+        # Rewritten with the chat template and <|im_end|> as eos, as in Qwen2.5-Instruct: vLLM
+        # stops a rollout at the tokenizer's eos (and at config.json's <|endoftext|>).
+        save_hf_tokenizer(tokenizer, staged_model, eos_token=CHAT_END_TOKEN, chat_template=QWEN_STYLE_CHAT_TEMPLATE)
+        replace_dir(staged_model, root / MODEL_SUBDIR)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    rows = make_word_problems(params["num_prompts"], params["max_operand"], params["seed"])
+    write_dapo_parquet(root / DATA_FILE, rows)
+    _write_text_atomic(root / MANIFEST_FILE, json.dumps(params, indent=2, sort_keys=True))
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
