@@ -1,5 +1,7 @@
 """Config: real Hydra composition of the shipped YAMLs, load_config's messages, and the CLI's exit codes."""
 
+import dataclasses
+import json
 import os
 import pickle
 import subprocess
@@ -16,10 +18,14 @@ from omegaconf import DictConfig, OmegaConf
 from mindspeed_rl.config import (
     ACCELERATOR_CONFIG_NAME,
     CPU_CONFIG_NAME,
+    REMOVED_KEYS,
     SCHEMA_NAME,
     ConfigError,
     GRPOConfig,
+    MegatronTrainingConfig,
+    ModelArchConfig,
     SamplingConfig,
+    check_model_block_against_hf,
     default_config_name,
     load_config,
     register_configs,
@@ -77,6 +83,13 @@ def test_qwen25_7b_recipe_loads_with_mindspeed_rl_values() -> None:
     assert config.generate_config.sampling_config.top_k == -1
     assert config.rl_config.verifier_function == ["math_17k_acc"]
     assert config.rl_config.integrated_mode_config.ref_model_load_path is None
+    # DeepScaleR rows {problem, answer} through MindSpeed-RL's qwen_r1 template.
+    assert config.megatron_training.prompt_type == "qwen_r1"
+    assert config.megatron_training.map_keys == {"prompt": "problem", "labels": "answer"}
+    assert config.megatron_training.sequence_parallel and config.megatron_training.use_distributed_optimizer
+    # Checkpoints are issue 11: the recipe's save keys are gone and load is an HF directory.
+    assert config.megatron_training.save_interval is None and config.actor_config.save is None
+    assert config.actor_config.load is None and config.actor_config.finetune
     assert config.runtime.device == "npu"
     assert config.synthetic_data is None
     arch = config.selected_model
@@ -118,12 +131,16 @@ def _schema_keys(cls: type, prefix: str = "") -> set[str]:
     return keys
 
 
+# Their only accepted value is null (the default) until checkpoints exist, so the YAML leaves them out.
+CHECKPOINT_KEYS = {"actor_config.save", "megatron_training.save_interval"}
+
+
 def test_tiny_yaml_lists_every_key_so_plain_overrides_work() -> None:
     # Hydra only accepts `key=value` for keys present in the YAML (others need `+key=value`).
     cfg = compose_cfg(TINY)
     absent = "<absent>"
     missing = [key for key in sorted(_schema_keys(GRPOConfig)) if OmegaConf.select(cfg, key, default=absent) == absent]
-    assert missing == []
+    assert missing == sorted(CHECKPOINT_KEYS)
 
 
 def test_yamls_do_not_use_the_hydra_schema() -> None:
@@ -155,7 +172,7 @@ def test_load_config_accepts_a_plain_mapping() -> None:
 
 def test_unknown_key_names_the_key_and_the_valid_ones() -> None:
     message = config_error(QWEN_7B, "+rl_config.foo=1")
-    assert message.startswith("rl_config.foo: unknown key (valid keys of rl_config: guarantee_order, ")
+    assert message.startswith("rl_config.foo: unknown key (valid keys of rl_config: use_integrated_worker, ")
     assert "mini_batch_size" in message and "actor_resource" in message
 
 
@@ -343,3 +360,306 @@ def test_two_rank_demo_variants_load(name, train, infer) -> None:
     assert config.world_size == 2
     assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, config.train_data_parallel_size) == train
     assert (g.infer_tensor_parallel_size, config.infer_data_parallel_size) == infer
+
+
+# --- every shipped config loads; every key works or is an error naming it ---------------------------
+
+SHIPPED_TRAINING_CONFIGS = sorted(path.stem for path in CONFIG_DIR.glob("grpo_*.yaml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED_TRAINING_CONFIGS)
+def test_every_shipped_training_config_loads(name: str) -> None:
+    config = load(name)
+    assert config.selected_model is not None
+    assert config.megatron_training.save_interval is None and config.actor_config.save is None
+
+
+def _override_for_removed(key: str) -> str:
+    # A model block's keys are removed whatever the block's name; the 7B recipe's block is qwen25_7b.
+    return "+" + key.replace("model.*.", "model.qwen25_7b.") + "=1"
+
+
+@pytest.mark.parametrize("key", sorted(REMOVED_KEYS))
+def test_removed_key_is_an_error_naming_it_and_the_reason(key: str) -> None:
+    concrete = _override_for_removed(key)[1:].split("=")[0]
+    assert config_error(QWEN_7B, _override_for_removed(key)) == (
+        f"{concrete}: not supported: {REMOVED_KEYS[key]}; remove it"
+    )
+
+
+def test_removed_backend_key_says_the_device_picks_the_backend() -> None:
+    assert config_error(QWEN_7B, "+megatron_training.distributed_backend=nccl") == (
+        "megatron_training.distributed_backend: not supported: the accelerator picks gloo/nccl/hccl from the device; "
+        "remove it"
+    )
+
+
+def test_removed_gae_keys_say_gae_is_not_implemented() -> None:
+    message = config_error(TINY, "+rl_config.lam=0.95")
+    assert message.startswith("rl_config.lam: not supported: GAE is not implemented")
+
+
+def test_removed_key_in_a_yaml_mapping_is_found_without_hydra() -> None:
+    container = OmegaConf.to_container(compose_cfg(TINY))
+    assert isinstance(container, dict)
+    container["model"]["tiny_qwen2"]["moe_grouped_gemm"] = True
+    with pytest.raises(ConfigError) as info:
+        load_config(container)
+    assert info.value.key == "model.tiny_qwen2.moe_grouped_gemm"
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("megatron_training.use_mcore_models=false", "megatron_training.use_mcore_models: must be true: "),
+        ("megatron_training.tokenizer_type=Llama2Tokenizer", "megatron_training.tokenizer_type: must be 'PretrainedFromHF': "),
+        ("megatron_training.stage=ray_ppo", "megatron_training.stage: must be 'ray_grpo': "),
+        ("+megatron_training.save_interval=100", "megatron_training.save_interval: must be null: checkpoints are not "
+                                                 "implemented yet (issue 11, 'Checkpoints'); got 100"),
+        ("megatron_training.dataset_additional_keys=[]", "megatron_training.dataset_additional_keys: must be ['labels']: "),
+        ("+actor_config.save=./ckpt", "actor_config.save: must be null: checkpoints are not implemented yet"),
+        ("actor_config.finetune=false", "actor_config.finetune: must be true: actor_config.load is an HF checkpoint"),
+        ("actor_config.no_load_optim=false", "actor_config.no_load_optim: must be true: there is no optimizer/RNG state"),
+        ("actor_config.no_load_rng=false", "actor_config.no_load_rng: must be true: "),
+        ("rl_config.use_integrated_worker=false", "rl_config.use_integrated_worker: must be true: "),
+        ("rl_config.rule_reward=false", "rl_config.rule_reward: must be true: "),
+        ("rl_config.adv_estimator=gae", "rl_config.adv_estimator: must be one of group_norm, got 'gae'"),
+        ("rl_config.kl_ctrl_type=adaptive", "rl_config.kl_ctrl_type: must be one of fixed, got 'adaptive'"),
+        ("model.tiny_qwen2.normalization=LayerNorm", "model.tiny_qwen2.normalization: must be 'RMSNorm': "),
+        ("model.tiny_qwen2.swiglu=false", "model.tiny_qwen2.swiglu: must be true: "),
+        ("model.tiny_qwen2.position_embedding_type=learned_absolute",
+         "model.tiny_qwen2.position_embedding_type: must be 'rope': "),
+        ("model.tiny_qwen2.disable_bias_linear=false", "model.tiny_qwen2.disable_bias_linear: must be true: "),
+        ("model.tiny_qwen2.make_vocab_size_divisible_by=128", "model.tiny_qwen2.make_vocab_size_divisible_by: must be 1: "),
+        ("model.tiny_qwen2.use_mcore_models=false", "model.tiny_qwen2.use_mcore_models: must be true: "),
+        ("+model.tiny_qwen2.moe_aux_loss_coeff=0.001", "model.tiny_qwen2.moe_aux_loss_coeff: must be 0.0: RL fine-tuning"),
+        ("+model.tiny_qwen2.moe_router_load_balancing_type=aux_loss",
+         "model.tiny_qwen2.moe_router_load_balancing_type: must be 'none': "),
+    ],
+)
+def test_key_with_one_working_value_rejects_the_others(override: str, expected: str) -> None:
+    assert config_error(TINY, override).startswith(expected)
+
+
+def test_split_must_be_train_only() -> None:
+    message = config_error(TINY, "megatron_training.split='98,1,1'")
+    assert message.startswith("megatron_training.split: must be train-only 'N,0,0'")
+    assert message.endswith("got '98,1,1'")
+
+
+# --- our keys ------------------------------------------------------------------------------------
+
+
+def test_data_keys_default_to_plain_prompt_and_answer_columns() -> None:
+    mt = load(TINY).megatron_training
+    assert (mt.prompt_type, mt.map_keys, mt.overlong_prompts, mt.wrap_small_dataset) == (
+        "empty", {"prompt": "prompt", "labels": "answer"}, "filter", False
+    )
+
+
+def test_map_keys_take_nested_paths() -> None:
+    mt = load(TINY, "megatron_training.map_keys={prompt:prompt,labels:reward_model.ground_truth}").megatron_training
+    assert mt.map_keys == {"prompt": "prompt", "labels": "reward_model.ground_truth"}
+
+
+def test_map_keys_given_in_part_keep_the_other_defaults() -> None:
+    cfg = compose_cfg(TINY)
+    cfg.megatron_training.map_keys = {"prompt": "problem"}
+    assert load_config(cfg).megatron_training.map_keys == {"prompt": "problem", "labels": "answer"}
+
+
+def test_map_keys_need_prompt_and_labels() -> None:
+    with pytest.raises(ConfigError) as info:
+        MegatronTrainingConfig(tokenizer_name_or_path="m", global_batch_size=1, train_iters=1, data_path="d",
+                               map_keys={"prompt": "problem"})
+    assert str(info.value) == "megatron_training.map_keys: must map prompt, labels to row fields, missing labels"
+
+
+def test_map_keys_reject_an_unknown_field() -> None:
+    message = config_error(TINY, "+megatron_training.map_keys.solution=solution")
+    assert message == "megatron_training.map_keys.solution: unknown field (known: prompt, labels, system)"
+
+
+def test_overlong_prompts_policy_is_filter_or_error() -> None:
+    assert config_error(TINY, "megatron_training.overlong_prompts=truncate") == (
+        "megatron_training.overlong_prompts: must be one of filter, error, got 'truncate'"
+    )
+
+
+def test_verifier_timeout_must_be_positive() -> None:
+    assert config_error(TINY, "rl_config.verifier_timeout_seconds=0") == (
+        "rl_config.verifier_timeout_seconds: must be > 0, got 0.0"
+    )
+
+
+def test_unknown_verifier_names_the_known_ones() -> None:
+    from mindspeed_rl.data.rewards import VERIFIERS
+
+    message = config_error(TINY, "rl_config.verifier_function=[math_acc]")
+    assert message == f"rl_config.verifier_function: unknown verifier 'math_acc'; known: {', '.join(sorted(VERIFIERS))}"
+    assert "arith_acc" in message
+
+
+def test_sequence_parallel_needs_tensor_parallelism() -> None:
+    assert config_error(TINY, "megatron_training.sequence_parallel=true") == (
+        "megatron_training.sequence_parallel: has no effect with actor_config.tensor_model_parallel_size=1 "
+        "(it splits activations over the tensor-parallel ranks); set false"
+    )
+    assert load("grpo_tiny_cpu_tp2_infer_dp2", "megatron_training.sequence_parallel=true").megatron_training.sequence_parallel
+
+
+def test_synthetic_task_is_arith_or_math_word() -> None:
+    assert config_error(TINY, "synthetic_data.task=poetry") == (
+        "synthetic_data.task: must be one of arith, math_word, got 'poetry'"
+    )
+
+
+def test_math_word_task_still_checks_the_model_block_sizes() -> None:
+    assert config_error(TINY, "synthetic_data.task=math_word", "synthetic_data.num_layers=4") == (
+        "model.tiny_qwen2.num_layers: must equal synthetic_data.num_layers=4, got 2"
+    )
+
+
+def test_vocab_size_bounds_the_block_for_arith_only() -> None:
+    # math_word's tokenizer size comes from its word list, not synthetic_data.vocab_size.
+    assert config_error(TINY, "synthetic_data.vocab_size=64").startswith("model.tiny_qwen2.padded_vocab_size: ")
+    assert load(TINY, "synthetic_data.task=math_word", "synthetic_data.vocab_size=64").synthetic_data.task == "math_word"
+
+
+def test_cpu_rank_limit_must_be_positive() -> None:
+    assert config_error(TINY, "runtime.max_ranks_per_cpu_core=0") == "runtime.max_ranks_per_cpu_core: must be > 0, got 0"
+
+
+# --- model block against the checkpoint's config.json ---------------------------------------------
+
+# Qwen/Qwen2.5-7B's config.json (the keys the check reads, values as published).
+QWEN25_7B_CONFIG_JSON = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": False, "vocab_size": 152064,
+}
+
+
+def _qwen25_7b_block() -> ModelArchConfig:
+    return load(QWEN_7B).model["qwen25_7b"]
+
+
+def hf_mismatch(arch: ModelArchConfig, hf_config: dict) -> str:
+    return hf_mismatch_at("model.qwen25_7b", arch, hf_config)
+
+
+def test_shipped_7b_block_matches_the_qwen25_7b_checkpoint() -> None:
+    check_model_block_against_hf(_qwen25_7b_block(), "model.qwen25_7b", QWEN25_7B_CONFIG_JSON)
+
+
+def test_shipped_tiny_block_matches_the_demo_generators_config_json() -> None:
+    from mindspeed_rl.data.tiny_model import _qwen2_config
+
+    synthetic = load(TINY).synthetic_data
+    assert synthetic is not None
+    hf_config = json.loads(_qwen2_config(
+        vocab_size=synthetic.vocab_size, hidden_size=synthetic.hidden_size, ffn_hidden_size=synthetic.ffn_hidden_size,
+        num_layers=synthetic.num_layers, num_attention_heads=synthetic.num_attention_heads,
+        num_query_groups=synthetic.num_query_groups, max_position_embeddings=256, init_std=0.05,
+    ).to_json_string())
+    assert "rope_theta" not in hf_config  # transformers 5 nests it in rope_parameters, which must be read
+    check_model_block_against_hf(load(TINY).model["tiny_qwen2"], "model.tiny_qwen2", hf_config)
+
+
+@pytest.mark.parametrize(
+    "changes,expected",
+    [
+        ({"num_layers": 24}, "model.qwen25_7b.num_layers: is 24 but the checkpoint's config.json has num_hidden_layers=28"),
+        ({"hidden_size": 4096}, "model.qwen25_7b.hidden_size: is 4096 but the checkpoint's config.json has hidden_size=3584"),
+        ({"ffn_hidden_size": 1}, "model.qwen25_7b.ffn_hidden_size: is 1 but the checkpoint's config.json has "
+                                 "intermediate_size=18944"),
+        ({"num_attention_heads": 32}, "model.qwen25_7b.num_attention_heads: is 32 but the checkpoint's config.json has "
+                                      "num_attention_heads=28"),
+        ({"num_query_groups": 7}, "model.qwen25_7b.num_query_groups: is 7 but the checkpoint's config.json has "
+                                  "num_key_value_heads=4"),
+        ({"group_query_attention": False}, "model.qwen25_7b.group_query_attention: is false but the checkpoint's "
+                                           "config.json has num_key_value_heads=4 and num_attention_heads=28"),
+        ({"rotary_base": 10000.0}, "model.qwen25_7b.rotary_base: is 10000.0 but the checkpoint's config.json has "
+                                   "rope_theta=1000000.0"),
+        ({"norm_epsilon": 1e-5}, "model.qwen25_7b.norm_epsilon: is 1e-05 but the checkpoint's config.json has "
+                                 "rms_norm_eps=1e-06"),
+        ({"untie_embeddings_and_output_weights": False}, "model.qwen25_7b.untie_embeddings_and_output_weights: is false "
+                                                         "but the checkpoint's config.json has tie_word_embeddings=false"),
+        ({"add_qkv_bias": False}, "model.qwen25_7b.add_qkv_bias: is false but the checkpoint's config.json has "
+                                  "model_type='qwen2' (always a QKV bias)"),
+        ({"kv_channels": 64}, "model.qwen25_7b.kv_channels: is 64 but the checkpoint's config.json has no head_dim, so "
+                              "hidden_size / num_attention_heads = 3584 / 28 = 128"),
+        ({"qk_layernorm": True}, "model.qwen25_7b.qk_layernorm: is true but the checkpoint's config.json has "
+                                 "model_type='qwen2' (without q/k norms)"),
+        ({"num_experts": 8}, "model.qwen25_7b.num_experts: is 8 but the checkpoint's config.json has no num_experts "
+                             "(a dense model)"),
+        ({"max_position_embeddings": 262144}, "model.qwen25_7b.max_position_embeddings: is 262144 but the checkpoint's "
+                                              "config.json has max_position_embeddings=131072; it must be <= that"),
+        ({"padded_vocab_size": 151643}, "model.qwen25_7b.padded_vocab_size: is 151643 but the checkpoint's config.json "
+                                        "has vocab_size=152064; it must be >= that"),
+    ],
+)
+def test_block_field_that_disagrees_with_the_checkpoint_is_named(changes: dict, expected: str) -> None:
+    assert hf_mismatch(dataclasses.replace(_qwen25_7b_block(), **changes), QWEN25_7B_CONFIG_JSON).startswith(expected)
+
+
+def test_block_may_lower_the_position_limit_and_pad_the_vocab() -> None:
+    # MindSpeed-RL's block says 32768 for this 131072-position checkpoint.
+    block = dataclasses.replace(_qwen25_7b_block(), padded_vocab_size=152064 + 64)
+    assert block.max_position_embeddings == 32768
+    check_model_block_against_hf(block, "model.qwen25_7b", QWEN25_7B_CONFIG_JSON)
+
+
+def test_fields_the_checkpoint_does_not_state_are_not_compared() -> None:
+    sparse = {"num_hidden_layers": 28, "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+              "num_key_value_heads": 4}
+    check_model_block_against_hf(_qwen25_7b_block(), "model.qwen25_7b", sparse)
+
+
+QWEN3_MOE_CONFIG_JSON = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True, "attention_bias": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": False,
+}
+
+
+def _qwen3_moe_block(**changes: object) -> ModelArchConfig:
+    fields_ = dict(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+                   group_query_attention=True, num_query_groups=4, kv_channels=128, num_experts=128, moe_router_topk=8,
+                   moe_ffn_hidden_size=768, norm_topk_prob=True, add_qkv_bias=False, qk_layernorm=True,
+                   rotary_base=1e6, untie_embeddings_and_output_weights=True)
+    fields_.update(changes)
+    return ModelArchConfig(**fields_)
+
+
+def test_moe_block_matches_a_qwen3_moe_checkpoint() -> None:
+    check_model_block_against_hf(_qwen3_moe_block(), "model.qwen3_30b_a3b", QWEN3_MOE_CONFIG_JSON)
+
+
+@pytest.mark.parametrize(
+    "changes,expected",
+    [
+        ({"moe_router_topk": 2}, "model.qwen3_30b_a3b.moe_router_topk: is 2 but the checkpoint's config.json has "
+                                 "num_experts_per_tok=8"),
+        ({"moe_ffn_hidden_size": 1024}, "model.qwen3_30b_a3b.moe_ffn_hidden_size: is 1024 but the checkpoint's "
+                                        "config.json has moe_intermediate_size=768"),
+        ({"num_experts": 64}, "model.qwen3_30b_a3b.num_experts: is 64 but the checkpoint's config.json has num_experts=128"),
+        ({"add_qkv_bias": True}, "model.qwen3_30b_a3b.add_qkv_bias: is true but the checkpoint's config.json has "
+                                 "attention_bias=false"),
+        ({"kv_channels": 64}, "model.qwen3_30b_a3b.kv_channels: is 64 but the checkpoint's config.json has head_dim=128"),
+        ({"rotary_base": 1e4}, "model.qwen3_30b_a3b.rotary_base: is 10000.0 but the checkpoint's config.json has "
+                               "rope_parameters.rope_theta=1000000.0"),
+        ({"qk_layernorm": False}, "model.qwen3_30b_a3b.qk_layernorm: is false but the checkpoint's config.json has "
+                                  "model_type='qwen3_moe' (with q/k norms)"),
+    ],
+)
+def test_moe_block_field_that_disagrees_is_named(changes: dict, expected: str) -> None:
+    message = hf_mismatch_at("model.qwen3_30b_a3b", _qwen3_moe_block(**changes), QWEN3_MOE_CONFIG_JSON)
+    assert message.startswith(expected)
+
+
+def hf_mismatch_at(block_key: str, arch: ModelArchConfig, hf_config: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        check_model_block_against_hf(arch, block_key, hf_config)
+    return str(info.value)

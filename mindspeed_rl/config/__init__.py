@@ -17,11 +17,14 @@ from mindspeed_rl.config.loader import (
 )
 from mindspeed_rl.config.megatron import ActorConfig, MegatronTrainingConfig
 from mindspeed_rl.config.model_arch import ModelArchConfig
+from mindspeed_rl.config.model_check import check_model_block_against_hf
+from mindspeed_rl.config.removed import REMOVED_KEYS
 from mindspeed_rl.config.rl import IntegratedModeConfig, ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 
 __all__ = [
     "ACCELERATOR_CONFIG_NAME",
+    "REMOVED_KEYS",
     "CPU_CONFIG_NAME",
     "SCHEMA_NAME",
     "ActorConfig",
@@ -36,6 +39,7 @@ __all__ = [
     "RuntimeConfig",
     "SamplingConfig",
     "SyntheticDataConfig",
+    "check_model_block_against_hf",
     "default_config_name",
     "load_config",
     "register_configs",

@@ -58,3 +58,22 @@ def require_divides(key: str, divisor: int, dividend: int, dividend_desc: str) -
 def require_equal(key: str, value: Optional[object], expected: object, expected_desc: str) -> None:
     if value != expected:
         raise ConfigError(key, f"must equal {expected_desc}, got {value}")
+
+
+def require_only(prefix: str, section: Any, name: str, accepted: object, reason: str) -> None:
+    """A key kept for MindSpeed-RL YAMLs whose only working value is ``accepted``; None (unset) passes.
+
+    Validation is the key's whole effect: any other value would be accepted and then ignored.
+    """
+    value = getattr(section, name)
+    if value is not None and value != accepted:
+        raise ConfigError(full_key(prefix, name), f"must be {_yaml_repr(accepted)}: {reason}; got {_yaml_repr(value)}")
+
+
+def _yaml_repr(value: object) -> str:
+    """Values as the user writes them in YAML (true/null, not True/None)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, str) else str(value)

@@ -60,6 +60,7 @@ class GenerateConfig:
     offload_train_grad: bool = False
     offload_train_param: bool = False
     infer_tensor_parallel_size: int = 1
+    # Validated only: must be 1 (vLLM pipeline parallelism does not fit the hybrid engine).
     infer_pipeline_parallel_size: int = 1
     infer_expert_parallel_size: int = 1
     max_num_seqs: int = 256
@@ -68,10 +69,12 @@ class GenerateConfig:
     # None lets vLLM choose.
     max_num_batched_tokens: Optional[int] = None
     dtype: str = "bfloat16"
-    # Fraction of device memory vLLM may use (weights + KV cache); ignored on CPU, see cpu_kvcache_space_gb.
+    # Read on accelerators only (cuda, npu): the fraction of device memory vLLM may use (weights + KV
+    # cache). vLLM-cpu has no such fraction; on CPU the engine reads cpu_kvcache_space_gb instead.
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
-    # KV cache size on CPU, where vLLM ignores gpu_memory_utilization.
+    # Read on CPU only: the KV cache size in GiB (vLLM-cpu's kv_cache_memory_bytes). Accelerators size
+    # the cache from gpu_memory_utilization instead.
     cpu_kvcache_space_gb: float = 0.25
     # Upper bound on one train->infer weight-transfer bucket, which bounds the switch's memory peak.
     resharding_bucket_mb: int = 64

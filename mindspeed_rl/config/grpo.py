@@ -58,6 +58,7 @@ class GRPOConfig:
             block.check(f"model.{name}")
         self._check_model_selection()
         self._check_train_layout()
+        self._check_sequence_parallel()
         self._check_infer_layout()
         self._check_model_sharding()
         self._check_batch_sizes()
@@ -97,6 +98,15 @@ class GRPOConfig:
                 "actor_config.expert_model_parallel_size",
                 f"tensor * pipeline * expert parallel size = {tp} * {pp} * {ep} = {tp * pp * ep} "
                 f"must divide {world_desc}, got expert_model_parallel_size={ep}",
+            )
+
+    def _check_sequence_parallel(self) -> None:
+        tp = self.actor_config.tensor_model_parallel_size
+        if self.megatron_training.sequence_parallel and tp == 1:
+            raise ConfigError(
+                "megatron_training.sequence_parallel",
+                "has no effect with actor_config.tensor_model_parallel_size=1 (it splits activations over the "
+                "tensor-parallel ranks); set false",
             )
 
     def _check_infer_layout(self) -> None:
@@ -214,7 +224,10 @@ class GRPOConfig:
             synthetic.num_query_groups,
             f"synthetic_data.num_query_groups={synthetic.num_query_groups}",
         )
-        if arch.padded_vocab_size is not None and arch.padded_vocab_size < synthetic.vocab_size:
+        # Only the arithmetic task's tokenizer has synthetic_data.vocab_size tokens; math_word's size
+        # comes from its word list and is checked against the written checkpoint at start.
+        vocab_checked = synthetic.task == "arith" and arch.padded_vocab_size is not None
+        if vocab_checked and arch.padded_vocab_size < synthetic.vocab_size:
             raise ConfigError(
                 f"{prefix}.padded_vocab_size",
                 f"must be >= synthetic_data.vocab_size={synthetic.vocab_size}, got {arch.padded_vocab_size}",

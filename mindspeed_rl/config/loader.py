@@ -24,24 +24,18 @@ from omegaconf.errors import (
 
 from mindspeed_rl.config.errors import ConfigError
 from mindspeed_rl.config.grpo import GRPOConfig
+from mindspeed_rl.config.removed import check_removed_keys
 
 SCHEMA_NAME = "grpo_config_schema"
 ACCELERATOR_CONFIG_NAME = "grpo_qwen25_7b_A3"
 CPU_CONFIG_NAME = "grpo_tiny_cpu"
-# MindSpeed-RL's separate-role sections; integrated mode forbids them, and it is our only mode.
-INTEGRATED_MODE_ABSENT_SECTIONS = ("ref_config", "reward_config")
 
 
 def load_config(cfg: Union[DictConfig, Mapping[str, Any]]) -> GRPOConfig:
-    """Check ``cfg`` against the schema (unknown keys, types, missing values), then build the
-    dataclasses so that every section and cross-section check runs. Raises ConfigError only."""
-    for name in INTEGRATED_MODE_ABSENT_SECTIONS:
-        if name in cfg:
-            raise ConfigError(
-                name,
-                "not supported: in integrated mode (rl_config.use_integrated_worker, the only mode of this "
-                "hybrid engine) the reference and reward models reuse actor_config; remove this section",
-            )
+    """Reject MindSpeed-RL keys this engine does not have (with the reason, ``removed.py``), check
+    ``cfg`` against the schema (unknown keys, types, missing values), then build the dataclasses so
+    that every section and cross-section check runs. Raises ConfigError only."""
+    check_removed_keys(cfg)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(GRPOConfig), cfg)
         config = OmegaConf.to_object(merged)

@@ -2,10 +2,12 @@
 
 MindSpeed-RL builds the actor's Megatron arguments as ``{**megatron_training, **actor_config}``;
 here the two stay separate typed sections and the consumer reads each key from its own section.
-Keys that only matter to fused NPU/CUDA kernels are accepted and stored so that a MindSpeed-RL
-YAML validates unchanged; the CPU engine ignores them.
+Every key either reaches the engine/trainer or is validated to the one value that describes what
+this engine does (``require_only``); MindSpeed-RL keys that would do nothing here are not in the
+schema at all and are rejected with a reason (``mindspeed_rl/config/removed.py``).
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
@@ -13,15 +15,18 @@ from mindspeed_rl.config.checks import (
     require_choice,
     require_in_range,
     require_non_negative,
+    require_only,
     require_positive,
 )
 from mindspeed_rl.config.errors import ConfigError
 
-SUPPORTED_STAGES = ("ray_grpo",)
-# The collective backend is chosen by the accelerator from the device (gloo / nccl / hccl); the key
-# is kept for MindSpeed-RL compatibility, whose YAMLs say "nccl" even on NPUs.
-DISTRIBUTED_BACKENDS = ("nccl", "gloo", "hccl")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+OVERLONG_PROMPT_POLICIES = ("filter", "error")
+# Our fields of a dataset row; values of map_keys name where each lives in the row.
+MAP_KEYS_REQUIRED = ("prompt", "labels")
+MAP_KEYS_OPTIONAL = ("system",)
+_DOTTED_PATH = re.compile(r"^[^.\s]+(\.[^.\s]+)*$")
+CHECKPOINTS_ISSUE = "checkpoints are not implemented yet (issue 11, 'Checkpoints')"
 
 
 @dataclass(kw_only=True)
@@ -32,51 +37,74 @@ class MegatronTrainingConfig:
 
     # Name of the architecture block under top-level `model`; if set, must equal actor_config.model.
     model: Optional[str] = None
+    # Kernel choices: honoured where the accelerator has the kernel, the plain one elsewhere (the
+    # worker prints which requested kernels this device lacks).
     use_fused_rmsnorm: bool = False
-    use_mcore_models: bool = True
-    sequence_parallel: bool = False
     use_flash_attn: bool = False
     no_masked_softmax_fusion: bool = False
     attention_softmax_in_fp32: bool = False
     no_gradient_accumulation_fusion: bool = False
     use_fused_swiglu: bool = False
     use_fused_rotary_pos_emb: bool = False
+    # Validated only: the engine always builds Megatron-core (mcore) GPT models.
+    use_mcore_models: bool = True
+    # Needs actor_config.tensor_model_parallel_size > 1 (checked in GRPOConfig).
+    sequence_parallel: bool = False
     bf16: bool = False
     use_distributed_optimizer: bool = False
+    # Validated only: the tokenizer is always the HF one in tokenizer_name_or_path.
     tokenizer_type: str = "PretrainedFromHF"
     # HF model directory: tokenizer, and the HF config/weights the engines are built from.
     tokenizer_name_or_path: str
     # Prompts per iteration; the rollout has global_batch_size * rl_config.n_samples_per_prompt samples.
     global_batch_size: int
-    seq_length: int
-    # Iterations between checkpoints; None saves none.
+    # Validated only: must stay null until checkpoints exist (issue 11).
     save_interval: Optional[int] = None
     train_iters: int
+    # Validated only: GRPO is the only stage.
     stage: str = "ray_grpo"
     # RL fine-tuning keeps dropout off (Megatron's default is 0.1) so that old and new log-probs of
     # the same weights agree.
     attention_dropout: float = 0.0
-    init_method_std: float = 0.02
     hidden_dropout: float = 0.0
-    distributed_backend: str = "nccl"
-    no_shared_storage: bool = False
-    dataset_additional_keys: list[str] = field(default_factory=list)
+    # Validated only: the label column is the one extra key, and the verifiers read it.
+    dataset_additional_keys: list[str] = field(default_factory=lambda: ["labels"])
+    # A .jsonl/.json/.parquet file, a directory of them, or a directory from cli/preprocess_data.py.
     data_path: str
+    # Validated only: "N,0,0"; there are no validation/test splits (every row trains).
     split: str = "100,0,0"
     no_shuffle: bool = False
-    full_shuffle_instruction_dataset: bool = False
     seed: int = 1234
-    reuse_fp32_param: bool = False
+    # Ours. Prompt template name from configs/prompt_templates.yaml, or "chat" for the tokenizer's own
+    # chat template; the data code checks the name against the template file.
+    prompt_type: str = "empty"
+    # Ours. Our row fields -> dotted paths in a dataset row: `prompt` and `labels` required, `system`
+    # optional; e.g. DAPO-Math-17k: {prompt: prompt, labels: reward_model.ground_truth}. A YAML that
+    # gives some of the fields keeps the defaults of the others (OmegaConf merges mappings).
+    map_keys: dict[str, str] = field(default_factory=lambda: {"prompt": "prompt", "labels": "answer"})
+    # Ours. Prompts longer than rl_config.max_prompt_length: "filter" drops them (count printed),
+    # "error" stops at start. Never truncated.
+    overlong_prompts: str = "filter"
+    # Ours. A dataset smaller than global_batch_size: false = error at start, true = wrap around.
+    wrap_small_dataset: bool = False
 
     def __post_init__(self) -> None:
         prefix = self.SECTION_KEY
-        require_positive(prefix, self, "global_batch_size", "seq_length", "train_iters", "save_interval")
-        require_positive(prefix, self, "init_method_std")
+        require_positive(prefix, self, "global_batch_size", "train_iters")
         require_in_range(prefix, self, "attention_dropout", 0.0, 1.0, high_open=True)
         require_in_range(prefix, self, "hidden_dropout", 0.0, 1.0, high_open=True)
-        require_choice(prefix, self, "stage", SUPPORTED_STAGES)
-        require_choice(prefix, self, "distributed_backend", DISTRIBUTED_BACKENDS)
+        require_only(prefix, self, "use_mcore_models", True, "the engine builds Megatron-core (mcore) models only")
+        require_only(prefix, self, "tokenizer_type", "PretrainedFromHF",
+                     "the tokenizer is the HF one in megatron_training.tokenizer_name_or_path")
+        require_only(prefix, self, "stage", "ray_grpo", "GRPO (ray_grpo) is the only training stage here")
+        require_only(prefix, self, "save_interval", None, CHECKPOINTS_ISSUE)
+        require_only(prefix, self, "dataset_additional_keys", ["labels"],
+                     "the label column is the only extra dataset key and feeds rl_config.verifier_function")
+        require_choice(prefix, self, "overlong_prompts", OVERLONG_PROMPT_POLICIES)
+        if not self.prompt_type:
+            raise ConfigError(f"{prefix}.prompt_type", "must name a prompt template (e.g. empty, chat), got ''")
         self._check_split()
+        self._check_map_keys()
 
     def _check_split(self) -> None:
         parts = self.split.split(",")
@@ -84,11 +112,26 @@ class MegatronTrainingConfig:
             weights = [float(part) for part in parts]
         except ValueError:
             weights = []
-        if len(parts) != 3 or len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0:
+        if len(weights) != 3 or weights[0] <= 0 or weights[1:] != [0.0, 0.0]:
             raise ConfigError(
                 f"{self.SECTION_KEY}.split",
-                f"must be three non-negative train,valid,test weights like '100,0,0', got {self.split!r}",
+                f"must be train-only 'N,0,0' like '100,0,0' (there are no validation or test splits: "
+                f"every row of data_path trains), got {self.split!r}",
             )
+
+    def _check_map_keys(self) -> None:
+        key = f"{self.SECTION_KEY}.map_keys"
+        missing = [name for name in MAP_KEYS_REQUIRED if name not in self.map_keys]
+        if missing:
+            required, absent = ", ".join(MAP_KEYS_REQUIRED), ", ".join(missing)
+            raise ConfigError(key, f"must map {required} to row fields, missing {absent}")
+        known = MAP_KEYS_REQUIRED + MAP_KEYS_OPTIONAL
+        for name, path in self.map_keys.items():
+            if name not in known:
+                raise ConfigError(f"{key}.{name}", f"unknown field (known: {', '.join(known)})")
+            if not _DOTTED_PATH.match(path):
+                raise ConfigError(f"{key}.{name}", f"must be a dotted path into a row like reward_model.ground_truth, "
+                                                   f"got {path!r}")
 
 
 @dataclass(kw_only=True)
@@ -105,6 +148,8 @@ class ActorConfig:
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     lr: float
+    # Megatron's OptimizerParamScheduler: warmup over lr_warmup_fraction of all optimizer steps, then
+    # decay to min_lr.
     lr_decay_style: str = "constant"
     min_lr: float = 0.0
     weight_decay: float = 0.01
@@ -114,12 +159,14 @@ class ActorConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    finetune: bool = False
-    # Megatron checkpoint directories; None = start from the HF weights / do not save.
+    # Validated only: true = load weights only from `load` (no optimizer/RNG state).
+    finetune: bool = True
+    # An HF checkpoint directory (weights only); None = megatron_training.tokenizer_name_or_path.
     load: Optional[str] = None
+    # Validated only (null / true) until checkpoints exist (issue 11).
     save: Optional[str] = None
-    no_load_optim: bool = False
-    no_load_rng: bool = False
+    no_load_optim: bool = True
+    no_load_rng: bool = True
 
     def __post_init__(self) -> None:
         prefix = self.SECTION_KEY
@@ -140,3 +187,8 @@ class ActorConfig:
         require_in_range(prefix, self, "lr_warmup_fraction", 0.0, 1.0)
         require_in_range(prefix, self, "adam_beta1", 0.0, 1.0, high_open=True)
         require_in_range(prefix, self, "adam_beta2", 0.0, 1.0, high_open=True)
+        require_only(prefix, self, "save", None, CHECKPOINTS_ISSUE)
+        require_only(prefix, self, "finetune", True,
+                     "actor_config.load is an HF checkpoint directory, loaded as weights only")
+        for name in ("no_load_optim", "no_load_rng"):
+            require_only(prefix, self, name, True, f"there is no optimizer/RNG state to load: {CHECKPOINTS_ISSUE}")

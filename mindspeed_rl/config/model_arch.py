@@ -2,23 +2,27 @@
 
 `configs/model/<name>.yaml` holds a top-level `<name>:` block; the training YAML pulls it in with
 `defaults: [model: [<name>]]`, so Hydra places it at `cfg.model.<name>`, and
-`actor_config.model: <name>` selects it. The engines build the model from the HF checkpoint; these
-blocks exist so that parallel sizes can be checked against the architecture before any process starts.
+`actor_config.model: <name>` selects it. The engines build the model from the HF checkpoint; a block
+exists so that parallel sizes can be checked against the architecture before any process starts, and
+its fields are compared with the checkpoint's config.json at start (`model_check.py`). Fields that
+describe the model family this engine builds (Qwen2/Qwen2.5/Qwen3 dense and Qwen3-MoE) accept that
+family's one value; kernel options are not architecture and are rejected here (`removed.py`).
 """
 
 from dataclasses import dataclass
 from typing import Optional
 
-from mindspeed_rl.config.checks import full_key, require_choice, require_positive
+from mindspeed_rl.config.checks import full_key, require_only, require_positive
 from mindspeed_rl.config.errors import ConfigError
 
-NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+FAMILY = "the engine builds the Qwen2/Qwen3 family from the HF checkpoint"
 
 
 @dataclass(kw_only=True)
 class ModelArchConfig:
-    """One architecture block. Optional fields left None mean "Megatron's default"."""
+    """One architecture block. Optional fields left None are not checked."""
 
+    # Validated only (true): the engine builds Megatron-core models.
     use_mcore_models: Optional[bool] = None
     num_layers: int
     hidden_size: int
@@ -26,32 +30,30 @@ class ModelArchConfig:
     num_attention_heads: int
     rotary_base: Optional[float] = None
     max_position_embeddings: Optional[int] = None
+    # Validated only (1): the embedding has exactly the checkpoint's vocab_size rows, no padding.
     make_vocab_size_divisible_by: Optional[int] = None
     # Rows of the embedding/output matrices (tokenizer vocab rounded up); sharded over TP.
     padded_vocab_size: Optional[int] = None
     untie_embeddings_and_output_weights: Optional[bool] = None
     add_qkv_bias: Optional[bool] = None
+    # Validated only (true): Qwen linear layers have no bias; the QKV bias is add_qkv_bias.
     disable_bias_linear: Optional[bool] = None
     group_query_attention: Optional[bool] = None
     num_query_groups: Optional[int] = None
+    # Validated only (rope, RMSNorm, true): the Qwen family's one choice each.
     position_embedding_type: Optional[str] = None
     normalization: Optional[str] = None
     norm_epsilon: Optional[float] = None
     swiglu: Optional[bool] = None
-    attention_softmax_in_fp32: Optional[bool] = None
     attention_bias: Optional[bool] = None
     qk_layernorm: Optional[bool] = None
     kv_channels: Optional[int] = None
-    tokenizer_type: Optional[str] = None
-    no_gradient_accumulation_fusion: Optional[bool] = None
-    # Mixture of experts (Qwen3-MoE, DeepSeek blocks).
+    # Mixture of experts (Qwen3-MoE blocks).
     num_experts: Optional[int] = None
     moe_router_topk: Optional[int] = None
     moe_ffn_hidden_size: Optional[int] = None
+    # Validated only ("none", 0): RL fine-tuning has no auxiliary load-balancing loss in its objective.
     moe_router_load_balancing_type: Optional[str] = None
-    moe_grouped_gemm: Optional[bool] = None
-    moe_permutation_async_comm: Optional[bool] = None
-    moe_token_dispatcher_type: Optional[str] = None
     moe_aux_loss_coeff: Optional[float] = None
     norm_topk_prob: Optional[bool] = None
 
@@ -73,7 +75,6 @@ class ModelArchConfig:
             "ffn_hidden_size",
             "num_attention_heads",
             "max_position_embeddings",
-            "make_vocab_size_divisible_by",
             "padded_vocab_size",
             "num_query_groups",
             "kv_channels",
@@ -82,8 +83,7 @@ class ModelArchConfig:
             "moe_router_topk",
             "moe_ffn_hidden_size",
         )
-        if self.normalization is not None:
-            require_choice(prefix, self, "normalization", NORMALIZATIONS)
+        self._check_family(prefix)
         if self.group_query_attention and self.num_query_groups is None:
             raise ConfigError(full_key(prefix, "num_query_groups"), "must be set when group_query_attention is true")
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -104,3 +104,17 @@ class ModelArchConfig:
                 full_key(prefix, "moe_router_topk"),
                 f"must be <= {prefix}.num_experts={experts}, got {top_k}",
             )
+
+    def _check_family(self, prefix: str) -> None:
+        """Keys that MindSpeed-RL model files carry and that have one value for what we build."""
+        require_only(prefix, self, "use_mcore_models", True, "the engine builds Megatron-core (mcore) models only")
+        require_only(prefix, self, "make_vocab_size_divisible_by", 1,
+                     "the embedding has exactly the checkpoint's vocab_size rows (no padding to a multiple)")
+        require_only(prefix, self, "disable_bias_linear", True,
+                     f"{FAMILY}, whose linear layers have no bias (the QKV bias is add_qkv_bias)")
+        require_only(prefix, self, "position_embedding_type", "rope", f"{FAMILY}, which uses rotary embeddings")
+        require_only(prefix, self, "normalization", "RMSNorm", f"{FAMILY}, which uses RMSNorm")
+        require_only(prefix, self, "swiglu", True, f"{FAMILY}, whose MLP is SwiGLU")
+        objective = "RL fine-tuning has no auxiliary load-balancing loss (the engine builds the router without one)"
+        require_only(prefix, self, "moe_router_load_balancing_type", "none", objective)
+        require_only(prefix, self, "moe_aux_loss_coeff", 0.0, objective)

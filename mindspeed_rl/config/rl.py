@@ -5,7 +5,6 @@ from typing import ClassVar, Optional
 
 from mindspeed_rl.config.checks import (
     require_choice,
-    require_in_range,
     require_non_negative,
     require_positive,
 )
@@ -45,17 +44,16 @@ class RLConfig:
 
     SECTION_KEY: ClassVar[str] = "rl_config"
 
-    guarantee_order: bool = False
-    # Only the integrated worker exists: actor, reference and reward share the actor's devices.
+    # Validated only: the integrated worker is the only one (actor, reference and reward share the
+    # actor's devices).
     use_integrated_worker: bool = True
-    blocking: bool = True
-    gamma: float = 1.0
-    lam: float = 0.95
     # Forward-only micro-batch sizes in samples; None = actor_config.micro_batch_size.
     actor_forward_micro_batch_size: Optional[int] = None
     ref_forward_micro_batch_size: Optional[int] = None
+    # Validated only: GRPO's group-normalised advantages are the only estimator.
     adv_estimator: str = "group_norm"
     kl_penalty: str = "low_var_kl"
+    # Validated only: the KL coefficient stays init_kl_coef.
     kl_ctrl_type: str = "fixed"
     init_kl_coef: float = 0.01
     # Prompts per optimizer step (MindSpeed-RL semantics); see mini_batch_size_in_samples.
@@ -66,13 +64,18 @@ class RLConfig:
     entropy_coeff: float = 0.0
     shuffle_mini_batch: bool = False
     n_samples_per_prompt: int = 8
+    # Validated only: rule verifiers are the only reward (there is no reward model).
     rule_reward: bool = True
+    # Names from mindspeed_rl.data.rewards.VERIFIERS, one weight each.
     verifier_function: list[str] = field(default_factory=list)
     verifier_weight: list[float] = field(default_factory=list)
+    # Ours. Per-sample wall-clock limit of one verifier's answer comparison (math-verify), so that a
+    # pathological expression cannot stall a step; a sample past it scores 0.
+    verifier_timeout_seconds: float = 5.0
     # MindSpeed-RL defaults this to True, which computes throughput from the maximum lengths and
     # overstates it; we default to the honest mean-length figure.
     log_max_throughput: bool = False
-    num_cpus_for_local_task: float = 1.0
+    # Also write the metrics as TensorBoard event files in the run directory.
     use_tensorboard: bool = False
     actor_resource: ResourceConfig
     integrated_mode_config: IntegratedModeConfig = field(default_factory=IntegratedModeConfig)
@@ -96,11 +99,9 @@ class RLConfig:
             "max_prompt_length",
             "epochs",
             "clip_ratio",
-            "num_cpus_for_local_task",
+            "verifier_timeout_seconds",
         )
         require_non_negative(prefix, self, "init_kl_coef", "entropy_coeff")
-        require_in_range(prefix, self, "gamma", 0.0, 1.0)
-        require_in_range(prefix, self, "lam", 0.0, 1.0)
         require_choice(prefix, self, "adv_estimator", ADV_ESTIMATORS)
         require_choice(prefix, self, "kl_penalty", KL_PENALTIES)
         require_choice(prefix, self, "kl_ctrl_type", KL_CTRL_TYPES)
@@ -127,6 +128,15 @@ class RLConfig:
             )
         if not self.verifier_function:
             raise ConfigError(f"{prefix}.verifier_function", "must name at least one verifier when rule_reward is true")
+        # Imported here: the registry module pulls in the verifiers' libraries, which a config that
+        # fails earlier (or `--help`) should not pay for.
+        from mindspeed_rl.data.rewards import VERIFIERS
+
+        for name in self.verifier_function:
+            if name not in VERIFIERS:
+                raise ConfigError(
+                    f"{prefix}.verifier_function", f"unknown verifier {name!r}; known: {', '.join(sorted(VERIFIERS))}"
+                )
         if len(self.verifier_weight) != len(self.verifier_function):
             raise ConfigError(
                 f"{prefix}.verifier_weight",

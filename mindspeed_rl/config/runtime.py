@@ -7,6 +7,10 @@ from mindspeed_rl.config.checks import require_choice, require_non_negative, req
 from mindspeed_rl.config.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
+# arith: "a+b=" prompts, answer = the leading integer (verifier arith_acc).
+# math_word: small-integer word problems in DAPO-Math-17k's parquet schema, chat template, \boxed{n}
+# answers (verifiers math_17k_acc, format).
+SYNTHETIC_TASKS = ("arith", "math_word")
 
 
 @dataclass(kw_only=True)
@@ -19,6 +23,9 @@ class RuntimeConfig:
     device: str = "auto"
     # torch intra-op threads per rank; 0 = all cores (torch's default). Set it when ranks share a host.
     num_threads_per_rank: int = 0
+    # On runtime.device=cpu every rank is a process; more than this many per CPU core is an error at
+    # start (such a run makes no progress) instead of a queue or a swapping host.
+    max_ranks_per_cpu_core: int = 2
     # Iterations between metric log lines.
     log_interval: int = 1
     # Record the device-memory ledger per phase and plot it at the end.
@@ -29,34 +36,37 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         require_choice(self.SECTION_KEY, self, "device", DEVICES)
         require_non_negative(self.SECTION_KEY, self, "num_threads_per_rank")
-        require_positive(self.SECTION_KEY, self, "log_interval")
+        require_positive(self.SECTION_KEY, self, "log_interval", "max_ranks_per_cpu_core")
         if not self.metrics_file:
             raise ConfigError(f"{self.SECTION_KEY}.metrics_file", "must be a file name, got ''")
 
 
 @dataclass(kw_only=True)
 class SyntheticDataConfig:
-    """`synthetic_data`: the CPU demo's generated task (arithmetic prompts, tokenizer, untrained
-    Qwen2-architecture checkpoint). The generator lives elsewhere; this only holds its knobs."""
+    """`synthetic_data`: a CPU demo's generated task (prompts, tokenizer, untrained Qwen2-architecture
+    checkpoint). The generators live in mindspeed_rl/data; this only holds their knobs."""
 
     SECTION_KEY: ClassVar[str] = "synthetic_data"
 
     enabled: bool = True
-    # Holds model/ (HF tokenizer + checkpoint) and prompts.jsonl; relative to the launch directory.
+    task: str = "arith"
+    # Holds model/ (HF tokenizer + checkpoint) and the prompts file; relative to the launch directory.
     data_dir: str = "data/tiny"
     seed: int = 1
+    # arith only: the generated tokenizer's size. math_word's vocabulary is fixed by its word list.
     vocab_size: int = 64
     hidden_size: int = 128
     ffn_hidden_size: int = 256
     num_layers: int = 2
     num_attention_heads: int = 4
     num_query_groups: int = 2
-    # Largest operand of the generated arithmetic problems.
+    # Largest operand of the generated problems (both tasks).
     max_operand: int = 4
     num_prompts: int = 256
 
     def __post_init__(self) -> None:
         prefix = self.SECTION_KEY
+        require_choice(prefix, self, "task", SYNTHETIC_TASKS)
         require_positive(
             prefix,
             self,

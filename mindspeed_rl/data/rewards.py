@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are made: config checks read the registry only
+    import torch
+
 
 from mindspeed_rl.data.math_answers import (
     DEFAULT_SAMPLE_TIME_LIMIT_SECONDS,
@@ -161,6 +163,8 @@ class RuleRewards:
     per_verifier: dict[str, torch.Tensor]  # name -> float32 [num_samples], unweighted
 
     def __post_init__(self) -> None:
+        import torch
+
         if self.total.dtype != torch.float32 or self.total.dim() != 1:
             raise ValueError(
                 f"total must be float32 [num_samples], got {self.total.dtype} {tuple(self.total.shape)}"
@@ -186,6 +190,8 @@ def compute_rule_rewards(
     ``timeout_seconds`` bounds each sample's answer check (see :mod:`math_answers`). A name
     listed twice is scored once and its weights add up.
     """
+    import torch
+
     _check_rule_reward_args(responses, labels, verifier_functions, verifier_weights)
     per_verifier: dict[str, torch.Tensor] = {}
     total = torch.zeros(len(responses), dtype=torch.float64)
