@@ -60,16 +60,20 @@ def cluster(tmp_path_factory):
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     tmp_path = tmp_path_factory.mktemp("roll")
     config = _config(tmp_path)
+    from mindspeed_rl.data.dataset import load_prompt_dataset
+
     model_dir, ref_dir, prompts_path = setup.resolve_assets(config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = setup.tokenize_prompts(setup.read_prompt_rows(prompts_path), tokenizer,
-                                     config.rl_config.max_prompt_length, prompts_path)
+    mt = config.megatron_training
+    dataset = load_prompt_dataset(prompts_path, tokenizer=tokenizer, prompt_type=mt.prompt_type,
+                                  map_keys=dict(mt.map_keys), max_prompt_length=config.rl_config.max_prompt_length,
+                                  show_progress=False)
     setup.start_ray(config, "cpu", 1)
     actor = RayActorGroup(config=config, device="cpu", env_vars=default_env_vars(1), model_dir=model_dir,
                           ref_model_dir=ref_dir)
     try:
         actor.call("initialize")
-        yield config, actor, tokenizer, prompts, tmp_path
+        yield config, actor, tokenizer, dataset, tmp_path
     finally:
         actor.shutdown()
         ray.shutdown()
@@ -92,9 +96,9 @@ def _in_phase(metrics: dict, phase: str) -> set[str]:
 def test_roll_offload_control_on_the_hybrid_worker(cluster):
     from mindspeed_rl.trainer.grpo_trainer import forward_logprobs, generate, train
 
-    config, actor, tokenizer, prompts, tmp_path = cluster
+    config, actor, tokenizer, dataset, tmp_path = cluster
     assert all(sum(r.values()) == 0 for r in _resident(actor)), "after initialize nothing stays on the device"
-    prompt_batch = prompts[:4]
+    prompt_batch = dataset.records[:4]
 
     # Automatic mode: each call brings its role's states, runs with the phase table, and clears the device.
     batch, metrics = generate(actor, prompt_batch, config)
@@ -153,7 +157,7 @@ def test_roll_offload_control_on_the_hybrid_worker(cluster):
     actor.offload_states(blocking=True)
 
     # The trainer: ledger figures per phase in metrics.jsonl, and the timeline drawn from them.
-    history = train(config, actor, tokenizer, prompts, tmp_path)
+    history = train(config, actor, tokenizer, dataset, tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
     for record in records:

@@ -21,7 +21,7 @@ def run_cli(tmp_path, config_name: str, *overrides: str, timeout: int = 600) -> 
 
 def test_two_iterations_write_metrics(tmp_path):
     run_dir = tmp_path / "run"
-    done = run_cli(tmp_path, "grpo_tiny_cpu", "megatron_training.train_iters=2",
+    done = run_cli(tmp_path, "grpo_tiny_cpu", "megatron_training.train_iters=2", "rl_config.use_tensorboard=true",
                    f"synthetic_data.data_dir={tmp_path / 'assets'}")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("[iter")]
@@ -44,21 +44,52 @@ def test_two_iterations_write_metrics(tmp_path):
         assert r["memory/ref_logprob/reference_params_bytes"] == r["memory/update/train_params_bytes"]
         assert r["actor/optimizer_steps"] == 2  # 16 prompts x 8 samples in mini-batches of 8 prompts
         assert r["timing/rollout"] > 0
+    # MindSpeed-RL's names, each consistent with the figures it is made of.
+    for r in records:
+        assert r["arith_acc_rewards/mean"] == r["reward/mean"]  # one verifier, weight 1
+        assert r["response_length/min"] <= r["response_length/mean"] <= r["response_length/max"] <= 4
+        assert r["prompt_length/max"] <= 8
+        assert r["timing/update"] == r["timing/update/total"] > 0
+        assert r["timing/resharding_to_infer"] >= r["timing/resharding_enter_infer"] > 0
+        assert r["e2e_tps"] > 0 and r["vllm_tps"] > r["e2e_tps"] and r["update_tps"] > r["e2e_tps"]
+        assert r["actor/lr"] == 5e-4  # constant schedule
+        assert r["grad_norm"] == r["actor/grad_norm"]
+    assert (run_dir / "training_curves.png").stat().st_size > 10_000
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     # Adam moments exist from the first step on: 2 x the parameter bytes, resident while updating.
     assert records[1]["memory/update/optimizer_states_bytes"] == 2 * records[1]["memory/update/train_params_bytes"]
+
+
+def _demo_assets(tmp_path) -> Path:
+    from mindspeed_rl.data.arith_task import ensure_demo_assets
+
+    model_dir, _ = ensure_demo_assets(tmp_path / "assets", vocab_size=16, hidden_size=128, ffn_hidden_size=256,
+                                      num_layers=2, num_attention_heads=4, num_query_groups=2, num_prompts=16,
+                                      max_operand=4, seed=1)
+    return model_dir
 
 
 def test_bad_prompts_file_is_a_config_error(tmp_path):
     """A malformed data file stops the run before any worker starts: one line naming key, file and line."""
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
-    (tmp_path / "model").mkdir()
     done = run_cli(tmp_path, "grpo_tiny_cpu", "synthetic_data.enabled=false",
-                   f"megatron_training.tokenizer_name_or_path={tmp_path / 'model'}",
+                   f"megatron_training.tokenizer_name_or_path={_demo_assets(tmp_path)}",
                    f"megatron_training.data_path={data}", timeout=120)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert f"megatron_training.data_path: {data}:2:" in done.stderr
+
+
+def test_dataset_smaller_than_a_batch_is_an_error_not_a_hang(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(3)))
+    done = run_cli(tmp_path, "grpo_tiny_cpu", "synthetic_data.enabled=false",
+                   f"megatron_training.tokenizer_name_or_path={_demo_assets(tmp_path)}",
+                   f"megatron_training.data_path={data}", timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "megatron_training.global_batch_size" in done.stderr
 
 
 def test_pp2_train_tp2_infer_variant_runs(tmp_path):

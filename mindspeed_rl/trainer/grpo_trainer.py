@@ -1,7 +1,6 @@
 """The GRPO loop: generate -> reward -> reference and old log-probs -> advantages -> update."""
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -10,9 +9,13 @@ import torch
 
 from mindspeed_rl.algorithms.grpo import group_normalized_advantages
 from mindspeed_rl.config import GRPOConfig
+from mindspeed_rl.data.dataset import PromptDataset, PromptSampler, check_prompt_rows, load_prompt_dataset
 from mindspeed_rl.data.rewards import accuracy, compute_rule_rewards
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.trainer import setup
+from mindspeed_rl.trainer.metrics import (length_stats, phase_timings, reward_metrics, rollout_mismatch,
+                                          throughput)
+from mindspeed_rl.trainer.sinks import MetricsSinks
 from mindspeed_rl.workers.group import RayActorGroup, default_env_vars, merge_metrics, merge_shards
 
 
@@ -21,67 +24,109 @@ def run_grpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
 
     from mindspeed_rl.accelerator import detect_device
 
-    model_dir, ref_dir, prompts_path = setup.resolve_assets(config)
-    rows = setup.read_prompt_rows(prompts_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = setup.tokenize_prompts(rows, tokenizer, config.rl_config.max_prompt_length, prompts_path)
+    mt = config.megatron_training
+    model_dir, ref_dir, data_path = setup.resolve_assets(config)
+    check_prompt_rows(data_path, map_keys=dict(mt.map_keys))  # bad rows fail before any model file is read
+    hf_config = setup.read_hf_config(model_dir)
+    setup.check_against_checkpoint(config, hf_config, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.generate_config.trust_remote_code)
+    setup.check_tokenizer_fits_model(tokenizer, hf_config, model_dir)
+    dataset = load_prompt_dataset(data_path, tokenizer=tokenizer, prompt_type=mt.prompt_type, map_keys=dict(mt.map_keys),
+                                  max_prompt_length=config.rl_config.max_prompt_length,
+                                  overlong_prompts=mt.overlong_prompts)
+    sampler = _sampler(config, dataset)  # a dataset smaller than a batch fails here, not as a hang later
+    print(f"[data] {len(dataset.records)} prompts from {dataset.source} "
+          f"({dataset.num_filtered} longer than rl_config.max_prompt_length={config.rl_config.max_prompt_length} "
+          f"filtered), prompt_type={mt.prompt_type}", flush=True)
     device = detect_device() if config.runtime.device == "auto" else config.runtime.device
+    setup.check_host_capacity(config, device, os.cpu_count() or 1)
     threads = setup.threads_per_rank(config)
     setup.start_ray(config, device, threads)
+    print(f"[init] starting {config.world_size} rank(s) on {device}: checkpoint load, Megatron build, vLLM start",
+          flush=True)
     actor = RayActorGroup(config=config, device=device, env_vars=default_env_vars(threads),
                           model_dir=model_dir, ref_model_dir=ref_dir)
     try:
         init_metrics = merge_metrics(actor.call("initialize"))
         print(f"[init] ranks={config.world_size} device={device} {init_metrics['timing/initialize']:.1f}s", flush=True)
-        return train(config, actor, tokenizer, prompts, run_dir)
+        return train(config, actor, tokenizer, dataset, run_dir, sampler=sampler)
     finally:
         actor.shutdown()
 
 
-def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, prompts, run_dir: Path) -> list[dict]:
+def _sampler(config: GRPOConfig, dataset: PromptDataset) -> PromptSampler:
+    mt = config.megatron_training
+    return PromptSampler(len(dataset.records), mt.global_batch_size, seed=mt.seed, shuffle=not mt.no_shuffle,
+                         wrap_small_dataset=mt.wrap_small_dataset)
+
+
+def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDataset, run_dir: Path, *,
+          sampler: PromptSampler | None = None) -> list[dict]:
     mt, rl = config.megatron_training, config.rl_config
-    batches = setup.prompt_batches(prompts, mt.global_batch_size, seed=mt.seed, shuffle=not mt.no_shuffle)
-    metrics_path = run_dir / config.runtime.metrics_file
+    sampler = sampler or _sampler(config, dataset)
+    sinks = MetricsSinks(run_dir, metrics_file=config.runtime.metrics_file, use_tensorboard=rl.use_tensorboard)
     history = []
-    for iteration in range(1, mt.train_iters + 1):
-        started = time.perf_counter()
-        prompt_batch = next(batches)
-        batch, metrics = generate(actor, prompt_batch, config)
-        responses = [tokenizer.decode(ids, skip_special_tokens=True) for ids in _response_ids(batch)]
-        answers = [p.answer for p in prompt_batch for _ in range(rl.n_samples_per_prompt)]
-        rewards = compute_rule_rewards(responses, answers, rl.verifier_function, rl.verifier_weight)
-        batch.columns["advantages"] = group_normalized_advantages(rewards, rl.n_samples_per_prompt)
-        batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor, "compute_ref_log_prob", batch)
-        # ROLL's manual control: the update right after needs the train params again, so they stay.
-        batch.meta_info["is_offload_states"] = False
-        batch.columns["old_logprobs"], old_metrics = forward_logprobs(actor, "compute_log_prob", batch)
-        batch.meta_info.pop("is_offload_states")
-        update_metrics = merge_metrics(actor.call("update", batch, kl_coef=rl.init_kl_coef))
-        metrics.update(ref_metrics | old_metrics | update_metrics)
-        metrics.update({
-            "iteration": iteration,
-            "reward/mean": rewards.mean().item(),
-            "reward/accuracy": accuracy(responses, answers),
-            "response_length/mean": batch.response_mask.sum(1).mean().item(),
-            "rollout/logprob_max_abs_diff": _rollout_mismatch(batch),
-            "timing/iteration": time.perf_counter() - started,
-        })
-        history.append(metrics)
-        _append_jsonl(metrics_path, metrics)
-        if iteration % config.runtime.log_interval == 0:
-            print(format_line(metrics), flush=True)
-    if config.runtime.memory_timeline and history:
-        _plot_memory_timeline(history, run_dir, config.world_size)
+    try:
+        for iteration in range(1, mt.train_iters + 1):
+            started = time.perf_counter()
+            prompts = [dataset.records[index] for index in sampler.next_indices()]
+            batch, metrics = generate(actor, prompts, config)
+            responses = [tokenizer.decode(ids, skip_special_tokens=True) for ids in _response_ids(batch)]
+            labels = [p.label for p in prompts for _ in range(rl.n_samples_per_prompt)]
+            rewards = compute_rule_rewards(responses, labels, rl.verifier_function, rl.verifier_weight,
+                                           timeout_seconds=rl.verifier_timeout_seconds)
+            batch.columns["advantages"] = group_normalized_advantages(rewards.total, rl.n_samples_per_prompt)
+            batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor, "compute_ref_log_prob", batch)
+            # ROLL's manual control: the update right after needs the train params again, so they stay.
+            batch.meta_info["is_offload_states"] = False
+            batch.columns["old_logprobs"], old_metrics = forward_logprobs(actor, "compute_log_prob", batch)
+            batch.meta_info.pop("is_offload_states")
+            update_metrics = merge_metrics(actor.call("update", batch, kl_coef=rl.init_kl_coef))
+            metrics.update(ref_metrics | old_metrics | update_metrics)
+            metrics["iteration"] = iteration
+            metrics["timing/all"] = time.perf_counter() - started
+            metrics.update(iteration_metrics(config, batch, metrics, rewards,
+                                             accuracy(responses, labels, rl.verifier_function)))
+            history.append(metrics)
+            sinks.write(metrics)
+            if iteration % config.runtime.log_interval == 0:
+                print(format_line(metrics), flush=True)
+    finally:
+        sinks.close()
+    if history:
+        _plot_curves(history, run_dir, config)
     return history
 
 
-def _plot_memory_timeline(history: list[dict], run_dir: Path, world_size: int) -> None:
-    from mindspeed_rl.memory.timeline import plot_memory_timeline
+def iteration_metrics(config: GRPOConfig, batch: RolloutBatch, phase_metrics: dict, rewards, accuracy_value: float) -> dict:
+    """Everything derived from the iteration's batch, rewards and phase timings."""
+    response_lengths, prompt_lengths = batch.response_mask.sum(1).long(), batch.prompt_lengths
+    metrics = reward_metrics(rewards.total, rewards.per_verifier, accuracy_value)
+    metrics |= length_stats("response_length", response_lengths) | length_stats("prompt_length", prompt_lengths)
+    metrics |= rollout_mismatch(batch.columns["rollout_logprobs"], batch.columns["old_logprobs"], batch.response_mask)
+    metrics |= phase_timings(phase_metrics)
+    metrics |= throughput(prompt_lengths=prompt_lengths, response_lengths=response_lengths,
+                          world_size=config.world_size, seconds_all=phase_metrics["timing/all"],
+                          seconds_rollout=phase_metrics.get("timing/rollout", 0.0),
+                          seconds_update=metrics["timing/update"],
+                          use_max_lengths=config.rl_config.log_max_throughput)
+    if "actor/grad_norm" in phase_metrics:
+        metrics["grad_norm"] = phase_metrics["actor/grad_norm"]
+    return metrics
 
-    path = run_dir / "memory_timeline.png"
-    plot_memory_timeline(history, path, last_iterations=3,
-                         title=f"Device memory per phase (memory ledger; per rank, the largest of {world_size})")
-    print(f"[memory] timeline of the last iterations: {path}", flush=True)
+
+def _plot_curves(history: list[dict], run_dir: Path, config: GRPOConfig) -> None:
+    from mindspeed_rl.trainer.curves import plot_training_curves
+
+    plot_training_curves(history, run_dir / "training_curves.png")
+    print(f"[metrics] training curves: {run_dir / 'training_curves.png'}", flush=True)
+    if config.runtime.memory_timeline:
+        from mindspeed_rl.memory.timeline import plot_memory_timeline
+
+        path = run_dir / "memory_timeline.png"
+        plot_memory_timeline(history, path, last_iterations=3,
+                             title=f"Device memory per phase (memory ledger; per rank, the largest of {config.world_size})")
+        print(f"[memory] timeline of the last iterations: {path}", flush=True)
 
 
 def generate(actor: RayActorGroup, prompt_batch, config: GRPOConfig) -> tuple[RolloutBatch, dict]:
@@ -111,22 +156,8 @@ def _response_ids(batch: RolloutBatch) -> list[list[int]]:
     return [tokens[i, : lengths[i]].tolist() for i in range(len(batch))]
 
 
-def _rollout_mismatch(batch: RolloutBatch) -> float:
-    """max |vLLM log-prob - Megatron log-prob| over sampled tokens: the weight push made them equal."""
-    diff = (batch.columns["rollout_logprobs"] - batch.columns["old_logprobs"]).abs() * batch.response_mask
-    return diff.max().item()
-
-
-def _append_jsonl(path: Path, record: dict) -> None:
-    # One complete line per write + flush + fsync: a crash leaves whole records only.
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def format_line(m: dict) -> str:
-    phases = ("rollout", "resharding_enter_infer")
+    phases = ("rollout", "resharding_to_infer", "update")
     seconds = " ".join(f"{p}={m.get('timing/' + p, 0.0):.2f}s" for p in phases)
     # ROLL's automatic mode moves states around every call; its cost summed over the phases.
     for stage in ("onload", "offload"):
@@ -136,4 +167,5 @@ def format_line(m: dict) -> str:
                       for p in ("generate", "ref_logprob", "old_logprob", "update"))
     return (f"[iter {m['iteration']:>4}] reward={m['reward/mean']:.3f} acc={m['reward/accuracy']:.3f} "
             f"kl={m.get('actor/kl_loss', 0.0):.4f} lp_diff={m['rollout/logprob_max_abs_diff']:.1e} "
-            f"total={m['timing/iteration']:.2f}s {seconds} | device {memory}")
+            f"resp_len={m['response_length/mean']:.1f} e2e_tps={m['e2e_tps']:.0f} "
+            f"total={m['timing/all']:.2f}s {seconds} | device {memory}")

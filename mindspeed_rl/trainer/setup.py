@@ -1,76 +1,111 @@
-"""Everything the GRPO loop needs before its first iteration: assets, data, Ray, workers."""
+"""Everything the GRPO loop needs before its first iteration: assets, checks, data, Ray.
+
+Every check that can fail on user input runs here, before any worker starts, and raises a
+ConfigError naming the key or file (the CLI prints one line and exits 2).
+"""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import random
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from mindspeed_rl.config import ConfigError, GRPOConfig
 
-
-@dataclass(frozen=True, kw_only=True)
-class Prompt:
-    token_ids: list[int]
-    answer: str
+MODEL_DIR_KEY = "megatron_training.tokenizer_name_or_path"
+DATA_PATH_KEY = "megatron_training.data_path"
 
 
 def resolve_assets(config: GRPOConfig) -> tuple[str, str, str]:
-    """(model_dir, ref_model_dir, prompts_path); generates the demo's assets on first use."""
+    """(model_dir, ref_model_dir, data_path); generates the demo's assets on first use."""
     mt = config.megatron_training
-    model_dir, prompts_path = mt.tokenizer_name_or_path, mt.data_path
+    model_dir, data_path = mt.tokenizer_name_or_path, mt.data_path
     synthetic = config.synthetic_data
     if synthetic is not None and synthetic.enabled:
-        from mindspeed_rl.data.arith_task import ensure_demo_assets
-
-        made_model, made_prompts = ensure_demo_assets(
-            synthetic.data_dir, vocab_size=synthetic.vocab_size, hidden_size=synthetic.hidden_size,
-            ffn_hidden_size=synthetic.ffn_hidden_size, num_layers=synthetic.num_layers,
-            num_attention_heads=synthetic.num_attention_heads, num_query_groups=synthetic.num_query_groups,
-            num_prompts=synthetic.num_prompts, max_operand=synthetic.max_operand, seed=synthetic.seed,
-        )
-        model_dir, prompts_path = str(made_model), str(made_prompts)
+        made_model, made_data = _generate_synthetic_assets(synthetic)
+        model_dir, data_path = str(made_model), str(made_data)
+    model_key = "actor_config.load" if config.actor_config.load else MODEL_DIR_KEY
     model_dir = config.actor_config.load or model_dir
-    for key, path in (("megatron_training.tokenizer_name_or_path", model_dir), ("megatron_training.data_path", prompts_path)):
+    for key, path in ((model_key, model_dir), (DATA_PATH_KEY, data_path)):
         if not Path(path).exists():
             raise ConfigError(key, f"{path} does not exist")
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ConfigError(model_key, f"{model_dir} is not an HF model directory (no config.json)")
     ref_dir = config.rl_config.integrated_mode_config.ref_model_load_path or model_dir
     if not Path(ref_dir).exists():
         raise ConfigError("rl_config.integrated_mode_config.ref_model_load_path", f"{ref_dir} does not exist")
-    return os.path.abspath(model_dir), os.path.abspath(ref_dir), os.path.abspath(prompts_path)
+    return os.path.abspath(model_dir), os.path.abspath(ref_dir), os.path.abspath(data_path)
 
 
-def read_prompt_rows(prompts_path: str) -> list[dict]:
-    """The data file's rows, validated before anything heavy is loaded."""
-    from mindspeed_rl.data.arith_task import read_prompts_jsonl
+def _generate_synthetic_assets(synthetic) -> tuple[Path, Path]:
+    sizes = dict(hidden_size=synthetic.hidden_size, ffn_hidden_size=synthetic.ffn_hidden_size,
+                 num_layers=synthetic.num_layers, num_attention_heads=synthetic.num_attention_heads,
+                 num_query_groups=synthetic.num_query_groups, num_prompts=synthetic.num_prompts,
+                 max_operand=synthetic.max_operand, seed=synthetic.seed)
+    if synthetic.task == "math_word":
+        from mindspeed_rl.data.tiny_math import ensure_tiny_math_assets
 
+        return ensure_tiny_math_assets(synthetic.data_dir, **sizes)
+    from mindspeed_rl.data.arith_task import ensure_demo_assets
+
+    return ensure_demo_assets(synthetic.data_dir, vocab_size=synthetic.vocab_size, **sizes)
+
+
+def read_hf_config(model_dir: str) -> dict:
+    path = Path(model_dir) / "config.json"
     try:
-        return read_prompts_jsonl(prompts_path)
-    except ValueError as error:  # names the file and line
-        raise ConfigError("megatron_training.data_path", str(error)) from None
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(MODEL_DIR_KEY, f"{path}: not a readable JSON config ({error})") from None
 
 
-def tokenize_prompts(rows: list[dict], tokenizer, max_prompt_length: int, prompts_path: str) -> list[Prompt]:
-    prompts = []
-    for row in rows:
-        ids = tokenizer.encode(row["prompt"], add_special_tokens=False)
-        if len(ids) <= max_prompt_length:  # MindSpeed-RL drops over-long prompts the same way
-            prompts.append(Prompt(token_ids=ids, answer=str(row["answer"])))
-    if not prompts:
-        raise ConfigError("rl_config.max_prompt_length", f"no prompt of {prompts_path} fits in {max_prompt_length} tokens")
-    return prompts
+def check_against_checkpoint(config: GRPOConfig, hf_config: dict, model_dir: str) -> None:
+    """The checkpoint's config.json is what the engines build. A model block that describes another
+    model is reported in one line; the parallel layout is then re-checked against the checkpoint's
+    real architecture, so a layout that cannot shard it fails here and not inside a worker."""
+    from mindspeed_rl.config.model_arch import ModelArchConfig
+    from mindspeed_rl.config.model_check import check_model_block_against_hf
+
+    name = config.actor_config.model
+    arch = config.selected_model
+    if arch is not None:
+        try:
+            check_model_block_against_hf(arch, f"model.{name}", hf_config)
+        except ConfigError as mismatch:
+            print(f"[model] warning: {mismatch} (from {model_dir}/config.json); the checkpoint's architecture "
+                  "is built and the parallel layout is checked against it", flush=True)
+    checkpoint_arch = ModelArchConfig(
+        num_layers=hf_config["num_hidden_layers"], hidden_size=hf_config["hidden_size"],
+        ffn_hidden_size=hf_config["intermediate_size"], num_attention_heads=hf_config["num_attention_heads"],
+        group_query_attention=True,
+        num_query_groups=hf_config.get("num_key_value_heads", hf_config["num_attention_heads"]),
+        kv_channels=hf_config.get("head_dim"), num_experts=hf_config.get("num_experts") or None,
+        max_position_embeddings=hf_config.get("max_position_embeddings"),
+    )
+    # replace() runs GRPOConfig.__post_init__ again: every layout check, now on the checkpoint's numbers.
+    dataclasses.replace(config, model={**config.model, name: checkpoint_arch}, synthetic_data=None)
 
 
-def prompt_batches(prompts: list[Prompt], batch_size: int, *, seed: int, shuffle: bool) -> Iterator[list[Prompt]]:
-    """Endless epochs of `batch_size` prompts; reshuffled every epoch unless `no_shuffle`."""
-    rng = random.Random(seed)
-    while True:
-        order = list(range(len(prompts)))
-        if shuffle:
-            rng.shuffle(order)
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            yield [prompts[i] for i in order[start:start + batch_size]]
+def check_tokenizer_fits_model(tokenizer, hf_config: dict, model_dir: str) -> None:
+    vocab_size = hf_config.get("vocab_size")
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise ConfigError(MODEL_DIR_KEY, f"the tokenizer in {model_dir} has {len(tokenizer)} tokens but the model's "
+                                         f"vocab_size is {vocab_size}: token ids past it have no embedding row")
+
+
+def check_host_capacity(config: GRPOConfig, device: str, cpu_count: int) -> None:
+    """On CPU every rank is a process; beyond a few per core the run makes no progress, so say so
+    at start instead of letting Ray queue the ranks or the host swap."""
+    if device != "cpu":
+        return
+    limit = config.runtime.max_ranks_per_cpu_core * cpu_count
+    if config.world_size > limit:
+        raise ConfigError(
+            "rl_config.actor_resource.num_npus",
+            f"{config.world_size} ranks on runtime.device=cpu, but this host has {cpu_count} CPU cores and "
+            f"runtime.max_ranks_per_cpu_core={config.runtime.max_ranks_per_cpu_core} allows {limit}: lower "
+            "num_npus (and the parallel sizes with it) or run on the accelerators the config was written for",
+        )
 
 
 def start_ray(config: GRPOConfig, device: str, threads_per_rank: int, *, attempts: int = 2) -> None:
