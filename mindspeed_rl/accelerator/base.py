@@ -104,6 +104,13 @@ class Accelerator:
             return megatron_on_cpu()
         return contextlib.nullcontext()
 
+    def resolve_kernels(self, request):
+        """The fused kernels of a `KernelRequest` this device can run (TransformerConfig fields) and
+        the ones it cannot (see `accelerator/kernels.py`)."""
+        from mindspeed_rl.accelerator.kernels import resolve_kernels
+
+        return resolve_kernels(request, self.name)
+
     def seed_model_parallel_rng(self, seed: int) -> None:
         if self.name == "cpu":
             from mindspeed_rl.accelerator.megatron_cpu import model_parallel_cpu_manual_seed

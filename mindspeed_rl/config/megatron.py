@@ -20,7 +20,8 @@ from mindspeed_rl.config.checks import (
 )
 from mindspeed_rl.config.errors import ConfigError
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+# Megatron's WSD also needs an anneal length (lr_wsd_decay_iters) that this schema has no key for.
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 OVERLONG_PROMPT_POLICIES = ("filter", "error")
 # Our fields of a dataset row; values of map_keys name where each lives in the row.
 MAP_KEYS_REQUIRED = ("prompt", "labels")
@@ -42,7 +43,8 @@ class MegatronTrainingConfig:
     use_fused_rmsnorm: bool = False
     use_flash_attn: bool = False
     no_masked_softmax_fusion: bool = False
-    attention_softmax_in_fp32: bool = False
+    # Megatron-LM's own default for bf16 training; the engine honours the value.
+    attention_softmax_in_fp32: bool = True
     no_gradient_accumulation_fusion: bool = False
     use_fused_swiglu: bool = False
     use_fused_rotary_pos_emb: bool = False
@@ -184,7 +186,8 @@ class ActorConfig:
         if self.min_lr > self.lr:
             raise ConfigError(f"{prefix}.min_lr", f"must be <= actor_config.lr={self.lr}, got {self.min_lr}")
         require_choice(prefix, self, "lr_decay_style", LR_DECAY_STYLES)
-        require_in_range(prefix, self, "lr_warmup_fraction", 0.0, 1.0)
+        # Megatron asserts warmup steps < total steps.
+        require_in_range(prefix, self, "lr_warmup_fraction", 0.0, 1.0, high_open=True)
         require_in_range(prefix, self, "adam_beta1", 0.0, 1.0, high_open=True)
         require_in_range(prefix, self, "adam_beta2", 0.0, 1.0, high_open=True)
         require_only(prefix, self, "save", None, CHECKPOINTS_ISSUE)

@@ -6,7 +6,7 @@ go through the same path as on a cluster.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterator
 
@@ -14,8 +14,32 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_rl.accelerator import Accelerator
-from mindspeed_rl.models.qwen2 import Qwen2Spec, hf_to_megatron_shard, transformer_config
+from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, hf_to_megatron_shard, transformer_config
 from mindspeed_rl.protocol import MicroBatch, RolloutBatch
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRSchedule:
+    """Megatron's OptimizerParamScheduler counted in optimizer steps: linear warmup from 0 to `lr`
+    over `warmup_steps`, then `decay_style` down to `min_lr` at `decay_steps` (the run's total).
+
+    Megatron-LM counts samples (steps x global batch); every step here has the same number of
+    samples, so counting steps gives the same curve.
+    """
+
+    decay_style: str = "constant"
+    warmup_steps: float = 0.0  # a float, as Megatron computes it: lr_warmup_fraction * decay_steps
+    decay_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"decay_style must be one of {LR_DECAY_STYLES}, got {self.decay_style!r}")
+        if self.decay_steps < 1:
+            raise ValueError(f"decay_steps must be >= 1, got {self.decay_steps}")
+        if not 0 <= self.warmup_steps < self.decay_steps:
+            raise ValueError(f"warmup_steps must be in [0, decay_steps={self.decay_steps}), got {self.warmup_steps}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,14 +51,18 @@ class OptimizerSettings:
     adam_beta2: float
     adam_eps: float
     clip_grad: float
+    schedule: LRSchedule = field(default_factory=LRSchedule)
+    # Megatron's DistributedOptimizer: fp32 masters and Adam moments sharded over DP ranks.
+    use_distributed_optimizer: bool = False
 
 
-def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, ep: int = 1):
+def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, ep: int = 1,
+                    options: ModelOptions = ModelOptions()):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp, ep=ep)
+    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp, ep=ep, options=options)
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
                                           qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
     if config.sequence_parallel:
@@ -112,7 +140,8 @@ class MegatronEngine:
     """One Megatron model (actor with optimizer, or reference without) on this rank's shard."""
 
     def __init__(self, *, spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], params_dtype: torch.dtype,
-                 accelerator: Accelerator, optimizer: OptimizerSettings | None):
+                 accelerator: Accelerator, optimizer: OptimizerSettings | None,
+                 options: ModelOptions = ModelOptions()):
         from megatron.core import parallel_state as ps
 
         self.spec = spec
@@ -121,35 +150,50 @@ class MegatronEngine:
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.ep = ps.get_expert_model_parallel_world_size()
         with accelerator.megatron_context():
-            module = build_gpt_model(spec, params_dtype=params_dtype, tp=self.tp, pp=self.pp, ep=self.ep)
+            module = build_gpt_model(spec, params_dtype=params_dtype, tp=self.tp, pp=self.pp, ep=self.ep,
+                                     options=options)
             load_hf_into_megatron(module, hf_state, spec)
             module.to(accelerator.device)
             self.optimizer = None
+            self.scheduler = None
             if optimizer is None:
                 self.model = module
             else:
-                self.model, self.optimizer = self._wrap_for_training(module, params_dtype, optimizer)
+                self.model, self.optimizer, self.scheduler = self._wrap_for_training(
+                    module, params_dtype, optimizer)
 
     def _wrap_for_training(self, module, params_dtype, settings: OptimizerSettings):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         config = module.config
+        distributed = settings.use_distributed_optimizer
         ddp = DistributedDataParallel(
-            config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False), module
+            config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed),
+            module,
         )
         optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=settings.lr, min_lr=settings.min_lr, weight_decay=settings.weight_decay,
                 adam_beta1=settings.adam_beta1, adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
                 clip_grad=settings.clip_grad, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
+                use_distributed_optimizer=distributed,
             ),
             [ddp],
+        )
+        schedule = settings.schedule
+        # Megatron-LM's defaults: warmup starts from lr 0 (lr_warmup_init), weight decay constant.
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=settings.lr, min_lr=settings.min_lr,
+            lr_warmup_steps=schedule.warmup_steps, lr_decay_steps=schedule.decay_steps,
+            lr_decay_style=schedule.decay_style, start_wd=settings.weight_decay, end_wd=settings.weight_decay,
+            wd_incr_steps=schedule.decay_steps, wd_incr_style="constant",
         )
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddp.no_sync
         config.grad_scale_func = optimizer.scale_loss
-        return ddp, optimizer
+        return ddp, optimizer, scheduler
 
     @property
     def module(self) -> torch.nn.Module:
@@ -204,12 +248,15 @@ class MegatronEngine:
 
     def train_step(self, batch: RolloutBatch, *, micro_batch_size: int, temperature: float,
                    loss_fn: Callable) -> dict[str, float]:
-        """One optimizer step on `batch` (one mini-batch), accumulating over micro-batches.
+        """One optimizer step on `batch` (this DP rank's part of one mini-batch), then one LR step.
 
-        loss_fn(logprobs, entropy, mb) -> (loss, stats) must already be normalised by the
-        mini-batch's token count, so micro-batch losses add up to the mini-batch loss.
+        loss_fn(logprobs, entropy, mb) -> (loss, stats) must already be normalised by the whole
+        mini-batch's token count, so the micro-batch losses (and stats) of all DP ranks add up to
+        the mini-batch's. The returned stats are those sums, the same on every rank, plus
+        `actor/grad_norm` and `actor/lr` (the learning rate this step used).
         """
         from megatron.core import parallel_state as ps
+        from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
         assert self.optimizer is not None, "train_step on a model built without optimizer"
         micro_batches = batch.micro_batches(micro_batch_size, self.accelerator.device)
@@ -228,11 +275,15 @@ class MegatronEngine:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             stats_per_mb = self._run_schedule(micro_batches, loss_func, forward_only=False, collect_non_loss_data=False)
+            lr = get_canonical_lr_for_logging(self.optimizer.param_groups)
             update_successful, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
         assert update_successful, "fp32/bf16 optimizer steps never skip"
         stats = {k: sum(s[k] for s in stats_per_mb) for k in stats_per_mb[0]} if stats_per_mb else {}
+        stats = self._sum_over_data_parallel(self._stats_from_last_stage(stats))
         stats["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
-        return self._stats_from_last_stage(stats)
+        stats["actor/lr"] = float(lr)
+        return stats
 
     # -- pipeline helpers ----------------------------------------------------------------------
     def _from_last_stage(self, tensor: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
@@ -252,7 +303,21 @@ class MegatronEngine:
         box = [stats if ps.is_pipeline_last_stage() else None]
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())
-        return {**box[0], "actor/grad_norm": stats["actor/grad_norm"]}
+        return box[0]
+
+    def _sum_over_data_parallel(self, stats: dict[str, float]) -> dict[str, float]:
+        """Each DP rank holds its share of the mini-batch's loss stats (its tokens over the whole
+        mini-batch's count); their sum over the DP group is the mini-batch value. Summed here,
+        where the DP split is known (the loss itself undoes DDP's averaging above), so every rank
+        returns the true value; a driver-side merge cannot tell DP replicas from TP/PP copies."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_data_parallel_world_size() == 1 or not stats:
+            return stats
+        keys = sorted(stats)
+        values = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
+        dist.all_reduce(values, group=ps.get_data_parallel_group())
+        return dict(zip(keys, values.tolist()))
 
     # -- weights -------------------------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:

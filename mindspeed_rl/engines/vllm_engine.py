@@ -36,6 +36,8 @@ class VLLMEngineConfig:
     gpu_memory_utilization: float
     cpu_kvcache_space_gb: float
     on_cpu: bool
+    # Lets vLLM run model/tokenizer code shipped inside the checkpoint directory.
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +47,9 @@ class Generation:
     prompt_index: int
     token_ids: list[int]
     logprobs: list[float]
+    # With logprobs > 0: per step, the `logprobs` most likely tokens' log-probs (plus the sampled one).
+    top_logprobs: list[dict[int, float]] | None = None
+    text: str | None = None  # with detokenize
 
 
 class VLLMEngine:
@@ -83,6 +88,7 @@ class VLLMEngine:
             # Temperature-scaled log-probs, the same quantity the trainer computes from logits/T.
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=False,
+            trust_remote_code=config.trust_remote_code,
             **kwargs,
         )
         if config.on_cpu:
@@ -106,15 +112,20 @@ class VLLMEngine:
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], *, n: int, max_tokens: int, temperature: float,
-                 top_p: float, top_k: int, min_p: float, seed: int | None) -> list[Generation]:
-        """`n` samples per prompt, prompt-major order; token ids in, so nothing is re-tokenized."""
+                 top_p: float, top_k: int, min_p: float, seed: int | None, logprobs: int = 0,
+                 detokenize: bool = False) -> list[Generation]:
+        """`n` samples per prompt, prompt-major order; token ids in, so nothing is re-tokenized.
+
+        The sampled token's log-prob is always returned; `logprobs` > 0 adds that many top
+        candidates per step (SamplingParams.logprobs), `detokenize` the text.
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         assert self.kv_cache_resident, "generate() with the KV cache released"
         assert self.weights_loaded, "generate() before the first weight push"
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, min_p=min_p, logprobs=0, seed=seed, detokenize=False)
+                                top_k=top_k, min_p=min_p, logprobs=logprobs, seed=seed, detokenize=detokenize)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         generations = []
@@ -122,7 +133,9 @@ class VLLMEngine:
             for sample in request.outputs:
                 ids = list(sample.token_ids)
                 lps = [step[token].logprob for token, step in zip(ids, sample.logprobs)]
-                generations.append(Generation(prompt_index=prompt_index, token_ids=ids, logprobs=lps))
+                top = [{t: lp.logprob for t, lp in step.items()} for step in sample.logprobs] if logprobs else None
+                generations.append(Generation(prompt_index=prompt_index, token_ids=ids, logprobs=lps,
+                                              top_logprobs=top, text=sample.text if detokenize else None))
         return generations
 
     # -- weights -------------------------------------------------------------------------------

@@ -29,9 +29,12 @@ def optimizer_state_tensors(optimizer) -> Iterator[torch.Tensor]:
                 # `step` is a scalar that torch keeps on the host unless the optimizer is capturable.
                 if key != "step" and torch.is_tensor(value):
                     yield value
-        for group in getattr(leaf, "fp32_from_float16_groups", []):
-            for master in group:
-                yield master.data
+        # fp32 masters of bf16 params: whole tensors (Float16Optimizer), or this DP rank's shards
+        # (DistributedOptimizer). Its fp32 "shards" of fp32 params are views of the params themselves.
+        for attribute in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+            for group in getattr(leaf, attribute, []):
+                for master in group:
+                    yield master.data
 
 
 TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS = (

@@ -8,7 +8,7 @@ Megatron's layouts (measured in shared/reference/megatron_cpu_recipe.md, Q5):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -78,17 +78,52 @@ def _moe_fields(hf_config) -> dict:
                 moe_topk=hf_config.num_experts_per_tok, norm_topk_prob=bool(hf_config.norm_topk_prob))
 
 
-def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, seq_parallel: bool = False,
-                       ep: int = 1):
+@dataclass(frozen=True, kw_only=True)
+class ModelOptions:
+    """Config knobs that shape the Megatron model's computation but not its weights or their layout.
+
+    `kernel_fields` are TransformerConfig fusion fields already resolved for the device
+    (`Accelerator.resolve_kernels`); unset ones stay off.
+    """
+
+    sequence_parallel: bool = False
+    # Dropout is active in train mode only: `compute_logprobs` runs in eval mode, so with dropout
+    # > 0 the old log-probs and the update's log-probs of the same weights differ (the first
+    # step's ratio is not 1 and ppo_kl is not 0 even on-policy).
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    attention_softmax_in_fp32: bool = True
+    kernel_fields: dict[str, bool] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        unknown = set(self.kernel_fields) - set(_FUSION_FIELDS)
+        if unknown:
+            raise ValueError(f"kernel_fields: unknown TransformerConfig fusion fields {sorted(unknown)}")
+
+
+# The fusions off by default: they need apex / TransformerEngine / CUDA; the device turns them on.
+_FUSION_FIELDS = ("bias_activation_fusion", "masked_softmax_fusion", "apply_rope_fusion",
+                  "gradient_accumulation_fusion")
+
+
+def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, ep: int = 1,
+                       options: ModelOptions = ModelOptions()):
     from megatron.core.transformer import TransformerConfig
 
     bf16 = params_dtype == torch.bfloat16
+    seq_parallel = options.sequence_parallel
+    if seq_parallel and tp == 1:
+        raise ValueError("sequence_parallel needs tensor parallelism: tensor_model_parallel_size is 1")
     moe = {}
     if spec.is_moe:
         from mindspeed_rl.models.qwen3_moe import moe_config_fields
 
         moe = moe_config_fields(spec, ep=ep, tp=tp)
         seq_parallel = seq_parallel or tp > 1  # megatron: MoE with TP needs sequence parallel
+    fusions = {name: options.kernel_fields.get(name, False) for name in _FUSION_FIELDS}
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -110,16 +145,14 @@ def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, p
         params_dtype=params_dtype,
         bf16=bf16,
         pipeline_dtype=params_dtype,
-        # The fused kernels need apex / TransformerEngine / CUDA; off keeps one code path everywhere.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
+        # Apex's persistent LayerNorm and the bias-dropout fusion have no effect here: the model
+        # has RMSNorm and no linear biases.
         persist_layer_norm=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        attention_softmax_in_fp32=True,
+        hidden_dropout=options.hidden_dropout,
+        attention_dropout=options.attention_dropout,
+        attention_softmax_in_fp32=options.attention_softmax_in_fp32,
+        **fusions,
         **moe,
     )
 

@@ -45,6 +45,8 @@ class ActorHybridWorkerBase:
         self.rank_info = rank_info
         self.model_dir = model_dir
         self.ref_model_dir = ref_model_dir
+        self.shuffler = MiniBatchShuffler(seed=config.megatron_training.seed,
+                                          shuffle=config.rl_config.shuffle_mini_batch)
         os.environ.update(
             RANK=str(rank_info.rank), LOCAL_RANK=str(rank_info.rank), WORLD_SIZE=str(rank_info.world_size),
             MASTER_ADDR=rank_info.master_addr, MASTER_PORT=str(rank_info.master_port),
@@ -72,12 +74,14 @@ class ActorHybridWorkerBase:
             expert_model_parallel_size=cfg.actor_config.expert_model_parallel_size,
         )
         acc.seed_model_parallel_rng(cfg.megatron_training.seed)
+        options = self._model_options(acc)
         spec, actor_state = load_hf_checkpoint(self.model_dir)
         dtype = torch.bfloat16 if cfg.megatron_training.bf16 else torch.float32
         self.actor = MegatronEngine(spec=spec, hf_state=actor_state, params_dtype=dtype, accelerator=acc,
-                                    optimizer=_optimizer_settings(cfg))
+                                    optimizer=optimizer_settings(cfg), options=options)
         ref_state = actor_state if self.ref_model_dir == self.model_dir else load_hf_checkpoint(self.ref_model_dir)[1]
-        self.reference = MegatronEngine(spec=spec, hf_state=ref_state, params_dtype=dtype, accelerator=acc, optimizer=None)
+        self.reference = MegatronEngine(spec=spec, hf_state=ref_state, params_dtype=dtype, accelerator=acc,
+                                        optimizer=None, options=options)
         del actor_state, ref_state
         self.offloader = self._build_offloader(Offloader(acc))
         self.offloader.offload(REF_PARAMS)
@@ -100,6 +104,20 @@ class ActorHybridWorkerBase:
         )
         self._setup_memory()
         return {"timing/initialize": time.perf_counter() - started}
+
+    def _model_options(self, accelerator):
+        """The config's model knobs, with the fused kernels this device can run; says once which it cannot."""
+        from mindspeed_rl.accelerator.kernels import KernelRequest
+        from mindspeed_rl.models.qwen2 import ModelOptions
+
+        mt = self.config.megatron_training
+        kernels = accelerator.resolve_kernels(KernelRequest.from_megatron_training(mt))
+        message = kernels.message(accelerator.name)
+        if message and self.rank_info.rank == 0:
+            print(message, flush=True)
+        return ModelOptions(sequence_parallel=mt.sequence_parallel, attention_dropout=mt.attention_dropout,
+                            hidden_dropout=mt.hidden_dropout, attention_softmax_in_fp32=mt.attention_softmax_in_fp32,
+                            kernel_fields=kernels.transformer_fields)
 
     def _setup_memory(self) -> None:
         """Inference states join the offloader; ROLL's roles, the ledger; then every state leaves the device."""
@@ -138,6 +156,7 @@ class ActorHybridWorkerBase:
             seed=self.config.megatron_training.seed, enforce_eager=gen.enforce_eager,
             gpu_memory_utilization=gen.gpu_memory_utilization, cpu_kvcache_space_gb=gen.cpu_kvcache_space_gb,
             on_cpu=self.accelerator.is_host, enable_expert_parallel=gen.infer_expert_parallel_size > 1,
+            trust_remote_code=gen.trust_remote_code,
         ))
 
     @property
@@ -165,7 +184,8 @@ class ActorHybridWorkerBase:
             generations = self.inference_model.generate(
                 prompt_token_ids[start:stop], n=self.config.rl_config.n_samples_per_prompt,
                 max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                top_k=sampling.top_k, min_p=sampling.min_p, seed=None,
+                top_k=sampling.top_k, min_p=sampling.min_p, seed=None, logprobs=sampling.logprobs,
+                detokenize=sampling.detokenize,
             )
             seconds = time.perf_counter() - t0
         metrics = {"timing/rollout": seconds, **self.sharding_manager.pop_timings(), **in_phase.metrics()}
@@ -202,44 +222,25 @@ class ActorHybridWorkerBase:
         loss_config = GRPOLossConfig(clip_ratio=rl.clip_ratio, kl_penalty=rl.kl_penalty, kl_coef=kl_coef,
                                      entropy_coeff=rl.entropy_coeff, token_level_loss=rl.token_level_loss)
         mini_batch_size = rl.mini_batch_size_in_samples
-        generator = torch.Generator().manual_seed(self.config.megatron_training.seed)
         steps: list[dict[str, float]] = []
         with self.sharding_manager.train_mode(), ActivationMeter(self.offloader.storage_keys()) as activations:
             for _ in range(rl.epochs):
-                order = torch.randperm(len(batch), generator=generator) if rl.shuffle_mini_batch else torch.arange(len(batch))
+                order = self.shuffler.order(len(batch))
                 for first in range(0, len(batch), mini_batch_size):
-                    steps.append(self._train_on_mini_batch(batch.select(order[first:first + mini_batch_size]), loss_config))
+                    steps.append(train_on_mini_batch(
+                        self.actor, batch.select(order[first:first + mini_batch_size]), loss_config,
+                        micro_batch_size=self.config.actor_config.micro_batch_size,
+                        temperature=self.config.generate_config.sampling_config.temperature))
             # Recorded after the steps: the optimizer creates its moments lazily at the first one.
             in_phase = self.ledger.record("update", extra={"activations": activations.peak_bytes})
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        metrics["actor/lr"] = steps[-1]["actor/lr"]  # the rate the iteration ended on, not a mean
         metrics["actor/optimizer_steps"] = float(len(steps))
         return {**metrics, **self.sharding_manager.pop_timings(), **in_phase.metrics()}
 
-    def _train_on_mini_batch(self, mini_batch: RolloutBatch, loss_config: GRPOLossConfig) -> dict[str, float]:
-        # Every rank holds the whole mini-batch, so the token count that normalises the loss is
-        # the global one without a collective.
-        denominator = float(count_loss_units(mini_batch.response_mask, loss_config.token_level_loss))
-        start, stop = self._train_dp_slice(len(mini_batch))
-
-        def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
-            return grpo_loss(
-                logprobs=logprobs, old_logprobs=mb.extras["old_logprobs"], ref_logprobs=mb.extras["ref_logprobs"],
-                advantages=mb.extras["advantages"], response_mask=mb.response_mask, entropy=entropy,
-                config=loss_config, loss_scale_denominator=denominator,
-            )
-
-        return self.actor.train_step(mini_batch.select(slice(start, stop)),
-                                     micro_batch_size=self.config.actor_config.micro_batch_size,
-                                     temperature=self.config.generate_config.sampling_config.temperature,
-                                     loss_fn=loss_fn)
-
     # -- helpers ---------------------------------------------------------------------------------
     def _train_dp_slice(self, num_samples: int) -> tuple[int, int]:
-        from megatron.core import parallel_state as ps
-
-        dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        per_rank = num_samples // dp_size
-        return dp_rank * per_rank, (dp_rank + 1) * per_rank
+        return train_dp_slice(num_samples)
 
     def _reports_train_results(self) -> bool:
         from megatron.core import parallel_state as ps
@@ -291,9 +292,77 @@ class ActorHybridWorkerBase:
 ActorHybridWorker = ray.remote(ActorHybridWorkerBase)
 
 
-def _optimizer_settings(cfg: GRPOConfig):
+class MiniBatchShuffler:
+    """The order in which `update` cuts a rollout batch into mini-batches (one optimizer step each).
+
+    Seeded once per worker from megatron_training.seed; every call continues the same stream, so
+    iterations and epochs get different permutations and a run is reproducible from the seed.
+    Every rank seeds it alike and calls it equally often, so all ranks cut the same mini-batches
+    (each then trains on its DP slice of them).
+    """
+
+    def __init__(self, *, seed: int, shuffle: bool):
+        self.shuffle = shuffle
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def order(self, num_samples: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(num_samples)
+        return torch.randperm(num_samples, generator=self.generator)
+
+
+def train_dp_slice(num_samples: int) -> tuple[int, int]:
+    """This rank's [start, stop) of a batch split evenly over the train DP ranks."""
+    from megatron.core import parallel_state as ps
+
+    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_rank = num_samples // dp_size
+    return dp_rank * per_rank, (dp_rank + 1) * per_rank
+
+
+def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossConfig, *, micro_batch_size: int,
+                        temperature: float) -> dict[str, float]:
+    """One GRPO optimizer step on this DP rank's slice of `mini_batch` (which every rank holds whole).
+
+    The loss is normalised by the whole mini-batch's token count, known here without a collective;
+    the engine sums the per-rank stats over DP, so the returned stats are the mini-batch's.
+    """
+    denominator = float(count_loss_units(mini_batch.response_mask, loss_config.token_level_loss))
+    start, stop = train_dp_slice(len(mini_batch))
+
+    def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
+        return grpo_loss(
+            logprobs=logprobs, old_logprobs=mb.extras["old_logprobs"], ref_logprobs=mb.extras["ref_logprobs"],
+            advantages=mb.extras["advantages"], response_mask=mb.response_mask, entropy=entropy,
+            config=loss_config, loss_scale_denominator=denominator,
+        )
+
+    return engine.train_step(mini_batch.select(slice(start, stop)), micro_batch_size=micro_batch_size,
+                             temperature=temperature, loss_fn=loss_fn)
+
+
+def optimizer_steps_per_iteration(cfg: GRPOConfig) -> int:
+    """`update` takes one step per mini-batch of the rollout, `epochs` times."""
+    rl = cfg.rl_config
+    samples = cfg.megatron_training.global_batch_size * rl.n_samples_per_prompt
+    return -(-samples // rl.mini_batch_size_in_samples) * rl.epochs
+
+
+def lr_schedule(cfg: GRPOConfig):
+    """The run's LR schedule over all its optimizer steps (train_iters x steps per iteration)."""
+    from mindspeed_rl.engines.megatron_engine import LRSchedule
+
+    a = cfg.actor_config
+    total_steps = cfg.megatron_training.train_iters * optimizer_steps_per_iteration(cfg)
+    return LRSchedule(decay_style=a.lr_decay_style, warmup_steps=a.lr_warmup_fraction * total_steps,
+                      decay_steps=total_steps)
+
+
+def optimizer_settings(cfg: GRPOConfig):
     from mindspeed_rl.engines.megatron_engine import OptimizerSettings
 
     a = cfg.actor_config
     return OptimizerSettings(lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
-                             adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad)
+                             adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad,
+                             schedule=lr_schedule(cfg),
+                             use_distributed_optimizer=cfg.megatron_training.use_distributed_optimizer)

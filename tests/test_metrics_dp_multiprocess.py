@@ -1,0 +1,102 @@
+"""With train DP = 2 the logged loss stats are the mini-batch's, not rank 0's share: two real gloo
+ranks train one GRPO step on the same mini-batch and weights as one rank does, with Megatron's
+plain optimizer and with its DistributedOptimizer, and report the same pg_loss, kl_loss, entropy,
+pg_clipfrac, ppo_kl and grad norm, and end with the same weights.
+
+Runs where: the DP=1 oracle in the pytest process (1-rank gloo world); DP=2 in 2 spawned processes
+(torch.multiprocessing, gloo).
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mindspeed_rl.algorithms.grpo import GRPOLossConfig
+from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
+from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from mindspeed_rl.protocol import RolloutBatch
+from mindspeed_rl.workers.actor_hybrid_worker import train_on_mini_batch
+from resharding_oracle import free_port
+
+LOSS = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.05, entropy_coeff=0.01, token_level_loss=True)
+LOSS_STATS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl")
+MICRO_BATCH = 2
+
+
+def _settings(distributed: bool) -> OptimizerSettings:
+    return OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                             clip_grad=1.0, use_distributed_optimizer=distributed)
+
+
+def _engine(checkpoint: str, accelerator, distributed: bool) -> MegatronEngine:
+    spec, state = load_hf_checkpoint(checkpoint)
+    return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator,
+                          optimizer=_settings(distributed))
+
+
+def _step(engine: MegatronEngine, batch: RolloutBatch) -> tuple[dict, dict]:
+    stats = train_on_mini_batch(engine, batch, LOSS, micro_batch_size=MICRO_BATCH, temperature=1.0)
+    return stats, {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def _mini_batch(checkpoint: str, accelerator) -> RolloutBatch:
+    """8 samples of uneven length with old/ref log-probs off the policy, so every stat is non-zero."""
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(1, 64, (4,), generator=g).tolist() for _ in range(8)]
+    responses = [torch.randint(1, 64, (int(n),), generator=g).tolist() for n in torch.randint(2, 7, (8,), generator=g)]
+    batch = RolloutBatch.from_token_lists(prompts, responses, pad_id=0, response_width=6)
+    spec, state = load_hf_checkpoint(checkpoint)
+    policy = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator, optimizer=None)
+    logprobs = policy.compute_logprobs(batch, micro_batch_size=4, temperature=1.0)
+    mask = batch.response_mask
+    batch.columns["old_logprobs"] = (logprobs + 0.5 * torch.randn(logprobs.shape, generator=g)) * mask
+    batch.columns["ref_logprobs"] = (logprobs + 0.3 * torch.randn(logprobs.shape, generator=g)) * mask
+    batch.columns["advantages"] = torch.randn(len(batch), 1, generator=g).expand_as(logprobs) * mask
+    return batch
+
+
+def _assert_same(stats: dict, params: dict, oracle_stats: dict, oracle_params: dict, label: str) -> None:
+    for key in (*LOSS_STATS, "actor/grad_norm"):
+        want = oracle_stats[key]
+        assert abs(stats[key] - want) <= 1e-6 * max(1.0, abs(want)), (label, key, stats[key], want)
+    for name, want in oracle_params.items():
+        assert (params[name] - want).abs().max().item() < 1e-6, (label, name)
+
+
+def _worker(rank, world_size, port, checkpoint, batch, oracle_stats, oracle_params):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        from megatron.core import parallel_state as ps
+
+        from mindspeed_rl.accelerator import get_accelerator
+
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        assert ps.get_data_parallel_world_size() == 2
+        acc = get_accelerator("cpu")
+        acc.seed_model_parallel_rng(1)
+        for distributed in (False, True):
+            stats, params = _step(_engine(checkpoint, acc, distributed), batch)
+            _assert_same(stats, params, oracle_stats, oracle_params, f"rank {rank}, distributed optimizer {distributed}")
+        ps.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_dp") / "model"
+    create_tiny_qwen2_checkpoint(out, vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=2,
+                                 num_attention_heads=4, num_query_groups=2, seed=13)
+    return str(out)
+
+
+def test_dp2_loss_stats_and_weights_equal_dp1(world, checkpoint):
+    batch = _mini_batch(checkpoint, world)
+    oracle_stats, oracle_params = _step(_engine(checkpoint, world, distributed=False), batch)
+    assert all(abs(oracle_stats[key]) > 1e-4 for key in LOSS_STATS), oracle_stats  # no stat passes vacuously
+    mp.spawn(_worker, args=(2, free_port(), checkpoint, batch, oracle_stats, oracle_params), nprocs=2, join=True)
