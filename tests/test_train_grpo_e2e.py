@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -107,3 +109,33 @@ def test_pp2_train_tp2_infer_variant_runs(tmp_path):
         assert r["resharding/bytes_received"] > 0
         assert abs(r["resharding/bytes_received"] - r["resharding/bytes_local"]) / r["resharding/bytes_local"] < 0.2
         assert r["resharding/ranges_verified"] > 0
+
+
+def test_the_7b_recipe_on_this_host_passes_every_check_then_names_the_device_count(tmp_path):
+    """The users' command with a small Qwen2 checkpoint and a DeepScaleR-style file: config, data, template,
+    verifier and model checks pass; on a 2-core CPU host the 16 ranks are refused in one line, exit 2."""
+    from mindspeed_rl.data.tiny_math import build_tiny_math_tokenizer
+    from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+
+    cores = os.cpu_count() or 1
+    if cores >= 16:
+        pytest.skip("this host could start all 16 CPU ranks of the 7B recipe")
+    tokenizer = build_tiny_math_tokenizer(4)
+    model = create_tiny_qwen2_checkpoint(
+        tmp_path / "small_qwen2", vocab_size=tokenizer.get_vocab_size(with_added_tokens=True), hidden_size=64,
+        ffn_hidden_size=128, num_layers=2, num_attention_heads=4, num_query_groups=2,
+        max_position_embeddings=32768, seed=1, tokenizer=tokenizer)
+    data = tmp_path / "deepscaler.json"
+    data.write_text(json.dumps([{"problem": f"What is {i} + 1?", "answer": str(i + 1), "solution": "."}
+                                for i in range(40)]))
+    done = run_cli(tmp_path, "grpo_qwen25_7b_A3", f"megatron_training.tokenizer_name_or_path={model}",
+                   f"actor_config.load={model}", f"megatron_training.data_path={data}", "runtime.device=cpu",
+                   "+runtime.max_ranks_per_cpu_core=1", timeout=180)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "[data] 40 prompts" in done.stdout and "prompt_type=qwen_r1" in done.stdout
+    errors = [line for line in done.stderr.splitlines() if line.startswith("config error:")]
+    assert errors == [f"config error: rl_config.actor_resource.num_npus: 16 ranks on runtime.device=cpu, but this "
+                      f"host has {cores} CPU cores and runtime.max_ranks_per_cpu_core=1 allows {cores}: "
+                      "lower num_npus (and the parallel sizes with it) or run on the accelerators the config "
+                      "was written for"]
