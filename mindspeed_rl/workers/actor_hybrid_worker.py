@@ -76,6 +76,7 @@ class ActorHybridWorkerBase:
         acc.seed_model_parallel_rng(cfg.megatron_training.seed)
         options = self._model_options(acc)
         spec, actor_state = load_hf_checkpoint(self.model_dir)
+        self._progress("checkpoint read", started)
         dtype = torch.bfloat16 if cfg.megatron_training.bf16 else torch.float32
         self.actor = MegatronEngine(spec=spec, hf_state=actor_state, params_dtype=dtype, accelerator=acc,
                                     optimizer=optimizer_settings(cfg), options=options)
@@ -83,10 +84,12 @@ class ActorHybridWorkerBase:
         self.reference = MegatronEngine(spec=spec, hf_state=ref_state, params_dtype=dtype, accelerator=acc,
                                         optimizer=None, options=options)
         del actor_state, ref_state
+        self._progress("Megatron actor and reference built", started)
         self.offloader = self._build_offloader(Offloader(acc))
         self.offloader.offload(REF_PARAMS)
         self.inference_model = self._build_rollout()
         self.inference_model.release_kv_cache()
+        self._progress("vLLM started", started)
         gen = cfg.generate_config
         self.sharding_manager = ShardingManager(
             actor=self.actor, rollout=self.inference_model, offloader=self.offloader,
@@ -104,6 +107,11 @@ class ActorHybridWorkerBase:
         )
         self._setup_memory()
         return {"timing/initialize": time.perf_counter() - started}
+
+    def _progress(self, step: str, started: float) -> None:
+        """One line per long start-up step (rank 0 speaks for all), so a slow start shows where it is."""
+        if self.rank_info.rank == 0:
+            print(f"[init] {step} ({time.perf_counter() - started:.1f}s)", flush=True)
 
     def _model_options(self, accelerator):
         """The config's model knobs, with the fused kernels this device can run; says once which it cannot."""
