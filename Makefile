@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 WHEELS ?= /opt/wheels
 FIND_LINKS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
 
-.PHONY: venv demo test bench clean-venv
+.PHONY: venv demo demo-math test bench clean-venv
 
 venv: $(STAMP)
 
@@ -25,6 +25,10 @@ $(STAMP): setup.py requirements-cpu.txt
 
 demo: venv
 	$(PY) cli/train_grpo.py --config-name grpo_tiny_cpu
+
+# The second demo: DAPO-Math-17k-format parquet, chat template, math-verify rewards.
+demo-math: venv
+	$(PY) cli/train_grpo.py --config-name grpo_tiny_math_cpu
 
 test: venv
 	$(PY) -m pytest -q tests
