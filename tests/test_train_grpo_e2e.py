@@ -62,6 +62,24 @@ def test_two_iterations_write_metrics(tmp_path):
     assert records[1]["memory/update/optimizer_states_bytes"] == 2 * records[1]["memory/update/train_params_bytes"]
 
 
+def test_math_demo_two_iterations_through_parquet_chat_template_and_math_verify(tmp_path):
+    """The second demo's real formats end to end: DAPO-schema parquet, chat template, two verifiers."""
+    run_dir = tmp_path / "run"
+    done = run_cli(tmp_path, "grpo_tiny_math_cpu", "megatron_training.train_iters=2",
+                   f"synthetic_data.data_dir={tmp_path / 'math'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "prompt_type=chat" in done.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    for r in records:
+        accuracy, form = r["math_17k_acc_rewards/mean"], r["format_rewards/mean"]
+        assert 0.0 <= accuracy <= 1.0 and 0.0 <= form <= 1.0
+        assert abs(r["reward/mean"] - (1.0 * accuracy + 0.2 * form)) < 1e-6  # verifier_weight [1.0, 0.2]
+        assert r["reward/accuracy"] == accuracy  # the last box, math-verify equivalence, no format needed
+        assert 24 <= r["prompt_length/min"] <= r["prompt_length/max"] <= 32
+        assert r["rollout/logprob_max_abs_diff"] < 1e-4
+
+
 def _demo_assets(tmp_path) -> Path:
     from mindspeed_rl.data.arith_task import ensure_demo_assets
 
