@@ -135,8 +135,17 @@ PROMPTS = [[5, 9, 6, 11], [7, 9, 8, 11, 3], [4, 9, 4]]
 MAX_TOKENS = 5
 
 
-def assert_vllm_logprobs_match_megatron(engine, rollout, rank: int, world: int, infer_tp: int) -> None:
-    """Each rank's own vLLM samples scored by the (SPMD) Megatron model of the same weights (< 1e-4)."""
+# Largest |vLLM - Megatron| sampled-token log-prob allowed, per dtype. fp32: both engines agree to
+# summation order (measured 1e-6). bf16: each engine rounds activations to bf16 in its own places;
+# docs/bf16_logprobs.md measures, on these random-init checkpoints (logit std ~0.6), a gap of at most
+# 2.0e-2 (mean 4.6e-3), while Megatron holding stale weights (+0.02 noise, one perturbed_state step)
+# is off by up to 1.9 (mean 0.44): 0.1 has 5x margin over the arithmetic and catches a wrong weight.
+LOGPROB_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.1}
+
+
+def assert_vllm_logprobs_match_megatron(engine, rollout, rank: int, world: int, infer_tp: int,
+                                        dtype: torch.dtype = torch.float32) -> None:
+    """Each rank's own vLLM samples scored by the (SPMD) Megatron model of the same weights."""
     import torch.distributed as dist
 
     from mindspeed_rl.protocol import RolloutBatch
@@ -155,4 +164,4 @@ def assert_vllm_logprobs_match_megatron(engine, rollout, rank: int, world: int, 
             for row, (_, _, lps) in enumerate(samples):
                 expected[row, : len(lps)] = torch.tensor(lps)
             diff = ((got - expected).abs() * batch.response_mask).max().item()
-            assert diff < 1e-4, (rank, diff)
+            assert diff < LOGPROB_TOLERANCE[dtype], (rank, dtype, diff)

@@ -16,6 +16,10 @@ parameters and compared with the oracle):
   communicator lacks (NotImplementedError at base_device_communicator.py:296), so the engine adds
   padded gloo versions (both in `engines/vllm_cpu_moe.py`).
 
+bf16 (inside the 4-rank spawn, no second vLLM engine): a bf16 Megatron MoE (fp32 torch norms, bf16
+attention, router and experts) pushed into plain bf16 tensors shaped like vLLM's parameters equals
+the oracle rounded to bf16 bit for bit, with 2 bytes per received element.
+
 Runs where: spawned process groups (2 and 4 ranks, gloo), one vLLM engine per process.
 """
 import os
@@ -73,13 +77,14 @@ def _check_megatron_matches_hf(engine, hf_state, checkpoint):
 def _push(spec, engine, destinations, train, infer, world, rank):
     from mindspeed_rl.resharding.fingerprint import verify_transfer
     from mindspeed_rl.resharding.plan import build_plan
-    from mindspeed_rl.resharding.transfer import Transfer
+    from mindspeed_rl.resharding.transfer import Transfer, destination_dtypes
 
     plan = build_plan(spec, train, infer, world)
     for d in destinations.values():
         d.zero_()
-    stats = Transfer(plan, rank=rank, bucket_bytes=BUCKET, dtype=torch.float32).run(engine.named_weights(), destinations)
-    assert stats.bytes_received == plan.received_numel(rank) * 4
+    stats = Transfer(plan, rank=rank, bucket_bytes=BUCKET, dtype=destination_dtypes(destinations)).run(
+        engine.named_weights(), destinations)
+    assert stats.bytes_received == plan.received_numel(rank) * next(iter(destinations.values())).element_size()
     assert verify_transfer(plan, rank, engine.named_weights(), destinations) > 0
     return plan
 
@@ -89,7 +94,8 @@ def _assert_oracle(destinations, hf_state, spec, infer, world, rank, what):
                                      expert_parallel=infer.expert_parallel)
     assert set(expected) <= set(destinations), set(expected) - set(destinations)
     for name, tensor in expected.items():
-        assert torch.equal(destinations[name], tensor), f"{what}: rank {rank} {name}"
+        got = destinations[name]
+        assert torch.equal(got, tensor.to(got.dtype)), f"{what}: rank {rank} {name} ({got.dtype})"
 
 
 def _assert_fingerprint_catches_corruption(engine, destinations, plan, rank):
@@ -108,7 +114,7 @@ def _assert_fingerprint_catches_corruption(engine, destinations, plan, rank):
     assert raised == (rank == 0)
 
 
-def _worker(rank, world, port, checkpoint, live_tp, live_ep, train_layouts, oracle_infers):
+def _worker(rank, world, port, checkpoint, live_tp, live_ep, train_layouts, oracle_infers, bf16_layouts=()):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
     torch.set_num_threads(1)
@@ -156,6 +162,21 @@ def _worker(rank, world, port, checkpoint, live_tp, live_ep, train_layouts, orac
             _assert_fingerprint_catches_corruption(engine, live, plan, rank)
         assert_vllm_logprobs_match_megatron(engine, rollout, rank, world, live_tp)
         ps.destroy_model_parallel()
+    for case, (tp, pp, ep) in enumerate(bf16_layouts):
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep)
+        acc.seed_model_parallel_rng(1)
+        hf_state = perturbed_state(state, 10 + case)
+        engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.bfloat16, accelerator=acc, optimizer=None)
+        assert {t.dtype for t in engine.named_weights().values()} == {torch.bfloat16, torch.float32}
+        for infer_tp, infer_ep in oracle_infers:
+            infer = InferLayout(tp=infer_tp, expert_parallel=infer_ep)
+            layout = vllm_layout(spec, tp=infer_tp, tp_rank=infer.tp_rank(rank), dp=world // infer_tp,
+                                 dp_rank=infer.dp_rank(rank), expert_parallel=infer_ep)
+            destinations = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in parameter_shapes(layout).items()}
+            _push(spec, engine, destinations, TrainLayout(tp=tp, pp=pp, ep=ep), infer, world, rank)
+            _assert_oracle(destinations, hf_state, spec, infer, world, rank, f"bf16: train {tp, pp, ep} -> infer {infer}")
+        ps.destroy_model_parallel()
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -179,7 +200,8 @@ def test_two_ranks(tmp_path, live_tp, live_ep):
 
 
 def test_four_ranks(tmp_path):
-    """Train (2, 1, 2) (expert TP 2, sequence parallel) and (1, 1, 2) -> infer TP 1/2/4 with and without EP."""
+    """Train (2, 1, 2) (expert TP 2, sequence parallel) and (1, 1, 2) -> infer TP 1/2/4 with and without EP;
+    in bf16, train (2, 1, 2) and (1, 2, 2) into the same inference layouts."""
     oracle = [(1, False), (1, True), (2, False), (2, True), (4, False)]
-    mp.spawn(_worker, args=(4, free_port(), _checkpoint(tmp_path / "moe"), 4, True, [(2, 1, 2), (1, 1, 2)], oracle),
-             nprocs=4, join=True)
+    mp.spawn(_worker, args=(4, free_port(), _checkpoint(tmp_path / "moe"), 4, True, [(2, 1, 2), (1, 1, 2)], oracle,
+                            [(2, 1, 2), (1, 2, 2)]), nprocs=4, join=True)

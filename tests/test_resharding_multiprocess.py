@@ -5,6 +5,12 @@ tensors cut the way vLLM cuts them) exactly, the fingerprint check passes (and c
 corrupted weight), and each rank receives exactly the plan's bytes. With the live vLLM engine of
 the spawn, vLLM's sampled-token log-probs after the push equal Megatron's (< 1e-4, fp32).
 
+bf16 (one 4-rank spawn, the recipe's infer layout TP1 x DP4 live): Megatron's bf16 model keeps its
+torch RMSNorm weights in fp32 and the rest in bf16, so every push mixes dtypes; the inference
+weights must equal the oracle rounded to bf16 bit for bit, the bytes are counted at 2 per element,
+the fingerprint catches a one-ulp change of a norm weight, and the log-probs agree within the
+bf16 tolerance of resharding_oracle.LOGPROB_TOLERANCE (measured in docs/bf16_logprobs.md).
+
 Runs where: spawned process groups (2 and 4 ranks, gloo), one vLLM engine per process.
 """
 import os
@@ -27,14 +33,16 @@ from resharding_oracle import (
 def _push(spec, engine, destinations, train, infer_tp, world, rank):
     from mindspeed_rl.resharding.fingerprint import verify_transfer
     from mindspeed_rl.resharding.plan import InferLayout, build_plan
-    from mindspeed_rl.resharding.transfer import Transfer
+    from mindspeed_rl.resharding.transfer import Transfer, destination_dtypes
 
     plan = build_plan(spec, train, InferLayout(tp=infer_tp), world)
     for d in destinations.values():
         d.zero_()
-    stats = Transfer(plan, rank=rank, bucket_bytes=32 * 1024, dtype=torch.float32).run(engine.named_weights(), destinations)
-    assert stats.bytes_received == plan.received_numel(rank) * 4
-    assert stats.peak_extra_bytes <= 2 * 32 * 1024 + max(t.numel() * 4 for t in destinations.values())
+    transfer = Transfer(plan, rank=rank, bucket_bytes=32 * 1024, dtype=destination_dtypes(destinations))
+    stats = transfer.run(engine.named_weights(), destinations)
+    size = next(iter(destinations.values())).element_size()  # one dtype per spawn's destinations
+    assert stats.bytes_received == plan.received_numel(rank) * size
+    assert stats.peak_extra_bytes <= 2 * 32 * 1024 + max(t.numel() * size for t in destinations.values())
     assert verify_transfer(plan, rank, engine.named_weights(), destinations) > 0
     return plan
 
@@ -42,26 +50,39 @@ def _push(spec, engine, destinations, train, infer_tp, world, rank):
 def _assert_oracle(destinations, hf_state, spec, infer_tp, rank, layout_name):
     expected = vllm_shard_oracle(hf_state, spec, infer_tp, rank % infer_tp)
     for name, tensor in expected.items():
-        assert torch.equal(destinations[name], tensor), f"{layout_name}: rank {rank} {name}"
+        got = destinations[name]
+        assert torch.equal(got, tensor.to(got.dtype)), f"{layout_name}: rank {rank} {name} ({got.dtype})"
+
+
+def _add_one_ulp(tensor, index):
+    """Change one element by the smallest step its dtype has (one mantissa bit)."""
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[tensor.dtype]
+    tensor.view(bits)[index] += 1
 
 
 def _assert_fingerprint_catches_corruption(spec, engine, destinations, plan, rank):
+    # A norm weight: fp32 in Megatron's bf16 model, so this also proves the check compares in the
+    # destination dtype; the down projection is a plain bf16/fp32 -> same-dtype range.
+    for name, index in (("model.layers.0.input_layernorm.weight", (3,)), ("model.layers.0.mlp.down_proj.weight", (0, 0))):
+        _check_one_corruption(engine, destinations, plan, rank, name, index)
+
+
+def _check_one_corruption(engine, destinations, plan, rank, name, index):
     from mindspeed_rl.resharding.fingerprint import WeightMismatchError, verify_transfer
 
-    name = "model.layers.0.mlp.down_proj.weight"
-    saved = destinations[name][0, 0].clone()
+    saved = destinations[name][index].clone()
     if rank == 0:
-        destinations[name][0, 0] += 1e-3
+        _add_one_ulp(destinations[name], index)
     try:
         verify_transfer(plan, rank, engine.named_weights(), destinations)
         raised = False
     except WeightMismatchError:
         raised = True
-    destinations[name][0, 0] = saved
-    assert raised == (rank == 0)
+    destinations[name][index] = saved
+    assert raised == (rank == 0), (name, rank)
 
 
-def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_infer_tps):
+def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_infer_tps, dtype_name="float32"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
     torch.set_num_threads(1)
@@ -75,29 +96,34 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
     from mindspeed_rl.resharding.plan import TrainLayout
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 
+    dtype = getattr(torch, dtype_name)
     spec, state = load_hf_checkpoint(checkpoint)
     rollout = VLLMEngine(VLLMEngineConfig(
         model_dir=checkpoint, tensor_parallel_size=live_infer_tp, data_parallel_size=world // live_infer_tp,
-        dtype="float32", max_model_len=32, max_num_seqs=16, max_num_batched_tokens=512, seed=0, enforce_eager=True,
+        dtype=dtype_name, max_model_len=32, max_num_seqs=16, max_num_batched_tokens=512, seed=0, enforce_eager=True,
         gpu_memory_utilization=0.5, cpu_kvcache_space_gb=0.03, on_cpu=True))
     acc = get_accelerator("cpu")
     for case, (tp, pp) in enumerate(train_layouts):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         acc.seed_model_parallel_rng(1)
         hf_state = perturbed_state(state, case)
-        engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.float32, accelerator=acc, optimizer=None)
+        engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=dtype, accelerator=acc, optimizer=None)
+        if dtype == torch.bfloat16:  # what makes the push mixed-dtype: torch RMSNorm weights stay fp32
+            assert {t.dtype for t in engine.named_weights().values()} == {torch.bfloat16, torch.float32}
         train = TrainLayout(tp=tp, pp=pp)
         for infer_tp in oracle_infer_tps:  # plain tensors shaped like vLLM's shards
-            destinations = {t.name: torch.zeros(t.shape) for t in vllm_layout(spec, tp=infer_tp, tp_rank=rank % infer_tp)}
+            destinations = {t.name: torch.zeros(t.shape, dtype=dtype)
+                            for t in vllm_layout(spec, tp=infer_tp, tp_rank=rank % infer_tp)}
             plan = _push(spec, engine, destinations, train, infer_tp, world, rank)
             _assert_oracle(destinations, hf_state, spec, infer_tp, rank, f"train tp{tp} pp{pp} -> infer tp{infer_tp}")
         live = rollout.named_weights()
+        assert {t.dtype for t in live.values()} == {dtype}
         plan = _push(spec, engine, live, train, live_infer_tp, world, rank)
         rollout.mark_weights_loaded()
         _assert_oracle(live, hf_state, spec, live_infer_tp, rank, f"live: train tp{tp} pp{pp} -> infer tp{live_infer_tp}")
         if case == 0:
             _assert_fingerprint_catches_corruption(spec, engine, live, plan, rank)
-        assert_vllm_logprobs_match_megatron(engine, rollout, rank, world, live_infer_tp)
+        assert_vllm_logprobs_match_megatron(engine, rollout, rank, world, live_infer_tp, dtype)
         ps.destroy_model_parallel()
     dist.barrier()
     dist.destroy_process_group()
@@ -123,4 +149,12 @@ def test_two_ranks_kv_heads_replicated_in_inference(tmp_path):
 def test_four_ranks(tmp_path):
     checkpoint = make_checkpoint(tmp_path / "model", hidden_size=256, num_attention_heads=8, num_query_groups=4)
     mp.spawn(_worker, args=(4, free_port(), checkpoint, 4, [(4, 1), (2, 2), (1, 4), (1, 1)], [1, 2]),
+             nprocs=4, join=True)
+
+
+def test_four_ranks_bf16(tmp_path):
+    """bf16 end to end, live at the recipe's layout infer TP1 x DP4, from train TP2 x PP2 and TP1 x PP4
+    (each also into plain bf16 tensors of infer TP 2 and 4)."""
+    checkpoint = make_checkpoint(tmp_path / "model", hidden_size=256, num_attention_heads=8, num_query_groups=4)
+    mp.spawn(_worker, args=(4, free_port(), checkpoint, 1, [(2, 2), (1, 4)], [2, 4], "bfloat16"),
              nprocs=4, join=True)

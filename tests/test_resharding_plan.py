@@ -14,7 +14,7 @@ from mindspeed_rl.resharding.layouts import (hf_shapes, megatron_layout, padded_
                                              vllm_layout)
 from mindspeed_rl.resharding.naive import materialize
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
-from mindspeed_rl.resharding.transfer import split_into_rounds
+from mindspeed_rl.resharding.transfer import Transfer, split_into_rounds
 from resharding_oracle import random_hf_state, tiny_moe_spec, tiny_spec, vllm_moe_shard_oracle, vllm_shard_oracle
 
 LAYOUTS = [  # (world, train tp, train pp, infer tp)
@@ -112,6 +112,26 @@ def test_rounds_respect_the_bucket_on_every_rank():
             assert sum(c.numel for c in members if c.src_rank == rank) <= bucket
             assert sum(c.numel for c in members if c.dst_rank == rank) <= bucket
     assert sum(c.numel for r in rounds for c in r) == sum(c.numel for c in remote)
+
+
+def test_rounds_carry_one_wire_dtype_within_the_bucket_bytes():
+    """Mixed inference dtypes (norms fp32, the rest bf16): every round carries one dtype, the
+    destination's, and stays within the bucket in bytes by that dtype's itemsize."""
+    spec = tiny_spec(heads=8, kv=4, hidden=64, vocab=96)
+    plan = build_plan(spec, TrainLayout(tp=2, pp=2), InferLayout(tp=1), 4)
+    dtypes = {t.name: torch.float32 if "norm" in t.name else torch.bfloat16 for t in vllm_layout(spec, tp=1, tp_rank=0)}
+    bucket_bytes = 6000
+    for rank in range(4):
+        transfer = Transfer(plan, rank=rank, bucket_bytes=bucket_bytes, dtype=dtypes)
+        moved = 0
+        for wire, members in transfer.rounds:
+            assert {dtypes[c.dst_tensor] for c in members} == {wire}
+            size = 4 if wire == torch.float32 else 2
+            assert sum(c.numel for c in members if c.src_rank == rank) * size <= bucket_bytes
+            assert sum(c.numel for c in members if c.dst_rank == rank) * size <= bucket_bytes
+            moved += sum(c.numel for c in members if c.dst_rank == rank)
+        assert moved == plan.received_numel(rank)
+        assert transfer.send_capacity_bytes <= bucket_bytes and transfer.recv_capacity_bytes <= bucket_bytes
 
 
 def test_kv_heads_fewer_than_infer_tp_are_replicated():

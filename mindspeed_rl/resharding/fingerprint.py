@@ -4,6 +4,10 @@ Each copy of the plan is fingerprinted on both ends with an exact integer checks
 patterns (the sum and a position-weighted sum, in int64 with wrap-around, so the result does not
 depend on summation order). The source side sends its fingerprints to the destination, which
 compares them with the fingerprints of the ranges as they landed in the inference parameters.
+
+Both ends fingerprint in the destination parameter's dtype (a bf16 vLLM model fed from fp32 norm
+weights must hold their bf16 rounding, bit for bit). Every rank runs the same inference model, so
+the sender finds that dtype by name in its own inference parameters.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch.distributed as dist
 
 from mindspeed_rl.resharding.layouts import tensor_view
 from mindspeed_rl.resharding.plan import Copy, Plan
+from mindspeed_rl.resharding.transfer import parameter_name
 
 _BITS_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _ROWS_PER_CHUNK = 4096
@@ -52,12 +57,9 @@ def verify_transfer(plan: Plan, rank: int, sources: dict[str, torch.Tensor], des
         if copy.dst_rank == rank:
             incoming[copy.src_rank].append(copy)
 
-    # Every rank runs the same inference model, so a remote destination has our dtype.
-    infer_dtype = next(iter(destinations.values())).dtype
-
     def source_prints(copies: list[Copy]) -> torch.Tensor:
-        return torch.stack([range_fingerprint(tensor_view(sources, c.src_tensor), c.dim, c.src_start, c.length, infer_dtype)
-                            for c in copies])
+        return torch.stack([range_fingerprint(tensor_view(sources, c.src_tensor), c.dim, c.src_start, c.length,
+                                              destinations[parameter_name(c.dst_tensor)].dtype) for c in copies])
 
     ops, received = [], {}
     for peer in sorted(outgoing):

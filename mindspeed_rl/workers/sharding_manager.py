@@ -21,7 +21,7 @@ from mindspeed_rl.memory.vllm_states import INFER_WEIGHTS
 from mindspeed_rl.resharding.fingerprint import verify_transfer
 from mindspeed_rl.resharding.layouts import tensor_view, uncovered_ranges
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
-from mindspeed_rl.resharding.transfer import Transfer
+from mindspeed_rl.resharding.transfer import Transfer, destination_dtypes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,9 +50,10 @@ class ShardingManager:
         self.flags = flags
         self.switch = switch
         self.plan = build_plan(actor.spec, switch.train, switch.infer, switch.world_size)
-        sources = actor.named_weights()
-        dtype = next(iter(sources.values())).dtype
-        self.transfer = Transfer(self.plan, rank=switch.rank, bucket_bytes=switch.bucket_bytes, dtype=dtype)
+        # Megatron's shards mix dtypes (fp32 norms in a bf16 model); the wire carries each range in
+        # its vLLM parameter's dtype, which every rank knows (same inference model everywhere).
+        self.transfer = Transfer(self.plan, rank=switch.rank, bucket_bytes=switch.bucket_bytes,
+                                 dtype=destination_dtypes(rollout.named_weights()))
         self._check_and_clear_padding()
         self.timings: dict[str, float] = {}
 
