@@ -6,28 +6,15 @@ log-probs stay within the bf16 gap that docs/bf16_logprobs.md measures.
 Runs where: a subprocess (Ray starts 4 worker processes); minutes on 2 cores (bf16 has no AMX here).
 """
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-from resharding_oracle import LOGPROB_TOLERANCE
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def run_cli(tmp_path, config_name: str, *overrides: str, timeout: int = 1200) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "cli/train_grpo.py", "--config-name", config_name, *overrides,
-           f"hydra.run.dir={tmp_path / 'run'}"]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"})
+from cli_runner import run_cli
+from resharding_oracle import LOGPROB_TOLERANCE
 
 
 def test_bf16_tp2pp2_to_infer_dp4_runs(tmp_path):
     done = run_cli(tmp_path, "grpo_tiny_cpu_bf16_tp2pp2", "megatron_training.train_iters=2",
-                   f"synthetic_data.data_dir={tmp_path / 'assets'}")
+                   f"synthetic_data.data_dir={tmp_path / 'assets'}", timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]

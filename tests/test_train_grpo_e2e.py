@@ -5,20 +5,11 @@ Runs where: a subprocess (Ray starts one worker process); ~40 s on 2 cores.
 """
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def run_cli(tmp_path, config_name: str, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "cli/train_grpo.py", "--config-name", config_name, *overrides,
-           f"hydra.run.dir={tmp_path / 'run'}"]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"})
+from cli_runner import run_cli
 
 
 def test_two_iterations_write_metrics(tmp_path):

@@ -11,16 +11,15 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from mindspeed_rl.data.asset_cache import MANIFEST_FILE, ensure_generated, write_text_atomic  # noqa: F401 (MANIFEST_FILE re-exported)
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.data.tokenizer import train_arith_tokenizer
 
 MODEL_SUBDIR = "model"
 PROMPTS_FILE = "prompts.jsonl"
-MANIFEST_FILE = "assets.json"
 # Bump when the generators change, so caches written by older code are regenerated.
 ASSETS_FORMAT_VERSION = 1
 
@@ -42,7 +41,7 @@ def make_arith_prompts(num_prompts: int, max_operand: int, seed: int) -> list[di
 def write_prompts_jsonl(path: str | os.PathLike[str], rows: list[dict[str, str]]) -> None:
     """Write one JSON object per line, atomically (temp file + ``os.replace``)."""
     text = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
-    _write_text_atomic(Path(path), text)
+    write_text_atomic(Path(path), text)
 
 
 def read_prompts_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -110,30 +109,12 @@ def ensure_demo_assets(
     }
     data_path = Path(data_dir)
     model_dir, prompts_path = data_path / MODEL_SUBDIR, data_path / PROMPTS_FILE
-    if not _cache_matches(data_path, params):
-        _generate_assets(data_path, params)
+    ensure_generated(data_path, params, required=(f"{MODEL_SUBDIR}/config.json", PROMPTS_FILE),
+                     generate=_generate_assets)
     return model_dir, prompts_path
 
 
-def _cache_matches(data_path: Path, params: dict[str, Any]) -> bool:
-    manifest = data_path / MANIFEST_FILE
-    complete = (
-        manifest.is_file()
-        and (data_path / MODEL_SUBDIR / "config.json").is_file()
-        and (data_path / PROMPTS_FILE).is_file()
-    )
-    if not complete:
-        return False
-    try:
-        return json.loads(manifest.read_text(encoding="utf-8")) == params
-    except json.JSONDecodeError:
-        return False
-
-
 def _generate_assets(data_path: Path, params: dict[str, Any]) -> None:
-    data_path.mkdir(parents=True, exist_ok=True)
-    # Drop the manifest first: a crash mid-way must not leave new files under an old manifest.
-    (data_path / MANIFEST_FILE).unlink(missing_ok=True)
     seed, max_operand = params["seed"], params["max_operand"]
     tokenizer = train_arith_tokenizer(params["vocab_size"], seed, max_operand=max_operand)
     create_tiny_qwen2_checkpoint(
@@ -151,16 +132,3 @@ def _generate_assets(data_path: Path, params: dict[str, Any]) -> None:
     )
     rows = make_arith_prompts(params["num_prompts"], max_operand, seed)
     write_prompts_jsonl(data_path / PROMPTS_FILE, rows)
-    _write_text_atomic(data_path / MANIFEST_FILE, json.dumps(params, indent=2, sort_keys=True))
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise

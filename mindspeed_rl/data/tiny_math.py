@@ -20,7 +20,6 @@ a random model, which samples nearly uniformly from its whole vocabulary at firs
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -32,6 +31,7 @@ from typing import Any, Optional
 
 from tokenizers import Tokenizer
 
+from mindspeed_rl.data.asset_cache import MANIFEST_FILE, ensure_generated  # noqa: F401 (MANIFEST_FILE re-exported)
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint, replace_dir
 from mindspeed_rl.data.tokenizer import (
     CHAT_END_TOKEN,
@@ -42,7 +42,6 @@ from mindspeed_rl.data.tokenizer import (
 
 MODEL_SUBDIR = "model"
 DATA_FILE = "tiny_math.parquet"
-MANIFEST_FILE = "assets.json"
 # Bump when the generators change, so caches written by older code are regenerated.
 ASSETS_FORMAT_VERSION = 1
 TASK_NAME = "math_word"
@@ -203,8 +202,8 @@ def ensure_tiny_math_assets(
     }
     root = Path(data_dir)
     model_dir, data_path = root / MODEL_SUBDIR, root / DATA_FILE
-    if not _cache_matches(root, params):
-        _generate_assets(root, params)
+    ensure_generated(root, params, generate=_generate_assets,
+                     required=(f"{MODEL_SUBDIR}/config.json", f"{MODEL_SUBDIR}/tokenizer_config.json", DATA_FILE))
     return model_dir, data_path
 
 
@@ -213,26 +212,7 @@ def tiny_math_vocab_size(max_operand: int) -> int:
     return build_tiny_math_tokenizer(max_operand).get_vocab_size(with_added_tokens=True)
 
 
-def _cache_matches(root: Path, params: dict[str, Any]) -> bool:
-    manifest = root / MANIFEST_FILE
-    complete = (
-        manifest.is_file()
-        and (root / MODEL_SUBDIR / "config.json").is_file()
-        and (root / MODEL_SUBDIR / "tokenizer_config.json").is_file()
-        and (root / DATA_FILE).is_file()
-    )
-    if not complete:
-        return False
-    try:
-        return json.loads(manifest.read_text(encoding="utf-8")) == params
-    except json.JSONDecodeError:
-        return False
-
-
 def _generate_assets(root: Path, params: dict[str, Any]) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    # Drop the manifest first: a crash mid-way must not leave new files under an old manifest.
-    (root / MANIFEST_FILE).unlink(missing_ok=True)
     tokenizer = build_tiny_math_tokenizer(params["max_operand"], params["vocab_size"])
     staging = Path(tempfile.mkdtemp(prefix=f".{MODEL_SUBDIR}.tmp-", dir=root))
     try:
@@ -257,15 +237,3 @@ def _generate_assets(root: Path, params: dict[str, Any]) -> None:
         shutil.rmtree(staging, ignore_errors=True)
     rows = make_word_problems(params["num_prompts"], params["max_operand"], params["seed"])
     write_dapo_parquet(root / DATA_FILE, rows)
-    _write_text_atomic(root / MANIFEST_FILE, json.dumps(params, indent=2, sort_keys=True))
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
