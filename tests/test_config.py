@@ -87,7 +87,7 @@ def test_qwen25_7b_recipe_loads_with_mindspeed_rl_values() -> None:
     assert config.megatron_training.prompt_type == "qwen_r1"
     assert config.megatron_training.map_keys == {"prompt": "problem", "labels": "answer"}
     assert config.megatron_training.sequence_parallel and config.megatron_training.use_distributed_optimizer
-    # Checkpoints are issue 11: the recipe's save keys are gone and load is an HF directory.
+    # The recipe ships without saving (set save/save_interval to save); load is an HF directory.
     assert config.megatron_training.save_interval is None and config.actor_config.save is None
     assert config.actor_config.load is None and config.actor_config.finetune
     assert config.runtime.device == "npu"
@@ -131,8 +131,6 @@ def _schema_keys(cls: type, prefix: str = "") -> set[str]:
     return keys
 
 
-# Their only accepted value is null (the default) until checkpoints exist, so the YAML leaves them out.
-CHECKPOINT_KEYS = {"actor_config.save", "megatron_training.save_interval"}
 
 
 def test_tiny_yaml_lists_every_key_so_plain_overrides_work() -> None:
@@ -140,7 +138,7 @@ def test_tiny_yaml_lists_every_key_so_plain_overrides_work() -> None:
     cfg = compose_cfg(TINY)
     absent = "<absent>"
     missing = [key for key in sorted(_schema_keys(GRPOConfig)) if OmegaConf.select(cfg, key, default=absent) == absent]
-    assert missing == sorted(CHECKPOINT_KEYS)
+    assert missing == []
 
 
 def test_yamls_do_not_use_the_hydra_schema() -> None:
@@ -414,13 +412,10 @@ def test_removed_key_in_a_yaml_mapping_is_found_without_hydra() -> None:
         ("megatron_training.use_mcore_models=false", "megatron_training.use_mcore_models: must be true: "),
         ("megatron_training.tokenizer_type=Llama2Tokenizer", "megatron_training.tokenizer_type: must be 'PretrainedFromHF': "),
         ("megatron_training.stage=ray_ppo", "megatron_training.stage: must be 'ray_grpo': "),
-        ("+megatron_training.save_interval=100", "megatron_training.save_interval: must be null: checkpoints are not "
-                                                 "implemented yet (issue 11, 'Checkpoints'); got 100"),
+        ("megatron_training.save_interval=0", "megatron_training.save_interval: must be a positive number of "
+                                              "iterations or null, got 0"),
         ("megatron_training.dataset_additional_keys=[]", "megatron_training.dataset_additional_keys: must be ['labels']: "),
-        ("+actor_config.save=./ckpt", "actor_config.save: must be null: checkpoints are not implemented yet"),
-        ("actor_config.finetune=false", "actor_config.finetune: must be true: actor_config.load is an HF checkpoint"),
-        ("actor_config.no_load_optim=false", "actor_config.no_load_optim: must be true: there is no optimizer/RNG state"),
-        ("actor_config.no_load_rng=false", "actor_config.no_load_rng: must be true: "),
+        ("actor_config.keep_last_n=0", "actor_config.keep_last_n: must be >= 1 or null (keep all), got 0"),
         ("rl_config.use_integrated_worker=false", "rl_config.use_integrated_worker: must be true: "),
         ("rl_config.rule_reward=false", "rl_config.rule_reward: must be true: "),
         ("rl_config.adv_estimator=gae", "rl_config.adv_estimator: must be one of group_norm, got 'gae'"),

@@ -27,7 +27,6 @@ OVERLONG_PROMPT_POLICIES = ("filter", "error")
 MAP_KEYS_REQUIRED = ("prompt", "labels")
 MAP_KEYS_OPTIONAL = ("system",)
 _DOTTED_PATH = re.compile(r"^[^.\s]+(\.[^.\s]+)*$")
-CHECKPOINTS_ISSUE = "checkpoints are not implemented yet (issue 11, 'Checkpoints')"
 
 
 @dataclass(kw_only=True)
@@ -60,7 +59,8 @@ class MegatronTrainingConfig:
     tokenizer_name_or_path: str
     # Prompts per iteration; the rollout has global_batch_size * rl_config.n_samples_per_prompt samples.
     global_batch_size: int
-    # Validated only: must stay null until checkpoints exist (issue 11).
+    # Save a checkpoint to actor_config.save every N iterations (and always after the last one);
+    # null = only at the end (when actor_config.save is set).
     save_interval: Optional[int] = None
     train_iters: int
     # Validated only: GRPO is the only stage.
@@ -99,7 +99,9 @@ class MegatronTrainingConfig:
         require_only(prefix, self, "tokenizer_type", "PretrainedFromHF",
                      "the tokenizer is the HF one in megatron_training.tokenizer_name_or_path")
         require_only(prefix, self, "stage", "ray_grpo", "GRPO (ray_grpo) is the only training stage here")
-        require_only(prefix, self, "save_interval", None, CHECKPOINTS_ISSUE)
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ConfigError(f"{prefix}.save_interval", f"must be a positive number of iterations or null, "
+                                                        f"got {self.save_interval}")
         require_only(prefix, self, "dataset_additional_keys", ["labels"],
                      "the label column is the only extra dataset key and feeds rl_config.verifier_function")
         require_choice(prefix, self, "overlong_prompts", OVERLONG_PROMPT_POLICIES)
@@ -161,14 +163,19 @@ class ActorConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    # Validated only: true = load weights only from `load` (no optimizer/RNG state).
+    # MindSpeed-RL: with `load` = one of our checkpoints, true loads its weights only (iteration 0),
+    # false resumes the run (iteration, data order, optimizer, scheduler, RNG).
     finetune: bool = True
-    # An HF checkpoint directory (weights only); None = megatron_training.tokenizer_name_or_path.
+    # An HF directory (initial weights; None = megatron_training.tokenizer_name_or_path), or one of our
+    # checkpoints (a dir with manifest.json, or a save root with `latest`); see mindspeed_rl/checkpoint/FORMAT.md.
     load: Optional[str] = None
-    # Validated only (null / true) until checkpoints exist (issue 11).
+    # Save root for checkpoints (iter_NNNNNNN dirs + `latest`); null = never save.
     save: Optional[str] = None
-    no_load_optim: bool = True
-    no_load_rng: bool = True
+    # MindSpeed-RL: on resume (finetune false), skip the optimizer (and scheduler) / RNG states.
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    # Ours. Keep only the newest N checkpoints under `save`; null keeps all.
+    keep_last_n: Optional[int] = None
 
     def __post_init__(self) -> None:
         prefix = self.SECTION_KEY
@@ -190,8 +197,5 @@ class ActorConfig:
         require_in_range(prefix, self, "lr_warmup_fraction", 0.0, 1.0, high_open=True)
         require_in_range(prefix, self, "adam_beta1", 0.0, 1.0, high_open=True)
         require_in_range(prefix, self, "adam_beta2", 0.0, 1.0, high_open=True)
-        require_only(prefix, self, "save", None, CHECKPOINTS_ISSUE)
-        require_only(prefix, self, "finetune", True,
-                     "actor_config.load is an HF checkpoint directory, loaded as weights only")
-        for name in ("no_load_optim", "no_load_rng"):
-            require_only(prefix, self, name, True, f"there is no optimizer/RNG state to load: {CHECKPOINTS_ISSUE}")
+        if self.keep_last_n is not None and self.keep_last_n < 1:
+            raise ConfigError(f"{prefix}.keep_last_n", f"must be >= 1 or null (keep all), got {self.keep_last_n}")

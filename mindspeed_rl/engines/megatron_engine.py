@@ -329,3 +329,46 @@ class MegatronEngine:
         from mindspeed_rl.resharding.naive import gather_full_hf
 
         return gather_full_hf(self.named_weights(), self.spec)[0]
+
+    # -- distributed checkpoints -----------------------------------------------------------------
+    def save_sharded(self, checkpoint_dir: str, *, with_optimizer: bool) -> dict | None:
+        """Collective: the model (and optimizer) as Megatron dist checkpoints under `checkpoint_dir`
+        (model/, optimizer/; see mindspeed_rl/checkpoint/FORMAT.md). Global tensors, so any TP/PP layout
+        loads them. Returns the scheduler's state_dict (for trainer_state.json) or None."""
+        import os
+
+        from megatron.core import dist_checkpointing
+
+        model_dir = os.path.join(checkpoint_dir, "model")
+        os.makedirs(model_dir, exist_ok=True)
+        with self.accelerator.megatron_context():
+            dist_checkpointing.save(self.module.sharded_state_dict(), model_dir)
+            if not (with_optimizer and self.optimizer is not None):
+                return None
+            optim_dir = os.path.join(checkpoint_dir, "optimizer")
+            os.makedirs(optim_dir, exist_ok=True)
+            # The optimizer's sharded state refers to the model's sharded tensors by key.
+            dist_checkpointing.save(self.optimizer.sharded_state_dict(self.module.sharded_state_dict()),
+                                    optim_dir)
+        return self.scheduler.state_dict()
+
+    def load_sharded(self, checkpoint_dir: str, *, load_optimizer: bool, scheduler_state: dict | None) -> None:
+        """Collective: the inverse of `save_sharded`, into this rank's layout."""
+        import os
+
+        from megatron.core import dist_checkpointing
+
+        with self.accelerator.megatron_context():
+            state = dist_checkpointing.load(self.module.sharded_state_dict(), os.path.join(checkpoint_dir, "model"),
+                                            strict="raise_all")
+            self.module.load_state_dict(state, strict=False)
+            if self.optimizer is not None and hasattr(self.optimizer, "reload_model_params"):
+                # Mixed-precision / distributed optimizers keep fp32 main copies of the module's params.
+                self.optimizer.reload_model_params()
+            if load_optimizer and self.optimizer is not None:
+                optim_state = dist_checkpointing.load(
+                    self.optimizer.sharded_state_dict(self.module.sharded_state_dict(), is_loading=True),
+                    os.path.join(checkpoint_dir, "optimizer"))
+                self.optimizer.load_state_dict(optim_state)
+            if scheduler_state is not None and self.scheduler is not None:
+                self.scheduler.load_state_dict(scheduler_state)

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 
 from mindspeed_rl.algorithms.grpo import group_normalized_advantages
+from mindspeed_rl.checkpoint.trainer_state import (find_resume_point, resume_actor, save_run_checkpoint,
+                                                  truncate_metrics_after)
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler, check_prompt_rows, load_prompt_dataset
 from mindspeed_rl.data.rewards import accuracy, compute_rule_rewards
@@ -31,6 +33,10 @@ def run_grpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
     setup.check_against_checkpoint(config, hf_config, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.generate_config.trust_remote_code)
     setup.check_tokenizer_fits_model(tokenizer, hf_config, model_dir)
+    ac = config.actor_config
+    # A partial, corrupt or other-model checkpoint stops here, before any worker starts.
+    resume = find_resume_point(ac.load, finetune=ac.finetune, hf_config=hf_config)
+    setup.check_run_dir_metrics(run_dir / config.runtime.metrics_file, resume_iteration=resume.iteration if resume else 0)
     dataset = load_prompt_dataset(data_path, tokenizer=tokenizer, prompt_type=mt.prompt_type, map_keys=dict(mt.map_keys),
                                   max_prompt_length=config.rl_config.max_prompt_length,
                                   overlong_prompts=mt.overlong_prompts)
@@ -49,7 +55,16 @@ def run_grpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
     try:
         init_metrics = merge_metrics(actor.call("initialize"))
         print(f"[init] ranks={config.world_size} device={device} {init_metrics['timing/initialize']:.1f}s", flush=True)
-        return train(config, actor, tokenizer, dataset, run_dir, sampler=sampler)
+        if resume is not None:
+            resume_actor(actor, resume, finetune=ac.finetune, no_load_optim=ac.no_load_optim,
+                         no_load_rng=ac.no_load_rng)
+            if resume.iteration:
+                sampler.load_state_dict(resume.state["sampler"])
+                truncate_metrics_after(run_dir / config.runtime.metrics_file, resume.iteration)
+            print(f"[checkpoint] loaded {resume.path} ({'weights only' if ac.finetune else 'resuming'} "
+                  f"after iteration {resume.iteration})", flush=True)
+        return train(config, actor, tokenizer, dataset, run_dir, sampler=sampler,
+                     start_iteration=resume.iteration + 1 if resume else 1, hf_dir=model_dir)
     finally:
         actor.shutdown()
 
@@ -61,16 +76,16 @@ def _sampler(config: GRPOConfig, dataset: PromptDataset) -> PromptSampler:
 
 
 def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDataset, run_dir: Path, *,
-          sampler: PromptSampler | None = None) -> list[dict]:
+          sampler: PromptSampler | None = None, start_iteration: int = 1, hf_dir: str | None = None) -> list[dict]:
     mt, rl = config.megatron_training, config.rl_config
     sampler = sampler or _sampler(config, dataset)
     sinks = MetricsSinks(run_dir, metrics_file=config.runtime.metrics_file, use_tensorboard=rl.use_tensorboard)
     history = []
     try:
-        for iteration in range(1, mt.train_iters + 1):
+        for iteration in range(start_iteration, mt.train_iters + 1):
             started = time.perf_counter()
             prompts = [dataset.records[index] for index in sampler.next_indices()]
-            batch, metrics = generate(actor, prompts, config)
+            batch, metrics = generate(actor, prompts, config, iteration=iteration)
             responses = [tokenizer.decode(ids, skip_special_tokens=True) for ids in _response_ids(batch)]
             labels = [p.label for p in prompts for _ in range(rl.n_samples_per_prompt)]
             rewards = compute_rule_rewards(responses, labels, rl.verifier_function, rl.verifier_weight,
@@ -91,6 +106,12 @@ def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDa
             sinks.write(metrics)
             if iteration % config.runtime.log_interval == 0:
                 print(format_line(metrics), flush=True)
+            if _saves_at(config, iteration):
+                path = save_run_checkpoint(actor=actor, save_root=config.actor_config.save, iteration=iteration,
+                                           sampler=sampler, kl_coef=rl.init_kl_coef, seed=mt.seed,
+                                           hf_dir=hf_dir or mt.tokenizer_name_or_path,
+                                           keep_last_n=config.actor_config.keep_last_n)
+                print(f"[checkpoint] saved {path}", flush=True)
     finally:
         sinks.close()
     if history:
@@ -129,9 +150,16 @@ def _plot_curves(history: list[dict], run_dir: Path, config: GRPOConfig) -> None
         print(f"[memory] timeline of the last iterations: {path}", flush=True)
 
 
-def generate(actor: RayActorGroup, prompt_batch, config: GRPOConfig) -> tuple[RolloutBatch, dict]:
+def _saves_at(config: GRPOConfig, iteration: int) -> bool:
+    interval = config.megatron_training.save_interval
+    last = iteration == config.megatron_training.train_iters
+    return config.actor_config.save is not None and (last or (interval is not None and iteration % interval == 0))
+
+
+def generate(actor: RayActorGroup, prompt_batch, config: GRPOConfig, *,
+             iteration: int | None = None) -> tuple[RolloutBatch, dict]:
     prompt_ids = [p.token_ids for p in prompt_batch]
-    results = actor.call("generate_sequences", prompt_ids)
+    results = actor.call("generate_sequences", prompt_ids, iteration)
     metrics = merge_metrics([m for _, m in results])
     samples = [sample for shard in merge_shards([s for s, _ in results]) for sample in shard.value]
     samples.sort(key=lambda sample: sample[0])  # prompt-major: a prompt's n samples are contiguous

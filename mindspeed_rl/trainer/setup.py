@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from mindspeed_rl.checkpoint.store import is_checkpoint_dir
 from mindspeed_rl.config import ConfigError, GRPOConfig
 
 MODEL_DIR_KEY = "megatron_training.tokenizer_name_or_path"
@@ -24,14 +25,21 @@ def resolve_assets(config: GRPOConfig) -> tuple[str, str, str]:
     if synthetic is not None and synthetic.enabled:
         made_model, made_data = _generate_synthetic_assets(synthetic)
         model_dir, data_path = str(made_model), str(made_data)
-    model_key = "actor_config.load" if config.actor_config.load else MODEL_DIR_KEY
-    model_dir = config.actor_config.load or model_dir
+    # actor_config.load as one of our checkpoints: the engines are built from the initial HF weights and
+    # the checkpoint is loaded over them (grpo_trainer); as an HF dir it is the initial weights.
+    hf_load = config.actor_config.load if config.actor_config.load and not is_checkpoint_dir(config.actor_config.load) else None
+    model_key = "actor_config.load" if hf_load else MODEL_DIR_KEY
+    model_dir = hf_load or model_dir
     for key, path in ((model_key, model_dir), (DATA_PATH_KEY, data_path)):
         if not Path(path).exists():
             raise ConfigError(key, f"{path} does not exist")
     if not (Path(model_dir) / "config.json").is_file():
         raise ConfigError(model_key, f"{model_dir} is not an HF model directory (no config.json)")
     ref_dir = config.rl_config.integrated_mode_config.ref_model_load_path or model_dir
+    if is_checkpoint_dir(ref_dir):
+        raise ConfigError("rl_config.integrated_mode_config.ref_model_load_path",
+                          f"{ref_dir} is a mindspeed_rl checkpoint; give an HF directory (export it with "
+                          "cli/export_hf.py) - loading the reference from a checkpoint is not implemented yet")
     if not Path(ref_dir).exists():
         raise ConfigError("rl_config.integrated_mode_config.ref_model_load_path", f"{ref_dir} does not exist")
     return os.path.abspath(model_dir), os.path.abspath(ref_dir), os.path.abspath(data_path)
@@ -136,3 +144,12 @@ def threads_per_rank(config: GRPOConfig) -> int:
     if config.runtime.num_threads_per_rank > 0:
         return config.runtime.num_threads_per_rank
     return max(1, (os.cpu_count() or 1) // config.world_size)
+
+
+def check_run_dir_metrics(metrics_path: Path, *, resume_iteration: int) -> None:
+    """A run directory whose metrics.jsonl already has records: resume (records after the checkpoint's
+    iteration are dropped then) or refuse; never append duplicate iteration numbers."""
+    if resume_iteration == 0 and metrics_path.is_file() and metrics_path.stat().st_size > 0:
+        raise ConfigError("hydra.run.dir", f"{metrics_path} already has records; resume with "
+                                           "actor_config.load=<save dir> actor_config.finetune=false, "
+                                           "or choose another run directory")

@@ -178,8 +178,14 @@ class ActorHybridWorkerBase:
 
     # -- the three phases ------------------------------------------------------------------------
     @offloaded_rpc("generate", ACTOR_INFER)
-    def generate_sequences(self, prompt_token_ids: list[list[int]]) -> tuple[Shard, dict[str, float]]:
-        """Each inference-DP group samples its slice of the prompts; one rank per group reports it."""
+    def generate_sequences(self, prompt_token_ids: list[list[int]],
+                           iteration: int | None = None) -> tuple[Shard, dict[str, float]]:
+        """Each inference-DP group samples its slice of the prompts; one rank per group reports it.
+
+        With `iteration`, the sampling RNG is reseeded from f(megatron_training.seed, iteration, DP rank)
+        first, so an iteration samples the same whatever came before (exact resume); without, it
+        continues the running generator. vLLM's per-request seeds would do the same, but its runner
+        rewinds their offsets after a chunked prefill, which CPU generators cannot do."""
         gen = self.config.generate_config
         sampling = gen.sampling_config
         dp_size = self.config.infer_data_parallel_size
@@ -188,11 +194,14 @@ class ActorHybridWorkerBase:
         start, stop = dp_rank * per_rank, (dp_rank + 1) * per_rank
         with self.sharding_manager.infer_mode():
             in_phase = self.ledger.record("generate")
+            if iteration is not None:
+                torch.manual_seed(sampling_seed(self.config.megatron_training.seed, iteration, dp_rank))
             t0 = time.perf_counter()
             generations = self.inference_model.generate(
                 prompt_token_ids[start:stop], n=self.config.rl_config.n_samples_per_prompt,
                 max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                top_k=sampling.top_k, min_p=sampling.min_p, seed=None, logprobs=sampling.logprobs,
+                top_k=sampling.top_k, min_p=sampling.min_p, logprobs=sampling.logprobs,
+                seed=None,
                 detokenize=sampling.detokenize,
             )
             seconds = time.perf_counter() - t0
@@ -245,6 +254,32 @@ class ActorHybridWorkerBase:
         metrics["actor/lr"] = steps[-1]["actor/lr"]  # the rate the iteration ended on, not a mean
         metrics["actor/optimizer_steps"] = float(len(steps))
         return {**metrics, **self.sharding_manager.pop_timings(), **in_phase.metrics()}
+
+    # -- checkpoints (mindspeed_rl/checkpoint/FORMAT.md) -------------------------------------------
+    # ACTOR_TRAIN: the decorator reloads the train params and optimizer states whatever is offloaded
+    # now, and restores the residency after, so a save or load works in any offload state.
+    @offloaded_rpc("save_checkpoint", ACTOR_TRAIN)
+    def save_checkpoint(self, checkpoint_dir: str) -> tuple[dict | None, dict[str, float]]:
+        """Collective: model + optimizer as Megatron dist checkpoints, this rank's RNG states; returns
+        the scheduler state (rank 0 writes it into trainer_state.json)."""
+        from mindspeed_rl.checkpoint.rng_state import save_rng_state
+
+        started = time.perf_counter()
+        scheduler_state = self.actor.save_sharded(checkpoint_dir, with_optimizer=True)
+        save_rng_state(checkpoint_dir, self.rank_info.rank, {"shuffler": self.shuffler.generator})
+        return scheduler_state, {"timing/save_checkpoint": time.perf_counter() - started}
+
+    @offloaded_rpc("load_checkpoint", ACTOR_TRAIN)
+    def load_checkpoint(self, checkpoint_dir: str, *, load_optimizer: bool, load_rng: bool,
+                        scheduler_state: dict | None) -> dict[str, float]:
+        """Collective: the inverse of save_checkpoint into this rank's layout (any TP/PP)."""
+        from mindspeed_rl.checkpoint.rng_state import load_rng_state
+
+        started = time.perf_counter()
+        self.actor.load_sharded(checkpoint_dir, load_optimizer=load_optimizer, scheduler_state=scheduler_state)
+        if load_rng:
+            load_rng_state(checkpoint_dir, self.rank_info.rank, {"shuffler": self.shuffler.generator})
+        return {"timing/load_checkpoint": time.perf_counter() - started}
 
     # -- helpers ---------------------------------------------------------------------------------
     def _train_dp_slice(self, num_samples: int) -> tuple[int, int]:
@@ -317,6 +352,14 @@ class MiniBatchShuffler:
         if not self.shuffle:
             return torch.arange(num_samples)
         return torch.randperm(num_samples, generator=self.generator)
+
+
+def sampling_seed(seed: int, iteration: int, stream: int) -> int:
+    """The sampling seed of one iteration's stream (an inference-DP rank): independent streams from
+    numpy's SeedSequence."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, iteration, stream]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
 def train_dp_slice(num_samples: int) -> tuple[int, int]:

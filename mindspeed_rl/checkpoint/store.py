@@ -1,0 +1,161 @@
+"""Atomic checkpoint directories: temporary dir, fsync, manifest, rename, `latest` pointer, keep_last_n.
+
+The layout is described in FORMAT.md next to this file. A checkpoint is either complete (renamed into place
+with a manifest that matches every file) or invisible: a save killed midway leaves only a `.tmp_*` dir that no
+loader looks at, and `latest` still names the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from mindspeed_rl.config.errors import ConfigError
+
+FORMAT_TAG = "mindspeed_rl.checkpoint/1"
+MANIFEST_NAME = "manifest.json"
+LATEST_NAME = "latest"
+TMP_PREFIX = ".tmp_"
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+_HASH_CHUNK_BYTES = 1 << 20
+
+
+def iteration_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _fsync_path(path: Path) -> None:
+    # Directories are fsynced too: a rename is durable only once its parent directory is.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(_HASH_CHUNK_BYTES), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+
+
+def begin_save(save_root: str | os.PathLike, iteration: int) -> Path:
+    """Create and return an empty temporary directory for checkpoint `iteration` under `save_root`."""
+    root = Path(save_root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{TMP_PREFIX}{iteration_dir_name(iteration)}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def commit_save(tmp_dir: Path, iteration: int, *, keep_last_n: int | None) -> Path:
+    """Fsync every file, write the manifest, rename into place, move `latest`, prune; returns the final dir.
+
+    Call once all ranks have finished writing into `tmp_dir` (rank 0 only).
+    """
+    tmp_dir = Path(tmp_dir)
+    root = tmp_dir.parent
+    files = {}
+    for path in _files_under(tmp_dir):
+        _fsync_path(path)
+        files[path.relative_to(tmp_dir).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256_of(path)}
+    for directory in sorted({p.parent for p in tmp_dir.rglob("*")} | {tmp_dir}):
+        _fsync_path(directory)
+    manifest = {"format": FORMAT_TAG, "iteration": iteration, "files": files}
+    manifest_path = tmp_dir / MANIFEST_NAME
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    _fsync_path(manifest_path)
+    _fsync_path(tmp_dir)
+
+    final = root / iteration_dir_name(iteration)
+    if final.exists():
+        # Re-saving the same iteration (a resumed run saving where it started): the old copy goes first.
+        shutil.rmtree(final)
+    os.rename(tmp_dir, final)
+    _fsync_path(root)
+    _write_latest(root, final.name)
+    _prune(root, keep_last_n=keep_last_n, keep=final.name)
+    return final
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f"{LATEST_NAME}.tmp"
+    with open(tmp, "w") as handle:
+        handle.write(name + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, root / LATEST_NAME)
+    _fsync_path(root)
+
+
+def _prune(root: Path, *, keep_last_n: int | None, keep: str) -> None:
+    # Stale temporaries from killed saves go too; they were never visible to a loader.
+    for stale in root.glob(f"{TMP_PREFIX}*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    if keep_last_n is None:
+        return
+    saved = sorted(p.name for p in root.iterdir() if p.is_dir() and _ITER_DIR.match(p.name))
+    for name in saved[:-keep_last_n] if keep_last_n > 0 else saved:
+        if name != keep:
+            shutil.rmtree(root / name)
+
+
+def is_checkpoint_dir(path: str | os.PathLike) -> bool:
+    """True if `path` is one of our checkpoints or a save root with a `latest` pointer (not an HF dir)."""
+    path = Path(path)
+    return (path / MANIFEST_NAME).is_file() or (path / LATEST_NAME).is_file()
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifiedCheckpoint:
+    path: Path
+    iteration: int
+
+
+def resolve_and_verify(load_path: str | os.PathLike, *, key: str) -> VerifiedCheckpoint:
+    """The checkpoint `load_path` names (itself, or its save root's `latest`), every file checked.
+
+    Raises ConfigError(key, ...) naming the first file that is missing, of the wrong size or checksum.
+    """
+    path = Path(load_path)
+    if (path / LATEST_NAME).is_file() and not (path / MANIFEST_NAME).is_file():
+        name = (path / LATEST_NAME).read_text().strip()
+        if not _ITER_DIR.match(name):
+            raise ConfigError(key, f"{path / LATEST_NAME} names {name!r}, expected iter_NNNNNNN")
+        path = path / name
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise ConfigError(key, f"{manifest_path} is missing: not a complete mindspeed_rl checkpoint")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+        iteration = int(manifest["iteration"])
+        if manifest["format"] != FORMAT_TAG:
+            raise ValueError(f"format {manifest['format']!r}, expected {FORMAT_TAG!r}")
+    except (ValueError, KeyError, TypeError) as error:
+        raise ConfigError(key, f"{manifest_path} is unreadable: {error}") from None
+    for relative, expected in sorted(files.items()):
+        file_path = path / relative
+        if not file_path.is_file():
+            raise ConfigError(key, f"{file_path} is missing (listed in {manifest_path})")
+        size = file_path.stat().st_size
+        if size != expected["size"]:
+            raise ConfigError(key, f"{file_path} has {size} bytes, the manifest says {expected['size']} "
+                                   "(truncated or partial checkpoint)")
+        if _sha256_of(file_path) != expected["sha256"]:
+            raise ConfigError(key, f"{file_path} does not match its sha256 in {manifest_path} (corrupt)")
+    return VerifiedCheckpoint(path=path, iteration=iteration)
