@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.checkpoint.store import fsync_path
 from mindspeed_rl.models.qwen2 import Qwen2Spec
 
 # Files copied next to the weights when the source directory has them (tokenizer + generation defaults).
@@ -70,13 +71,6 @@ def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[s
     return shards
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def write_hf_checkpoint(state: dict[str, torch.Tensor], *, config_dir: str | os.PathLike, output_dir: str | os.PathLike,
                         options: ExportOptions = ExportOptions()) -> Path:
@@ -116,12 +110,12 @@ def write_hf_checkpoint(state: dict[str, torch.Tensor], *, config_dir: str | os.
             if (config_dir / name).is_file():
                 shutil.copyfile(config_dir / name, staging / name)
         for path in staging.iterdir():
-            _fsync(path)
-        _fsync(staging)
+            fsync_path(path)
+        fsync_path(staging)
         if out.exists():
             out.rmdir()  # empty (checked above); rename needs the name free
         os.rename(staging, out)
-        _fsync(out.parent)
+        fsync_path(out.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out

@@ -29,7 +29,7 @@ def iteration_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     # Directories are fsynced too: a rename is durable only once its parent directory is.
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -70,22 +70,22 @@ def commit_save(tmp_dir: Path, iteration: int, *, keep_last_n: int | None) -> Pa
     root = tmp_dir.parent
     files = {}
     for path in _files_under(tmp_dir):
-        _fsync_path(path)
+        fsync_path(path)
         files[path.relative_to(tmp_dir).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256_of(path)}
     for directory in sorted({p.parent for p in tmp_dir.rglob("*")} | {tmp_dir}):
-        _fsync_path(directory)
+        fsync_path(directory)
     manifest = {"format": FORMAT_TAG, "iteration": iteration, "files": files}
     manifest_path = tmp_dir / MANIFEST_NAME
     manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    _fsync_path(manifest_path)
-    _fsync_path(tmp_dir)
+    fsync_path(manifest_path)
+    fsync_path(tmp_dir)
 
     final = root / iteration_dir_name(iteration)
     if final.exists():
         # Re-saving the same iteration (a resumed run saving where it started): the old copy goes first.
         shutil.rmtree(final)
     os.rename(tmp_dir, final)
-    _fsync_path(root)
+    fsync_path(root)
     _write_latest(root, final.name)
     _prune(root, keep_last_n=keep_last_n, keep=final.name)
     return final
@@ -98,7 +98,7 @@ def _write_latest(root: Path, name: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, root / LATEST_NAME)
-    _fsync_path(root)
+    fsync_path(root)
 
 
 def _prune(root: Path, *, keep_last_n: int | None, keep: str) -> None:
