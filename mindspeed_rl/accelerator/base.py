@@ -131,6 +131,20 @@ def detect_device() -> str:
     return "cpu"
 
 
+def missing_device(name: str) -> str | None:
+    """Why `name` cannot run on this host, or None if it can (cpu and auto always can)."""
+    if name == "cuda" and not torch.cuda.is_available():
+        return f"no CUDA device is visible to torch {torch.__version__} (torch.cuda.is_available() is False)"
+    if name == "npu":
+        if importlib.util.find_spec("torch_npu") is None:
+            return "torch_npu is not installed, so no Ascend NPU can be used"
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        if not torch.npu.is_available():
+            return "torch_npu is installed but sees no NPU (torch.npu.is_available() is False)"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def get_accelerator(name: str = "auto") -> Accelerator:
     if name == "auto":

@@ -27,6 +27,7 @@ def run_grpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
     from mindspeed_rl.accelerator import detect_device
 
     mt = config.megatron_training
+    setup.check_host(config, run_dir)  # a missing device or an unwritable run dir fails before any file is read
     model_dir, ref_dir, data_path = setup.resolve_assets(config)
     check_prompt_rows(data_path, map_keys=dict(mt.map_keys))  # bad rows fail before any model file is read
     hf_config = setup.read_hf_config(model_dir)

@@ -15,6 +15,9 @@ from mindspeed_rl.config import ConfigError, GRPOConfig
 
 MODEL_DIR_KEY = "megatron_training.tokenizer_name_or_path"
 DATA_PATH_KEY = "megatron_training.data_path"
+REF_DIR_KEY = "rl_config.integrated_mode_config.ref_model_load_path"
+RUN_DIR_KEY = "hydra.run.dir"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def resolve_assets(config: GRPOConfig) -> tuple[str, str, str]:
@@ -30,19 +33,92 @@ def resolve_assets(config: GRPOConfig) -> tuple[str, str, str]:
     hf_load = config.actor_config.load if config.actor_config.load and not is_checkpoint_dir(config.actor_config.load) else None
     model_key = "actor_config.load" if hf_load else MODEL_DIR_KEY
     model_dir = hf_load or model_dir
-    for key, path in ((model_key, model_dir), (DATA_PATH_KEY, data_path)):
-        if not Path(path).exists():
-            raise ConfigError(key, f"{path} does not exist")
-    if not (Path(model_dir) / "config.json").is_file():
-        raise ConfigError(model_key, f"{model_dir} is not an HF model directory (no config.json)")
+    check_hf_model_dir(model_dir, model_key)
+    if not Path(data_path).exists():
+        raise ConfigError(DATA_PATH_KEY, f"{data_path} does not exist")
     ref_dir = config.rl_config.integrated_mode_config.ref_model_load_path or model_dir
     if is_checkpoint_dir(ref_dir):
-        raise ConfigError("rl_config.integrated_mode_config.ref_model_load_path",
+        raise ConfigError(REF_DIR_KEY,
                           f"{ref_dir} is a mindspeed_rl checkpoint; give an HF directory (export it with "
                           "cli/export_hf.py) - loading the reference from a checkpoint is not implemented yet")
-    if not Path(ref_dir).exists():
-        raise ConfigError("rl_config.integrated_mode_config.ref_model_load_path", f"{ref_dir} does not exist")
+    if ref_dir != model_dir:
+        check_hf_model_dir(ref_dir, REF_DIR_KEY)
     return os.path.abspath(model_dir), os.path.abspath(ref_dir), os.path.abspath(data_path)
+
+
+def check_hf_model_dir(model_dir: str, key: str) -> None:
+    """`model_dir` must be an HF directory whose weights are whole: the engines load it inside the workers,
+    where a missing or cut-off file would surface as a worker traceback after minutes of start-up."""
+    directory = Path(model_dir)
+    if not directory.exists():
+        raise ConfigError(key, f"{directory} does not exist")
+    marker = _megatron_marker(directory)
+    if marker is not None:
+        raise ConfigError(key, f"{directory} is a Megatron checkpoint ({marker}); an HF directory (config.json + "
+                               "*.safetensors) is expected: give the HF model it was converted from")
+    if not (directory / "config.json").is_file():
+        raise ConfigError(key, f"{directory} is not an HF model directory (no config.json)")
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards and not any(directory.glob("pytorch_model*.bin")):
+        raise ConfigError(key, f"{directory} has config.json but no weights (*.safetensors or pytorch_model*.bin)")
+    _check_safetensors_index(directory, key)
+    for shard in shards:
+        check_safetensors_header(shard, key)
+
+
+def _megatron_marker(directory: Path) -> str | None:
+    """What shows `directory` is a Megatron/MindSpeed-RL checkpoint, or None."""
+    if (directory / "latest_checkpointed_iteration.txt").is_file():
+        return "it has latest_checkpointed_iteration.txt"
+    for pattern in ("iter_*/mp_rank_*", "release/mp_rank_*"):
+        rank_dirs = sorted(directory.glob(pattern))
+        if rank_dirs:
+            return f"it has {rank_dirs[0].relative_to(directory)}"
+    return None
+
+
+def _check_safetensors_index(directory: Path, key: str) -> None:
+    index = directory / SAFETENSORS_INDEX
+    if not index.is_file():
+        return
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        shards = sorted({directory / name for name in weight_map.values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ConfigError(key, f"{index}: not a safetensors index (JSON with a weight_map) ({error})") from None
+    for shard in shards:
+        if not shard.is_file():
+            raise ConfigError(key, f"{shard} is missing: {index} names it as a weight shard")
+
+
+def check_safetensors_header(path: Path, key: str) -> None:
+    """Reads only the header: the tensors of a 7B model are 15 GB. A file cut short (a copy or download that
+    stopped) no longer holds the bytes its header promises."""
+    size = path.stat().st_size
+    if size < 8:
+        raise ConfigError(key, f"{path} is truncated: {size} bytes, shorter than the 8-byte header length")
+    with open(path, "rb") as handle:
+        header_len = int.from_bytes(handle.read(8), "little")
+        if 8 + header_len > size:
+            raise ConfigError(key, f"{path} is truncated or corrupt: its header length says {header_len} bytes "
+                                   f"but the file has only {size} bytes")
+        end = _tensors_end(handle.read(header_len))
+    if end is None:
+        raise ConfigError(key, f"{path} is corrupt: its header is not safetensors JSON")
+    data_size = size - 8 - header_len
+    if end != data_size:
+        raise ConfigError(key, f"{path} is truncated or corrupt: its header places tensor data up to byte {end} "
+                               f"but the file holds {data_size} bytes of data")
+
+
+def _tensors_end(raw: bytes) -> int | None:
+    """The largest data_offsets end in a safetensors header, or None if it is not one."""
+    try:
+        header = json.loads(raw)
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
+    return max(ends, default=0) if all(isinstance(end, int) for end in ends) else None
 
 
 def _generate_synthetic_assets(synthetic) -> tuple[Path, Path]:
@@ -90,8 +166,13 @@ def check_against_checkpoint(config: GRPOConfig, hf_config: dict, model_dir: str
         kv_channels=hf_config.get("head_dim"), num_experts=hf_config.get("num_experts") or None,
         max_position_embeddings=hf_config.get("max_position_embeddings"),
     )
-    # replace() runs GRPOConfig.__post_init__ again: every layout check, now on the checkpoint's numbers.
-    dataclasses.replace(config, model={**config.model, name: checkpoint_arch}, synthetic_data=None)
+    # replace() runs GRPOConfig.__post_init__ again: every layout and length check (max_model_len against
+    # max_position_embeddings too), now on the checkpoint's numbers, so the message names where they come from.
+    try:
+        dataclasses.replace(config, model={**config.model, name: checkpoint_arch}, synthetic_data=None)
+    except ConfigError as error:
+        raise ConfigError(error.key, f"{error.message} (model.{name} as built: the checkpoint's architecture from "
+                                     f"{Path(model_dir) / 'config.json'})") from None
 
 
 def check_tokenizer_fits_model(tokenizer, hf_config: dict, model_dir: str) -> None:
@@ -116,6 +197,29 @@ def check_host_capacity(config: GRPOConfig, device: str, cpu_count: int) -> None
         )
 
 
+def check_host(config: GRPOConfig, run_dir: Path) -> None:
+    """What this host must offer before anything is read or started: the device asked for, a writable run dir."""
+    from mindspeed_rl.accelerator import missing_device
+
+    reason = missing_device(config.runtime.device)
+    if reason is not None:
+        raise ConfigError("runtime.device", f"{config.runtime.device} was asked for, but {reason}; use "
+                                            "runtime.device=cpu or auto, or run on a host that has the device")
+    check_run_dir_writable(run_dir)
+
+
+def check_run_dir_writable(run_dir: Path) -> None:
+    # A probe file, not os.access: root passes os.access on a read-only mount, and only a real create
+    # sees a full or read-only filesystem. Metrics and checkpoints are written after hours of work.
+    probe = Path(run_dir) / f".write_probe_{os.getpid()}"
+    try:
+        probe.open("x").close()
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(RUN_DIR_KEY, f"{run_dir} is not a writable directory ({error.strerror or error}); "
+                                       "metrics.jsonl and the plots go there: choose another run directory") from None
+
+
 def start_ray(config: GRPOConfig, device: str, threads_per_rank: int, *, attempts: int = 2) -> None:
     import ray
 
@@ -125,6 +229,9 @@ def start_ray(config: GRPOConfig, device: str, threads_per_rank: int, *, attempt
     # than Ray's default allows, which fails the whole start ("node timed out during startup").
     os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray 2.54 warns on every start that it will stop overriding CUDA_VISIBLE_DEVICES for CPU-only
+    # actors; opting in now changes nothing for the ranks (each asks for its device) and ends the warning.
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     for attempt in range(1, attempts + 1):
         try:
             # Logical CPUs: one per rank at least, whatever the host has (ranks are mostly idle
@@ -150,6 +257,6 @@ def check_run_dir_metrics(metrics_path: Path, *, resume_iteration: int) -> None:
     """A run directory whose metrics.jsonl already has records: resume (records after the checkpoint's
     iteration are dropped then) or refuse; never append duplicate iteration numbers."""
     if resume_iteration == 0 and metrics_path.is_file() and metrics_path.stat().st_size > 0:
-        raise ConfigError("hydra.run.dir", f"{metrics_path} already has records; resume with "
-                                           "actor_config.load=<save dir> actor_config.finetune=false, "
-                                           "or choose another run directory")
+        raise ConfigError(RUN_DIR_KEY, f"{metrics_path} already has records; resume with "
+                                       "actor_config.load=<save dir> actor_config.finetune=false, "
+                                       "or choose another run directory")

@@ -33,8 +33,28 @@ class MetricsSinks:
 
 
 def append_jsonl(path: Path, record: dict) -> None:
-    # One complete line per write + flush + fsync: a crash leaves whole records only.
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Append one JSON line durably; on failure the file is cut back to its last whole line.
+
+    A full disk (or a file-size limit) can accept part of a write: without the truncate the file would end
+    in half a record, which every later reader (curves, resume) trips over.
+    """
+    data = (json.dumps(record) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size_before = os.fstat(fd).st_size
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        except OSError as error:
+            os.ftruncate(fd, size_before)
+            raise OSError(error.errno, f"{path}: could not append a metrics record ({error.strerror or error}); "
+                                       f"the file was cut back to its {size_before} bytes of whole records") from error
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    # os.write may write fewer bytes than asked (a file-size limit, a nearly full disk); the rest follows.
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
