@@ -307,7 +307,8 @@ def test_model_block_must_match_synthetic_checkpoint() -> None:
     assert config_error(TINY, "synthetic_data.hidden_size=256") == (
         "model.tiny_qwen2.hidden_size: must equal synthetic_data.hidden_size=256, got 128"
     )
-    load(TINY, "synthetic_data.enabled=false", "synthetic_data.hidden_size=256")  # disabled: not checked
+    load(TINY, "synthetic_data.enabled=false", "synthetic_data.hidden_size=256",  # disabled: not checked
+         "megatron_training.tokenizer_name_or_path=m", "megatron_training.data_path=d")
 
 
 def test_actor_model_must_name_a_block() -> None:
@@ -519,6 +520,56 @@ def test_vocab_size_bounds_the_block_for_arith_only() -> None:
     # math_word's tokenizer size comes from its word list, not synthetic_data.vocab_size.
     assert config_error(TINY, "synthetic_data.vocab_size=64").startswith("model.tiny_qwen2.padded_vocab_size: ")
     assert load(TINY, "synthetic_data.task=math_word", "synthetic_data.vocab_size=64").synthetic_data.task == "math_word"
+
+
+@pytest.mark.parametrize("name", [TINY, "grpo_tiny_math_cpu"])
+def test_a_path_the_synthetic_data_would_replace_is_an_error(name: str) -> None:
+    assert config_error(name, "megatron_training.data_path=/missing") == (
+        "megatron_training.data_path: set to /missing, but synthetic_data.enabled=true generates the data; "
+        "add synthetic_data.enabled=false to train on /missing"
+    )
+    assert config_error(name, "megatron_training.tokenizer_name_or_path=/my/model") == (
+        "megatron_training.tokenizer_name_or_path: set to /my/model, but synthetic_data.enabled=true generates "
+        "the model and tokenizer; add synthetic_data.enabled=false to train from /my/model"
+    )
+
+
+def test_demo_paths_are_null_and_needed_without_synthetic_data() -> None:
+    mt = load(TINY).megatron_training
+    assert (mt.tokenizer_name_or_path, mt.data_path) == (None, None)
+    mt = load(TINY, "synthetic_data.enabled=false", "megatron_training.tokenizer_name_or_path=/my/model",
+              "megatron_training.data_path=/my/data.jsonl").megatron_training
+    assert (mt.tokenizer_name_or_path, mt.data_path) == ("/my/model", "/my/data.jsonl")
+    assert config_error(TINY, "synthetic_data.enabled=false", "megatron_training.data_path=/my/data.jsonl") == (
+        "megatron_training.tokenizer_name_or_path: must name a path: null is for synthetic_data.enabled=true, which "
+        "generates the model and tokenizer, but synthetic_data.enabled=false; got null"
+    )
+    assert config_error(QWEN_7B, "megatron_training.data_path=null") == (
+        "megatron_training.data_path: must name a path: null is for synthetic_data.enabled=true, which generates "
+        "the data, but there is no synthetic_data section; got null"
+    )
+    assert config_error(QWEN_7B, "~megatron_training.data_path") == (
+        "megatron_training.data_path: missing required value (expected str or null)"
+    )
+
+
+def test_cli_refuses_a_data_path_the_demo_would_ignore(tmp_path: Path) -> None:
+    result = run_cli(tmp_path, "--config-name", TINY, "megatron_training.data_path=/missing")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "config error: megatron_training.data_path: set to /missing, but synthetic_data.enabled=true generates the "
+        "data; add synthetic_data.enabled=false to train on /missing"
+    )
+    assert not (tmp_path / "data").exists()  # refused before anything was generated
+
+
+def test_save_hf_is_off_in_every_shipped_config_and_a_bool() -> None:
+    for name in SHIPPED_TRAINING_CONFIGS:
+        assert load(name).megatron_training.save_hf is False
+    assert load(TINY, "megatron_training.save_hf=true").megatron_training.save_hf is True
+    assert config_error(TINY, "megatron_training.save_hf=sometimes") == (
+        "megatron_training.save_hf: expected bool, got 'sometimes' (str)"
+    )
 
 
 def test_cpu_rank_limit_must_be_positive() -> None:

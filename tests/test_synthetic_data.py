@@ -112,9 +112,11 @@ def test_tiny_checkpoint_is_seeded(tmp_path, tokenizer):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
 
 
-def test_ensure_demo_assets_reuses_and_regenerates(tmp_path):
+def test_ensure_demo_assets_reuses_and_gives_other_parameters_their_own_directory(tmp_path):
     params = dict(TINY, num_prompts=16, max_operand=9, seed=7)
     model_dir, prompts_path = ensure_demo_assets(tmp_path, **params)
+    assert model_dir.parent == prompts_path.parent and model_dir.parent.parent == tmp_path
+    assert model_dir.parent.name.startswith("arith-")
     weights = model_dir / "model.safetensors"
     first_mtimes = (weights.stat().st_mtime_ns, prompts_path.stat().st_mtime_ns)
     assert len(read_prompts_jsonl(prompts_path)) == 16
@@ -122,10 +124,13 @@ def test_ensure_demo_assets_reuses_and_regenerates(tmp_path):
     assert ensure_demo_assets(tmp_path, **params) == (model_dir, prompts_path)
     assert (weights.stat().st_mtime_ns, prompts_path.stat().st_mtime_ns) == first_mtimes
 
-    ensure_demo_assets(tmp_path, **dict(params, num_prompts=20))
-    assert len(read_prompts_jsonl(prompts_path)) == 20
-    assert weights.stat().st_mtime_ns != first_mtimes[0]
-    assert json.loads((tmp_path / "assets.json").read_text())["num_prompts"] == 20
+    other_model, other_prompts = ensure_demo_assets(tmp_path, **dict(params, num_prompts=20))
+    assert other_model.parent != model_dir.parent
+    assert len(read_prompts_jsonl(other_prompts)) == 20
+    assert json.loads((other_model.parent / "assets.json").read_text())["num_prompts"] == 20
+    # the first set is still there, untouched
+    assert len(read_prompts_jsonl(prompts_path)) == 16
+    assert (weights.stat().st_mtime_ns, prompts_path.stat().st_mtime_ns) == first_mtimes
 
 
 def test_prompts_are_correct_sums_and_round_trip(tmp_path):

@@ -179,21 +179,28 @@ def test_checkpoint_loads_with_the_requested_sizes(assets):
     assert logits.shape == (1, 3, tiny_math_vocab_size(MAX_OPERAND)) and torch.isfinite(logits).all()
 
 
-def test_reuses_then_regenerates_on_parameter_change(tmp_path):
+def test_reuses_and_gives_other_parameters_their_own_directory(tmp_path):
+    import pyarrow.parquet as pq
+
     model_dir, data_path = ensure_tiny_math_assets(tmp_path, **PARAMS)
+    root = model_dir.parent
+    assert data_path.parent == root and root.parent == tmp_path and root.name.startswith("math_word-")
     weights = model_dir / "model.safetensors"
     first = (weights.stat().st_mtime_ns, data_path.stat().st_mtime_ns)
     assert ensure_tiny_math_assets(tmp_path, **PARAMS) == (model_dir, data_path)
     assert (weights.stat().st_mtime_ns, data_path.stat().st_mtime_ns) == first
 
-    ensure_tiny_math_assets(tmp_path, **dict(PARAMS, num_prompts=20))
-    import pyarrow.parquet as pq
-
-    assert pq.read_table(data_path).num_rows == 20
-    assert weights.stat().st_mtime_ns != first[0]
-    assert json.loads((tmp_path / MANIFEST_FILE).read_text())["num_prompts"] == 20
+    other_model, other_data = ensure_tiny_math_assets(tmp_path, **dict(PARAMS, num_prompts=20))
+    other = other_model.parent
+    assert other != root and pq.read_table(other_data).num_rows == 20
+    assert json.loads((other / MANIFEST_FILE).read_text())["num_prompts"] == 20
+    # the first set is untouched
+    assert pq.read_table(data_path).num_rows == 64
+    assert (weights.stat().st_mtime_ns, data_path.stat().st_mtime_ns) == first
     # atomic writes leave no staging files behind
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([MANIFEST_FILE, DATA_FILE, "model"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".lock", root.name, other.name])
+    for directory in (root, other):
+        assert sorted(p.name for p in directory.iterdir()) == sorted([MANIFEST_FILE, DATA_FILE, "model"])
 
 
 def test_vocab_size_pads_with_fillers_and_rejects_too_small():

@@ -27,6 +27,8 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+# megatron_training.save_hf's output, in the Hydra run directory.
+RUN_EXPORT_DIR = "hf_export"
 
 
 def parse_dtype(name: str, *, key: str = "--dtype") -> torch.dtype:
@@ -124,13 +126,35 @@ def write_hf_checkpoint(state: dict[str, torch.Tensor], *, config_dir: str | os.
 def export_engine(engine, *, config_dir: str | os.PathLike, output_dir: str | os.PathLike,
                   options: ExportOptions = ExportOptions()) -> Path | None:
     """Collective: a live `MegatronEngine`'s weights as an HF checkpoint, written by global rank 0
-    (`megatron_training.save_hf` at the end of a run). Returns the path on rank 0, None elsewhere."""
+    (`megatron_training.save_hf` at the end of a run, see export_run_actor). Returns the path on rank 0,
+    None elsewhere."""
     import torch.distributed as dist
 
     state = hf_weights_from_megatron(engine.named_weights(), engine.spec)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     return write_hf_checkpoint(state, config_dir=config_dir, output_dir=output_dir, options=options)
+
+
+def export_run_actor(actor, *, run_dir: str | os.PathLike, config_dir: str | os.PathLike) -> Path:
+    """megatron_training.save_hf: the live actor of a finished run (a RayActorGroup) as an HF checkpoint at
+    `run_dir/hf_export`. The ranks export into a new sibling, which then takes the name: a resumed run
+    replaces the export its earlier part left there whole, and a reader sees one or the other, never a mix."""
+    out = Path(os.path.abspath(run_dir)) / RUN_EXPORT_DIR  # the ranks may run in another working directory
+    staged = out.parent / f".{out.name}.new-{os.getpid()}"
+    shutil.rmtree(staged, ignore_errors=True)
+    written = [path for path, _ in actor.call("export_hf", str(staged), str(config_dir)) if path is not None]
+    if written != [str(staged)]:
+        raise RuntimeError(f"export_hf: expected global rank 0 alone to write {staged}, the ranks wrote {written}")
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / out.name)
+        os.rename(staged, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(staged, out)
+    fsync_path(out.parent)
+    return out
 
 
 def load_checkpoint_model(checkpoint: str | os.PathLike, *, key: str = "--checkpoint"):

@@ -57,13 +57,19 @@ class GRPOConfig:
         for name, block in self.model.items():
             block.check(f"model.{name}")
         self._check_model_selection()
+        self.check_layout()
+        self._check_synthetic_data()
+        self._check_asset_paths()
+
+    def check_layout(self) -> None:
+        """The parallel layout and batch shapes against the selected model block. The trainer runs them
+        again with the block the checkpoint's config.json describes (setup.check_against_checkpoint)."""
         self._check_train_layout()
         self._check_sequence_parallel()
         self._check_infer_layout()
         self._check_model_sharding()
         self._check_batch_sizes()
         self._check_lengths()
-        self._check_synthetic_data()
 
     def _check_model_selection(self) -> None:
         actor_model = self.actor_config.model
@@ -209,6 +215,24 @@ class GRPOConfig:
                 f"must be <= model.{self.actor_config.model}.max_position_embeddings={max_positions}, "
                 f"got {max_model_len}",
             )
+
+    def _check_asset_paths(self) -> None:
+        # The generator replaces both paths, so a path given beside it would be silently ignored; without
+        # it nothing else can stand in for a missing one.
+        synthetic = self.synthetic_data
+        generated = synthetic is not None and synthetic.enabled
+        mt = self.megatron_training
+        for name, what, use in (("tokenizer_name_or_path", "the model and tokenizer", "to train from"),
+                                ("data_path", "the data", "to train on")):
+            key, value = f"{MegatronTrainingConfig.SECTION_KEY}.{name}", getattr(mt, name)
+            if generated and value is not None:
+                raise ConfigError(key, f"set to {value}, but synthetic_data.enabled=true generates {what}; "
+                                       f"add synthetic_data.enabled=false {use} {value}")
+            if not generated and not value:
+                why = "synthetic_data.enabled=false" if synthetic is not None else "there is no synthetic_data section"
+                shown = "null" if value is None else repr(value)
+                raise ConfigError(key, f"must name a path: null is for synthetic_data.enabled=true, which generates "
+                                       f"{what}, but {why}; got {shown}")
 
     def _check_synthetic_data(self) -> None:
         synthetic, arch = self.synthetic_data, self.selected_model

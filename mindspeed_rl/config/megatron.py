@@ -55,13 +55,17 @@ class MegatronTrainingConfig:
     use_distributed_optimizer: bool = False
     # Validated only: the tokenizer is always the HF one in tokenizer_name_or_path.
     tokenizer_type: str = "PretrainedFromHF"
-    # HF model directory: tokenizer, and the HF config/weights the engines are built from.
-    tokenizer_name_or_path: str
+    # HF model directory: tokenizer, and the HF config/weights the engines are built from. null exactly
+    # when synthetic_data.enabled generates the model (checked in GRPOConfig).
+    tokenizer_name_or_path: Optional[str]
     # Prompts per iteration; the rollout has global_batch_size * rl_config.n_samples_per_prompt samples.
     global_batch_size: int
     # Save a checkpoint to actor_config.save every N iterations (and always after the last one);
     # null = only at the end (when actor_config.save is set).
     save_interval: Optional[int] = None
+    # At the end of a successful run, write the actor's weights as an HF checkpoint directory to
+    # <hydra run dir>/hf_export (safetensors, config, tokenizer), whatever actor_config.save says.
+    save_hf: bool = False
     train_iters: int
     # Validated only: GRPO is the only stage.
     stage: str = "ray_grpo"
@@ -71,8 +75,9 @@ class MegatronTrainingConfig:
     hidden_dropout: float = 0.0
     # Validated only: the label column is the one extra key, and the verifiers read it.
     dataset_additional_keys: list[str] = field(default_factory=lambda: ["labels"])
-    # A .jsonl/.json/.parquet file, a directory of them, or a directory from cli/preprocess_data.py.
-    data_path: str
+    # A .jsonl/.json/.parquet file, a directory of them, or a directory from cli/preprocess_data.py. null
+    # exactly when synthetic_data.enabled generates the data (checked in GRPOConfig).
+    data_path: Optional[str]
     # Validated only: "N,0,0"; there are no validation/test splits (every row trains).
     split: str = "100,0,0"
     no_shuffle: bool = False
@@ -166,8 +171,9 @@ class ActorConfig:
     # MindSpeed-RL: with `load` = one of our checkpoints, true loads its weights only (iteration 0),
     # false resumes the run (iteration, data order, optimizer, scheduler, RNG).
     finetune: bool = True
-    # An HF directory (initial weights; None = megatron_training.tokenizer_name_or_path), or one of our
-    # checkpoints (a dir with manifest.json, or a save root with `latest`); see mindspeed_rl/checkpoint/FORMAT.md.
+    # An HF directory (initial weights; None = megatron_training.tokenizer_name_or_path, or the model
+    # synthetic_data generates), or one of our checkpoints (a dir with manifest.json, or a save root with
+    # `latest`); see mindspeed_rl/checkpoint/FORMAT.md.
     load: Optional[str] = None
     # Save root for checkpoints (iter_NNNNNNN dirs + `latest`); null = never save.
     save: Optional[str] = None

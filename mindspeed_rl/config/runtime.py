@@ -50,7 +50,8 @@ class SyntheticDataConfig:
 
     enabled: bool = True
     task: str = "arith"
-    # Holds model/ (HF tokenizer + checkpoint) and the prompts file; relative to the launch directory.
+    # Relative to the launch directory. Each parameter set gets its own <task>-<hash>/ in it, holding model/
+    # (HF tokenizer + checkpoint) and the prompts file, generated once and never rewritten (data/asset_cache.py).
     data_dir: str = "data/tiny"
     seed: int = 1
     # arith only: the generated tokenizer's size. math_word's vocabulary is fixed by its word list.

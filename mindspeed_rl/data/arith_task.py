@@ -1,9 +1,9 @@
 """The CPU demo's task: add two small integers ("3+4=" -> "7"), with its locally generated assets.
 
-``ensure_demo_assets`` creates, once, everything the demo needs under ``data_dir``:
+``ensure_demo_assets`` creates, once, everything the demo needs in ``data_dir/arith-<digest>/``:
 ``model/`` (a random tiny Qwen2 checkpoint + tokenizer) and ``prompts.jsonl``. Nothing is
-downloaded. ``assets.json`` records the generation parameters; a later call with the same
-parameters reuses the files, a call with different ones regenerates them.
+downloaded. The digest hashes the generation parameters (``asset_cache``): a later call with the same
+parameters reuses the directory, a call with different ones gets its own, and none is ever rewritten.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from mindspeed_rl.data.tokenizer import train_arith_tokenizer
 
 MODEL_SUBDIR = "model"
 PROMPTS_FILE = "prompts.jsonl"
+TASK_NAME = "arith"
 # Bump when the generators change, so caches written by older code are regenerated.
 ASSETS_FORMAT_VERSION = 1
 
@@ -88,11 +89,8 @@ def ensure_demo_assets(
     max_operand: int = 9,
     seed: int = 1234,
 ) -> tuple[Path, Path]:
-    """Return ``(model_dir, prompts_path)`` under ``data_dir``, generating them if needed.
-
-    Call it from one process (the driver) before workers start: two processes regenerating at
-    once would each write complete files, but the winner is arbitrary.
-    """
+    """Return ``(model_dir, prompts_path)`` in this parameter set's directory under ``data_dir``,
+    generating it if no process has yet (any number of processes may call this at once)."""
     params: dict[str, Any] = {
         "format_version": ASSETS_FORMAT_VERSION,
         "vocab_size": vocab_size,
@@ -107,11 +105,9 @@ def ensure_demo_assets(
         "max_operand": max_operand,
         "seed": seed,
     }
-    data_path = Path(data_dir)
-    model_dir, prompts_path = data_path / MODEL_SUBDIR, data_path / PROMPTS_FILE
-    ensure_generated(data_path, params, required=(f"{MODEL_SUBDIR}/config.json", PROMPTS_FILE),
-                     generate=_generate_assets)
-    return model_dir, prompts_path
+    root = ensure_generated(data_dir, TASK_NAME, params, required=(f"{MODEL_SUBDIR}/config.json", PROMPTS_FILE),
+                            generate=_generate_assets)
+    return root / MODEL_SUBDIR, root / PROMPTS_FILE
 
 
 def _generate_assets(data_path: Path, params: dict[str, Any]) -> None:

@@ -1,10 +1,10 @@
 """The tiny math demo's assets: small-integer word problems in DAPO-Math-17k's parquet schema, a
 closed-vocabulary chat tokenizer, and a random tiny Qwen2 checkpoint. Nothing is downloaded.
 
-``ensure_tiny_math_assets`` creates, once, under ``data_dir``: ``model/`` (checkpoint + tokenizer
-with a Qwen-style chat template in ``tokenizer_config.json``) and ``tiny_math.parquet``.
-``assets.json`` records the generation parameters; a later call with the same parameters reuses
-the files, a call with different ones regenerates them.
+``ensure_tiny_math_assets`` creates, once, in ``data_dir/math_word-<digest>/``: ``model/`` (checkpoint +
+tokenizer with a Qwen-style chat template in ``tokenizer_config.json``) and ``tiny_math.parquet``. The
+digest hashes the generation parameters (``asset_cache``): a later call with the same parameters reuses
+the directory, a call with different ones gets its own, and none is ever rewritten.
 
 Why the task and tokenizer look the way they do (the demo must learn in 100 GRPO iterations from
 a random model, which samples nearly uniformly from its whole vocabulary at first):
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from typing import Any, Optional
 from tokenizers import Tokenizer
 
 from mindspeed_rl.data.asset_cache import MANIFEST_FILE, ensure_generated  # noqa: F401 (MANIFEST_FILE re-exported)
-from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint, replace_dir
+from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.data.tokenizer import (
     CHAT_END_TOKEN,
     QWEN_STYLE_CHAT_TEMPLATE,
@@ -180,13 +179,13 @@ def ensure_tiny_math_assets(
     init_std: float = 0.05,
     vocab_size: Optional[int] = None,
 ) -> tuple[Path, Path]:
-    """Return ``(model_dir, data_path)`` under ``data_dir``, generating them if needed.
+    """Return ``(model_dir, data_path)`` in this parameter set's directory under ``data_dir``, generating
+    it if no process has yet (any number of processes may call this at once).
 
     ``vocab_size`` None: the tokenizer's own size (see :func:`tiny_math_vocab_size`); a larger
-    value pads with filler tokens. Call it from one process (the driver) before workers start.
+    value pads with filler tokens.
     """
     params: dict[str, Any] = {
-        "task": TASK_NAME,
         "format_version": ASSETS_FORMAT_VERSION,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
@@ -200,11 +199,9 @@ def ensure_tiny_math_assets(
         "max_operand": max_operand,
         "seed": seed,
     }
-    root = Path(data_dir)
-    model_dir, data_path = root / MODEL_SUBDIR, root / DATA_FILE
-    ensure_generated(root, params, generate=_generate_assets,
-                     required=(f"{MODEL_SUBDIR}/config.json", f"{MODEL_SUBDIR}/tokenizer_config.json", DATA_FILE))
-    return model_dir, data_path
+    root = ensure_generated(data_dir, TASK_NAME, params, generate=_generate_assets,
+                            required=(f"{MODEL_SUBDIR}/config.json", f"{MODEL_SUBDIR}/tokenizer_config.json", DATA_FILE))
+    return root / MODEL_SUBDIR, root / DATA_FILE
 
 
 def tiny_math_vocab_size(max_operand: int) -> int:
@@ -213,27 +210,23 @@ def tiny_math_vocab_size(max_operand: int) -> int:
 
 
 def _generate_assets(root: Path, params: dict[str, Any]) -> None:
+    # `root` is asset_cache's staging directory: nothing reads it before it is complete.
     tokenizer = build_tiny_math_tokenizer(params["max_operand"], params["vocab_size"])
-    staging = Path(tempfile.mkdtemp(prefix=f".{MODEL_SUBDIR}.tmp-", dir=root))
-    try:
-        staged_model = create_tiny_qwen2_checkpoint(
-            staging / MODEL_SUBDIR,
-            vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
-            hidden_size=params["hidden_size"],
-            ffn_hidden_size=params["ffn_hidden_size"],
-            num_layers=params["num_layers"],
-            num_attention_heads=params["num_attention_heads"],
-            num_query_groups=params["num_query_groups"],
-            max_position_embeddings=params["max_position_embeddings"],
-            seed=params["seed"],
-            init_std=params["init_std"],
-            tokenizer=tokenizer,
-        )
-        # Rewritten with the chat template and <|im_end|> as eos, as in Qwen2.5-Instruct: vLLM
-        # stops a rollout at the tokenizer's eos (and at config.json's <|endoftext|>).
-        save_hf_tokenizer(tokenizer, staged_model, eos_token=CHAT_END_TOKEN, chat_template=QWEN_STYLE_CHAT_TEMPLATE)
-        replace_dir(staged_model, root / MODEL_SUBDIR)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    model_dir = create_tiny_qwen2_checkpoint(
+        root / MODEL_SUBDIR,
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        hidden_size=params["hidden_size"],
+        ffn_hidden_size=params["ffn_hidden_size"],
+        num_layers=params["num_layers"],
+        num_attention_heads=params["num_attention_heads"],
+        num_query_groups=params["num_query_groups"],
+        max_position_embeddings=params["max_position_embeddings"],
+        seed=params["seed"],
+        init_std=params["init_std"],
+        tokenizer=tokenizer,
+    )
+    # Rewritten with the chat template and <|im_end|> as eos, as in Qwen2.5-Instruct: vLLM
+    # stops a rollout at the tokenizer's eos (and at config.json's <|endoftext|>).
+    save_hf_tokenizer(tokenizer, model_dir, eos_token=CHAT_END_TOKEN, chat_template=QWEN_STYLE_CHAT_TEMPLATE)
     rows = make_word_problems(params["num_prompts"], params["max_operand"], params["seed"])
     write_dapo_parquet(root / DATA_FILE, rows)

@@ -168,6 +168,11 @@ def generate(actor: RayActorGroup, prompt_batch, config: GRPOConfig, *,
     batch = RolloutBatch.from_token_lists([prompt_ids[i] for i, _, _ in samples], [ids for _, ids, _ in samples],
                                           pad_id=0, response_width=width)
     rollout_logprobs = torch.zeros(batch.response_logprobs_shape)
+    if mt.save_hf:
+        from mindspeed_rl.checkpoint.hf_export import export_run_actor
+
+        path = export_run_actor(actor, run_dir=run_dir, config_dir=hf_dir or mt.tokenizer_name_or_path)
+        print(f"[export] HF checkpoint: {path}", flush=True)
     for row, (_, ids, logprobs) in enumerate(samples):
         rollout_logprobs[row, : len(ids)] = torch.tensor(logprobs)
     batch.columns["rollout_logprobs"] = rollout_logprobs

@@ -5,7 +5,7 @@ ConfigError naming the key or file (the CLI prints one line and exits 2).
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
 import os
 from pathlib import Path
@@ -166,10 +166,14 @@ def check_against_checkpoint(config: GRPOConfig, hf_config: dict, model_dir: str
         kv_channels=hf_config.get("head_dim"), num_experts=hf_config.get("num_experts") or None,
         max_position_embeddings=hf_config.get("max_position_embeddings"),
     )
-    # replace() runs GRPOConfig.__post_init__ again: every layout and length check (max_model_len against
-    # max_position_embeddings too), now on the checkpoint's numbers, so the message names where they come from.
+    # Every layout and length check again (max_model_len against max_position_embeddings too), now on the
+    # checkpoint's numbers, so the message names where they come from. Only those: the synthetic_data sizes
+    # describe the generated checkpoint, which actor_config.load may have replaced.
+    checked = copy.copy(config)
+    checked.model = {**config.model, name: checkpoint_arch}
     try:
-        dataclasses.replace(config, model={**config.model, name: checkpoint_arch}, synthetic_data=None)
+        checkpoint_arch.check(f"model.{name}")
+        checked.check_layout()
     except ConfigError as error:
         raise ConfigError(error.key, f"{error.message} (model.{name} as built: the checkpoint's architecture from "
                                      f"{Path(model_dir) / 'config.json'})") from None

@@ -303,6 +303,17 @@ class ActorHybridWorkerBase:
 
     def reload_states(self, include: list[str] | None = None) -> dict[str, float]:
         """Bring states (default: all) back to the device."""
+    # ACTOR_FORWARD: an export reads the train params only, reloaded here whatever is offloaded.
+    @offloaded_rpc("export_hf", ACTOR_FORWARD)
+    def export_hf(self, output_dir: str, config_dir: str) -> tuple[str | None, dict[str, float]]:
+        """Collective (megatron_training.save_hf): the actor's weights as an HF checkpoint at `output_dir`,
+        written atomically by global rank 0; returns the path there, None on the other ranks."""
+        from mindspeed_rl.checkpoint.hf_export import export_engine
+
+        started = time.perf_counter()
+        path = export_engine(self.actor, config_dir=config_dir, output_dir=output_dir)
+        return (str(path) if path is not None else None), {"timing/export_hf": time.perf_counter() - started}
+
         started = time.perf_counter()
         copied = self.offloader.reload_all(include)
         return {"timing/reload_states": time.perf_counter() - started,
