@@ -16,6 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from mindspeed_rl.config import ConfigError, default_config_name, load_config
+from mindspeed_rl.interrupts import RunInterrupted, stop_signals
+from mindspeed_rl.trainer.stopping import RunStopped
 
 CONFIG_ERROR_EXIT_CODE = 2
 
@@ -28,17 +30,24 @@ _task_started = False
 def main(cfg: DictConfig) -> None:
     global _task_started
     _task_started = True
-    try:
-        config = load_config(cfg)
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
-        # Imported late so that config errors and --cfg/--help do not pay for importing torch, vLLM, Megatron.
-        from mindspeed_rl.trainer import run_grpo
+    with stop_signals():
+        try:
+            config = load_config(cfg)
+            run_dir = Path(HydraConfig.get().runtime.output_dir)
+            # Imported late so that config errors and --cfg/--help do not pay for importing torch, vLLM, Megatron.
+            from mindspeed_rl.trainer import run_grpo
 
-        # Paths and data files are checked before any worker starts; those errors are config errors too.
-        run_grpo(config, run_dir=run_dir)
-    except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
-        sys.exit(CONFIG_ERROR_EXIT_CODE)
+            # Paths and data files are checked before any worker starts; those errors are config errors too.
+            run_grpo(config, run_dir=run_dir)
+        except ConfigError as error:
+            print(f"config error: {error}", file=sys.stderr)
+            sys.exit(CONFIG_ERROR_EXIT_CODE)
+        except RunStopped as stop:
+            print(stop.message, file=sys.stderr, flush=True)
+            sys.exit(stop.exit_code)
+        except RunInterrupted as interrupt:  # before the run started anything
+            print(f"interrupted by {interrupt} before the run started", file=sys.stderr, flush=True)
+            sys.exit(128 + interrupt.signum)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def cluster(tmp_path_factory):
     actor = RayActorGroup(config=config, device="cpu", env_vars=default_env_vars(1), model_dir=model_dir,
                           ref_model_dir=ref_dir)
     try:
-        actor.call("initialize")
+        actor.initialize()
         yield config, actor, tokenizer, dataset, tmp_path
     finally:
         actor.shutdown()

@@ -61,6 +61,13 @@ def begin_save(save_root: str | os.PathLike, iteration: int) -> Path:
     return tmp
 
 
+def discard_unfinished_saves(save_root: str | os.PathLike | None) -> None:
+    """Remove this process's saves in progress (after its workers are gone: an interrupted run)."""
+    if save_root and Path(save_root).is_dir():
+        for tmp in Path(save_root).glob(f"{TMP_PREFIX}*_{os.getpid()}"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def commit_save(tmp_dir: Path, iteration: int, *, keep_last_n: int | None) -> Path:
     """Fsync every file, write the manifest, rename into place, move `latest`, prune; returns the final dir.
 

@@ -51,16 +51,22 @@ def find_resume_point(load: str | None, *, finetune: bool, hf_config: dict) -> R
     Runs before any worker starts: a partial, corrupt or other-model checkpoint fails here in one line."""
     if not load or not is_checkpoint_dir(load):
         return None
-    verified = resolve_and_verify(load, key=LOAD_KEY)
+    path = verify_same_model(load, hf_config, key=LOAD_KEY)
+    state = json.loads((path / TRAINER_STATE_NAME).read_text())
+    return ResumePoint(path=path, iteration=0 if finetune else int(state["iteration"]), state=state)
+
+
+def verify_same_model(checkpoint: str, hf_config: dict, *, key: str) -> Path:
+    """The checkpoint's iter dir, verified against its manifest and against the model being built."""
+    verified = resolve_and_verify(checkpoint, key=key)
     saved_config_path = verified.path / HF_SUBDIR / "config.json"
     saved_config = json.loads(saved_config_path.read_text())
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "intermediate_size", "vocab_size"):
         if saved_config.get(field) != hf_config.get(field):
-            raise ConfigError(LOAD_KEY, f"{saved_config_path}: {field}={saved_config.get(field)!r} but the model "
-                                        f"being built has {field}={hf_config.get(field)!r} (a checkpoint of another model)")
-    state = json.loads((verified.path / TRAINER_STATE_NAME).read_text())
-    return ResumePoint(path=verified.path, iteration=0 if finetune else int(state["iteration"]), state=state)
+            raise ConfigError(key, f"{saved_config_path}: {field}={saved_config.get(field)!r} but the model "
+                                   f"being built has {field}={hf_config.get(field)!r} (a checkpoint of another model)")
+    return verified.path
 
 
 def resume_actor(actor, point: ResumePoint, *, finetune: bool, no_load_optim: bool, no_load_rng: bool) -> None:

@@ -32,11 +32,21 @@ class RuntimeConfig:
     memory_timeline: bool = True
     # Written in the Hydra run directory.
     metrics_file: str = "metrics.jsonl"
+    # The watchdog. A worker RPC that runs longer than this (or than 4x its slowest earlier run, if
+    # that is longer) is a hang: the run stops naming the rank. initialize (checkpoint read, engine
+    # builds) has its own limit.
+    rpc_timeout_seconds: float = 1800.0
+    initialize_timeout_seconds: float = 3600.0
+    # Every torch.distributed group in the workers (gloo/nccl/hccl): a rank never waits longer.
+    collective_timeout_seconds: float = 1800.0
+    # Ray must place every rank within this time, else the run says which resource is missing.
+    placement_timeout_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         require_choice(self.SECTION_KEY, self, "device", DEVICES)
         require_non_negative(self.SECTION_KEY, self, "num_threads_per_rank")
-        require_positive(self.SECTION_KEY, self, "log_interval", "max_ranks_per_cpu_core")
+        require_positive(self.SECTION_KEY, self, "log_interval", "max_ranks_per_cpu_core", "rpc_timeout_seconds",
+                         "initialize_timeout_seconds", "collective_timeout_seconds", "placement_timeout_seconds")
         if not self.metrics_file:
             raise ConfigError(f"{self.SECTION_KEY}.metrics_file", "must be a file name, got ''")
 

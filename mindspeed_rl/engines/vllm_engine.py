@@ -234,9 +234,10 @@ def _make_cpu_shm_names_unique() -> None:
     shm._mindspeed_unique_names = True
 
 
-def remove_cpu_shm_segments() -> None:
-    """Unlink this run's vLLM shared-memory segments (vLLM leaves them behind at exit)."""
-    prefix = f"msrl{os.environ.get('MASTER_PORT', '0')}"
+def remove_cpu_shm_segments(master_port: int | None = None) -> None:
+    """Unlink this run's vLLM shared-memory segments (vLLM leaves them behind at exit). The run is
+    known by its rendezvous port: this process's MASTER_PORT, or the one given (the driver's)."""
+    prefix = f"msrl{master_port if master_port is not None else os.environ.get('MASTER_PORT', '0')}"
     shm_dir = "/dev/shm"
     if os.path.isdir(shm_dir):
         for name in os.listdir(shm_dir):

@@ -1,6 +1,7 @@
 """The GRPO loop: generate -> reward -> reference and old log-probs -> advantages -> update."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import torch
 
 from mindspeed_rl.algorithms.grpo import group_normalized_advantages
+from mindspeed_rl.checkpoint.store import discard_unfinished_saves
 from mindspeed_rl.checkpoint.trainer_state import (find_resume_point, resume_actor, save_run_checkpoint,
                                                   truncate_metrics_after)
 from mindspeed_rl.config import GRPOConfig
@@ -18,10 +20,32 @@ from mindspeed_rl.trainer import setup
 from mindspeed_rl.trainer.metrics import (length_stats, phase_timings, reward_metrics, rollout_mismatch,
                                           throughput)
 from mindspeed_rl.trainer.sinks import MetricsSinks
+from mindspeed_rl import interrupts
+from mindspeed_rl.interrupts import RunInterrupted
+from mindspeed_rl.trainer.stopping import WORKER_FAILURE_EXIT_CODE, RunProgress, RunStopped
 from mindspeed_rl.workers.group import RayActorGroup, default_env_vars, merge_metrics, merge_shards
+from mindspeed_rl.workers.supervision import WorkerFailure
 
 
 def run_grpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
+    """The whole run. Ends with the history, or raises RunStopped (interrupted, a worker failed)
+    after every worker is gone; ConfigError for bad input, before any worker starts."""
+    progress = RunProgress(save_root=config.actor_config.save)
+    with contextlib.ExitStack() as stack:
+        if not interrupts.is_installed():  # the CLI installs them first; a library caller gets them here
+            stack.enter_context(interrupts.stop_signals())
+        try:
+            return _run(config, run_dir, progress)
+        except RunInterrupted as interrupt:
+            raise RunStopped(128 + interrupt.signum, progress.interrupted_line(interrupt.signum)) from None
+        except WorkerFailure as failure:
+            where = f"iteration {progress.iteration}" if progress.iteration else progress.phase
+            raise RunStopped(WORKER_FAILURE_EXIT_CODE, f"worker failure during {where}: {failure}; "
+                                                       f"last checkpoint: {progress.last_checkpoint_text()}") from None
+
+
+def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]:
+    import ray
     from transformers import AutoTokenizer
 
     from mindspeed_rl.accelerator import detect_device
@@ -37,6 +61,7 @@ def run_grpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
     ac = config.actor_config
     # A partial, corrupt or other-model checkpoint stops here, before any worker starts.
     resume = find_resume_point(ac.load, finetune=ac.finetune, hf_config=hf_config)
+    ref_checkpoint = setup.reference_checkpoint(config, hf_config)
     setup.check_run_dir_metrics(run_dir / config.runtime.metrics_file, resume_iteration=resume.iteration if resume else 0)
     dataset = load_prompt_dataset(data_path, tokenizer=tokenizer, prompt_type=mt.prompt_type, map_keys=dict(mt.map_keys),
                                   max_prompt_length=config.rl_config.max_prompt_length,
@@ -48,26 +73,48 @@ def run_grpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
     device = detect_device() if config.runtime.device == "auto" else config.runtime.device
     setup.check_host_capacity(config, device, os.cpu_count() or 1)
     threads = setup.threads_per_rank(config)
-    setup.start_ray(config, device, threads)
-    print(f"[init] starting {config.world_size} rank(s) on {device}: checkpoint load, Megatron build, vLLM start",
-          flush=True)
-    actor = RayActorGroup(config=config, device=device, env_vars=default_env_vars(threads),
-                          model_dir=model_dir, ref_model_dir=ref_dir)
+    actor, completed = None, False
     try:
-        init_metrics = merge_metrics(actor.call("initialize"))
+        progress.phase = "Ray start"
+        with interrupts.shielded():
+            setup.start_ray(config, device, threads)
+        interrupts.install()
+        progress.phase = "initialize"
+        print(f"[init] starting {config.world_size} rank(s) on {device}: checkpoint load, Megatron build, vLLM start",
+              flush=True)
+        actor = RayActorGroup(config=config, device=device, env_vars=default_env_vars(threads),
+                              model_dir=model_dir, ref_model_dir=ref_dir)
+        for address in actor.addresses:
+            print(f"[init] {address.describe()}", flush=True)
+        init_metrics = merge_metrics(actor.initialize())
         print(f"[init] ranks={config.world_size} device={device} {init_metrics['timing/initialize']:.1f}s", flush=True)
         if resume is not None:
+            progress.phase = "checkpoint load"
             resume_actor(actor, resume, finetune=ac.finetune, no_load_optim=ac.no_load_optim,
                          no_load_rng=ac.no_load_rng)
+            progress.last_checkpoint = str(resume.path)
             if resume.iteration:
                 sampler.load_state_dict(resume.state["sampler"])
                 truncate_metrics_after(run_dir / config.runtime.metrics_file, resume.iteration)
             print(f"[checkpoint] loaded {resume.path} ({'weights only' if ac.finetune else 'resuming'} "
                   f"after iteration {resume.iteration})", flush=True)
-        return train(config, actor, tokenizer, dataset, run_dir, sampler=sampler,
-                     start_iteration=resume.iteration + 1 if resume else 1, hf_dir=model_dir)
+        if ref_checkpoint is not None:
+            actor.call("load_reference_checkpoint", str(ref_checkpoint))
+            print(f"[checkpoint] reference model loaded from {ref_checkpoint}", flush=True)
+        history = train(config, actor, tokenizer, dataset, run_dir, sampler=sampler,
+                        start_iteration=resume.iteration + 1 if resume else 1, hf_dir=model_dir, progress=progress)
+        completed = True
+        return history
     finally:
-        actor.shutdown()
+        # Signals wait until the workers are gone: a second Ctrl-C must not leave them running.
+        with interrupts.deferred():
+            if actor is not None and completed:
+                actor.shutdown()
+            elif actor is not None:
+                actor.kill()
+            if not completed:
+                discard_unfinished_saves(config.actor_config.save)
+            ray.shutdown()
 
 
 def _sampler(config: GRPOConfig, dataset: PromptDataset) -> PromptSampler:
@@ -77,13 +124,16 @@ def _sampler(config: GRPOConfig, dataset: PromptDataset) -> PromptSampler:
 
 
 def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDataset, run_dir: Path, *,
-          sampler: PromptSampler | None = None, start_iteration: int = 1, hf_dir: str | None = None) -> list[dict]:
+          sampler: PromptSampler | None = None, start_iteration: int = 1, hf_dir: str | None = None,
+          progress: RunProgress | None = None) -> list[dict]:
     mt, rl = config.megatron_training, config.rl_config
     sampler = sampler or _sampler(config, dataset)
+    progress = progress or RunProgress(save_root=config.actor_config.save)
     sinks = MetricsSinks(run_dir, metrics_file=config.runtime.metrics_file, use_tensorboard=rl.use_tensorboard)
     history = []
     try:
         for iteration in range(start_iteration, mt.train_iters + 1):
+            progress.iteration = iteration
             started = time.perf_counter()
             prompts = [dataset.records[index] for index in sampler.next_indices()]
             batch, metrics = generate(actor, prompts, config, iteration=iteration)
@@ -112,11 +162,17 @@ def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDa
                                            sampler=sampler, kl_coef=rl.init_kl_coef, seed=mt.seed,
                                            hf_dir=hf_dir or mt.tokenizer_name_or_path,
                                            keep_last_n=config.actor_config.keep_last_n)
+                progress.last_checkpoint = str(path)
                 print(f"[checkpoint] saved {path}", flush=True)
     finally:
         sinks.close()
     if history:
         _plot_curves(history, run_dir, config)
+    if mt.save_hf:
+        from mindspeed_rl.checkpoint.hf_export import export_run_actor
+
+        path = export_run_actor(actor, run_dir=run_dir, config_dir=hf_dir or mt.tokenizer_name_or_path)
+        print(f"[export] HF checkpoint: {path}", flush=True)
     return history
 
 
@@ -168,11 +224,6 @@ def generate(actor: RayActorGroup, prompt_batch, config: GRPOConfig, *,
     batch = RolloutBatch.from_token_lists([prompt_ids[i] for i, _, _ in samples], [ids for _, ids, _ in samples],
                                           pad_id=0, response_width=width)
     rollout_logprobs = torch.zeros(batch.response_logprobs_shape)
-    if mt.save_hf:
-        from mindspeed_rl.checkpoint.hf_export import export_run_actor
-
-        path = export_run_actor(actor, run_dir=run_dir, config_dir=hf_dir or mt.tokenizer_name_or_path)
-        print(f"[export] HF checkpoint: {path}", flush=True)
     for row, (_, ids, logprobs) in enumerate(samples):
         rollout_logprobs[row, : len(ids)] = torch.tensor(logprobs)
     batch.columns["rollout_logprobs"] = rollout_logprobs

@@ -38,12 +38,22 @@ def resolve_assets(config: GRPOConfig) -> tuple[str, str, str]:
         raise ConfigError(DATA_PATH_KEY, f"{data_path} does not exist")
     ref_dir = config.rl_config.integrated_mode_config.ref_model_load_path or model_dir
     if is_checkpoint_dir(ref_dir):
-        raise ConfigError(REF_DIR_KEY,
-                          f"{ref_dir} is a mindspeed_rl checkpoint; give an HF directory (export it with "
-                          "cli/export_hf.py) - loading the reference from a checkpoint is not implemented yet")
+        # The reference is built from the initial HF weights, then one of our checkpoints is loaded over
+        # it (reference_checkpoint); it has the actor's architecture, which find_resume_point-style checks hold.
+        ref_dir = model_dir
     if ref_dir != model_dir:
         check_hf_model_dir(ref_dir, REF_DIR_KEY)
     return os.path.abspath(model_dir), os.path.abspath(ref_dir), os.path.abspath(data_path)
+
+
+def reference_checkpoint(config: GRPOConfig, hf_config: dict) -> Path | None:
+    """The verified checkpoint `ref_model_load_path` names when it is one of ours (not an HF dir), else None."""
+    from mindspeed_rl.checkpoint.trainer_state import verify_same_model
+
+    path = config.rl_config.integrated_mode_config.ref_model_load_path
+    if not path or not is_checkpoint_dir(path):
+        return None
+    return verify_same_model(path, hf_config, key=REF_DIR_KEY)
 
 
 def check_hf_model_dir(model_dir: str, key: str) -> None:
@@ -233,6 +243,9 @@ def start_ray(config: GRPOConfig, device: str, threads_per_rank: int, *, attempt
     # than Ray's default allows, which fails the whole start ("node timed out during startup").
     os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # A failed rank is reported once, by the driver's watchdog; Ray would print every other rank's
+    # abandoned result again as an "unhandled error".
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     # Ray 2.54 warns on every start that it will stop overriding CUDA_VISIBLE_DEVICES for CPU-only
     # actors; opting in now changes nothing for the ranks (each asks for its device) and ends the warning.
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")

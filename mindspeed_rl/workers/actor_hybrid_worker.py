@@ -28,6 +28,8 @@ class RankInfo:
     world_size: int
     master_addr: str
     master_port: int
+    # Names this run's heartbeats in Ray's key-value store (workers/supervision.py).
+    run_key: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +53,23 @@ class ActorHybridWorkerBase:
             RANK=str(rank_info.rank), LOCAL_RANK=str(rank_info.rank), WORLD_SIZE=str(rank_info.world_size),
             MASTER_ADDR=rank_info.master_addr, MASTER_PORT=str(rank_info.master_port),
         )
+        if rank_info.run_key:
+            from mindspeed_rl.workers.supervision import start_heartbeat
+
+            start_heartbeat(rank_info.run_key, rank_info.rank)
+
+    def address(self):
+        """Where this rank runs (host, pid): named in every failure message."""
+        from mindspeed_rl.workers.supervision import this_worker_address
+
+        return this_worker_address(self.rank_info.rank)
+
+    def shm_segments(self) -> list[str]:
+        """The /dev/shm segments this process maps (vLLM's broadcast and all-reduce buffers): the
+        driver unlinks them once the ranks are gone, since a killed process never does."""
+        from mindspeed_rl.workers.group import _mapped_shm_segments
+
+        return sorted(_mapped_shm_segments([os.getpid()]))
 
     # -- construction ----------------------------------------------------------------------------
     def initialize(self) -> dict[str, float]:
@@ -67,8 +86,11 @@ class ActorHybridWorkerBase:
         cfg = self.config
         self.accelerator = acc = get_accelerator(cfg.runtime.device)
         acc.set_device(0)  # Ray makes exactly this rank's device visible to the actor
-        dist.init_process_group(acc.distributed_backend, rank=self.rank_info.rank, world_size=self.rank_info.world_size)
+        collective_timeout = set_collective_timeout(cfg.runtime.collective_timeout_seconds)
+        dist.init_process_group(acc.distributed_backend, rank=self.rank_info.rank, world_size=self.rank_info.world_size,
+                                timeout=collective_timeout)
         ps.initialize_model_parallel(
+            distributed_timeout_minutes=max(1, round(cfg.runtime.collective_timeout_seconds / 60)),
             tensor_model_parallel_size=cfg.actor_config.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.actor_config.pipeline_model_parallel_size,
             expert_model_parallel_size=cfg.actor_config.expert_model_parallel_size,
@@ -281,6 +303,25 @@ class ActorHybridWorkerBase:
             load_rng_state(checkpoint_dir, self.rank_info.rank, {"shuffler": self.shuffler.generator})
         return {"timing/load_checkpoint": time.perf_counter() - started}
 
+    # ACTOR_FORWARD: an export reads the train params only, reloaded here whatever is offloaded.
+    @offloaded_rpc("export_hf", ACTOR_FORWARD)
+    def export_hf(self, output_dir: str, config_dir: str) -> tuple[str | None, dict[str, float]]:
+        """Collective (megatron_training.save_hf): the actor's weights as an HF checkpoint at `output_dir`,
+        written atomically by global rank 0; returns the path there, None on the other ranks."""
+        from mindspeed_rl.checkpoint.hf_export import export_engine
+
+        started = time.perf_counter()
+        path = export_engine(self.actor, config_dir=config_dir, output_dir=output_dir)
+        return (str(path) if path is not None else None), {"timing/export_hf": time.perf_counter() - started}
+
+    @offloaded_rpc("load_reference", REFERENCE)
+    def load_reference_checkpoint(self, checkpoint_dir: str) -> dict[str, float]:
+        """Collective: the reference model's weights from one of our checkpoints (its model/ part), into
+        this rank's layout; the reference is resident only while they load."""
+        started = time.perf_counter()
+        self.reference.load_sharded(checkpoint_dir, load_optimizer=False, scheduler_state=None)
+        return {"timing/load_reference": time.perf_counter() - started}
+
     # -- helpers ---------------------------------------------------------------------------------
     def _train_dp_slice(self, num_samples: int) -> tuple[int, int]:
         return train_dp_slice(num_samples)
@@ -303,17 +344,6 @@ class ActorHybridWorkerBase:
 
     def reload_states(self, include: list[str] | None = None) -> dict[str, float]:
         """Bring states (default: all) back to the device."""
-    # ACTOR_FORWARD: an export reads the train params only, reloaded here whatever is offloaded.
-    @offloaded_rpc("export_hf", ACTOR_FORWARD)
-    def export_hf(self, output_dir: str, config_dir: str) -> tuple[str | None, dict[str, float]]:
-        """Collective (megatron_training.save_hf): the actor's weights as an HF checkpoint at `output_dir`,
-        written atomically by global rank 0; returns the path there, None on the other ranks."""
-        from mindspeed_rl.checkpoint.hf_export import export_engine
-
-        started = time.perf_counter()
-        path = export_engine(self.actor, config_dir=config_dir, output_dir=output_dir)
-        return (str(path) if path is not None else None), {"timing/export_hf": time.perf_counter() - started}
-
         started = time.perf_counter()
         copied = self.offloader.reload_all(include)
         return {"timing/reload_states": time.perf_counter() - started,
@@ -344,6 +374,20 @@ class ActorHybridWorkerBase:
 
 
 ActorHybridWorker = ray.remote(ActorHybridWorkerBase)
+
+
+def set_collective_timeout(seconds: float):
+    """Every process group of this process times out after `seconds`: the world, Megatron's groups
+    (passed explicitly) and vLLM's, which are made without a timeout and so take torch's default."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    timeout = timedelta(seconds=seconds)
+    distributed_c10d.default_pg_timeout = timeout
+    if hasattr(distributed_c10d, "default_pg_nccl_timeout"):
+        distributed_c10d.default_pg_nccl_timeout = timeout
+    return timeout
 
 
 class MiniBatchShuffler:

@@ -1,15 +1,34 @@
-"""Ray placement of the hybrid actor's ranks, and SPMD calls across them."""
+"""Ray placement of the hybrid actor's ranks, SPMD calls across them, and their supervision.
+
+Every blocking call waits with a deadline and turns a rank that raised, died or hung into one
+`WorkerFailure` line (supervision.py). `kill()` ends the ranks from any state within seconds and
+removes the shared-memory segments they leave behind; `shutdown()` asks them to finish first.
+"""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import time
+import uuid
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from mindspeed_rl import interrupts
+from mindspeed_rl.config import ConfigError
 from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorker, RankInfo, Shard
+from mindspeed_rl.workers.fault_injection import FAULT_ENV_VAR, worker_class_with_faults
+from mindspeed_rl.workers.supervision import (Deadlines, WorkerAddress, WorkerFailure, describe_worker_error,
+                                              silent_ranks)
+
+# Waiting on Ray in slices keeps the driver's signal handlers running (Ctrl-C, SIGTERM).
+_WAIT_SLICE_SECONDS = 0.5
+_GRACEFUL_SHUTDOWN_SECONDS = 30.0
+_EXIT_WAIT_SECONDS = 10.0
 
 
 def _free_port() -> int:
@@ -30,27 +49,100 @@ class RayActorGroup:
     """`world_size` ActorHybridWorker ranks packed on one set of devices (colocated roles)."""
 
     def __init__(self, *, config, device: str, env_vars: dict[str, str], model_dir: str, ref_model_dir: str):
+        runtime = config.runtime
         world_size = config.world_size
         cpus_per_rank = 1.0
-        self.placement_group = placement_group([_bundle(device, cpus_per_rank)] * world_size, strategy="PACK")
-        ray.get(self.placement_group.ready())
-        master_port = _free_port()
-        self.workers = [
-            ActorHybridWorker.options(
+        self.run_key = f"run-{uuid.uuid4().hex[:12]}"
+        self.deadlines = Deadlines(rpc_timeout_seconds=runtime.rpc_timeout_seconds,
+                                   initialize_timeout_seconds=runtime.initialize_timeout_seconds)
+        self.master_port = _free_port()
+        self.addresses: list[WorkerAddress] = []
+        self.shm_segments: set[str] = set()
+        self.workers: list = []
+        bundles = [_bundle(device, cpus_per_rank)] * world_size
+        with interrupts.shielded():
+            self.placement_group = placement_group(bundles, strategy="PACK")
+        _wait_for_placement(self.placement_group, bundles, timeout_seconds=runtime.placement_timeout_seconds)
+        if os.environ.get(FAULT_ENV_VAR):
+            env_vars = {**env_vars, FAULT_ENV_VAR: os.environ[FAULT_ENV_VAR]}
+        worker_class = worker_class_with_faults(os.environ.get(FAULT_ENV_VAR)) or ActorHybridWorker
+        with interrupts.shielded():
+            self.workers = self._start_workers(worker_class, config, env_vars, model_dir, ref_model_dir, cpus_per_rank,
+                                               device)
+        self.addresses = [WorkerAddress(rank=rank, host="?", pid=0) for rank in range(world_size)]
+        self.addresses = self.call("address")
+
+    def _start_workers(self, worker_class, config, env_vars, model_dir, ref_model_dir, cpus_per_rank, device):
+        world_size = config.world_size
+        return [
+            worker_class.options(
                 num_cpus=cpus_per_rank,
                 num_gpus=1 if device == "cuda" else 0,
                 resources={"NPU": 1} if device == "npu" else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank),
                 runtime_env={"env_vars": env_vars},
-            ).remote(config, RankInfo(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=master_port),
+                max_restarts=0,
+            ).remote(config, RankInfo(rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                                      master_port=self.master_port, run_key=self.run_key),
                      model_dir=model_dir, ref_model_dir=ref_model_dir)
             for rank in range(world_size)
         ]
 
+    # -- calls --------------------------------------------------------------------------------------
     def call(self, method: str, *args: Any, blocking: bool = True, **kwargs: Any) -> list[Any]:
         """Run `method` on every rank (SPMD): each rank's result, or with blocking=False their Ray refs."""
-        refs = [getattr(worker, method).remote(*args, **kwargs) for worker in self.workers]
-        return ray.get(refs) if blocking else refs
+        with interrupts.shielded():
+            refs = [getattr(worker, method).remote(*args, **kwargs) for worker in self.workers]
+        if not blocking:
+            return refs
+        return self.wait(method, refs)
+
+    def initialize(self) -> list[dict[str, float]]:
+        """Every rank builds its engines; their shared-memory segments are noted for the cleanup."""
+        metrics = self.call("initialize")
+        self.shm_segments.update(name for names in self.call("shm_segments") for name in names)
+        return metrics
+
+    def wait(self, method: str, refs: list) -> list[Any]:
+        """Every rank's result, in rank order; the first rank that fails or the deadline ends the wait."""
+        deadline_seconds = self.deadlines.seconds(method)
+        started = time.monotonic()
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        while pending:
+            with interrupts.shielded():
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=_WAIT_SLICE_SECONDS)
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    with interrupts.shielded():
+                        results[rank] = ray.get(ref)
+                except ray.exceptions.RayError as error:
+                    raise WorkerFailure(self._failure_message(rank, method, error, sorted(pending.values()))) from None
+            if pending and time.monotonic() - started > deadline_seconds:
+                raise WorkerFailure(self._hang_message(method, sorted(pending.values()), deadline_seconds))
+        self.deadlines.observe(method, time.monotonic() - started)
+        return results
+
+    def _failure_message(self, rank: int, method: str, error: BaseException, waiting: list[int]) -> str:
+        message = f"{self.addresses[rank].describe()} failed in {method}: {describe_worker_error(error)}"
+        silent = silent_ranks(self.run_key, waiting) if waiting else []
+        if silent:
+            # A collective timeout on one rank is usually another rank that stopped: name that one too.
+            message += "; not responding: " + ", ".join(self.addresses[r].describe() for r in silent)
+        return message
+
+    def _hang_message(self, method: str, waiting: list[int], deadline_seconds: float) -> str:
+        silent = silent_ranks(self.run_key, waiting)
+        limit = (f"{deadline_seconds:.0f} s (runtime.{'initialize' if method == 'initialize' else 'rpc'}"
+                 f"_timeout_seconds, or 4x the slowest earlier {method})")
+        if silent:
+            others = [r for r in waiting if r not in silent]
+            tail = f"; ranks {others} were waiting for it" if others else ""
+            return (", ".join(self.addresses[r].describe() for r in silent)
+                    + f" stopped responding in {method} (no heartbeat) and did not finish within {limit}{tail}")
+        return (", ".join(self.addresses[r].describe() for r in waiting)
+                + f" did not finish {method} within {limit}; each is still alive (heartbeat)")
 
     # ROLL's cluster-level state control: `actor.offload_states(blocking=True)`.
     def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
@@ -60,12 +152,131 @@ class RayActorGroup:
     def reload_states(self, include: list[str] | None = None, *, blocking: bool = True) -> list[Any]:
         return self.call("reload_states", include, blocking=blocking)
 
+    # -- endings ------------------------------------------------------------------------------------
     def shutdown(self) -> None:
+        """After a successful run: let every rank close its engines, then end the processes."""
         try:
+            self.deadlines.base["shutdown"] = _GRACEFUL_SHUTDOWN_SECONDS
             self.call("shutdown")
+        except WorkerFailure as failure:
+            print(f"[shutdown] {failure}; killing the workers", flush=True)
         finally:
-            for worker in self.workers:
-                ray.kill(worker)
+            self.kill()
+
+    def kill(self) -> None:
+        """End every rank now, whatever it is doing (also a stopped or hung one), and unlink the
+        shared-memory segments vLLM leaves behind (a killed process never unlinks its own)."""
+        # Children first found, then orphaned by the kill: Megatron's checkpoint writer starts a
+        # multiprocessing Manager in each rank, and Python a resource tracker; neither dies with it.
+        local_pids = self._local_pids()
+        local_pids += _descendants(local_pids)
+        self.shm_segments.update(_mapped_shm_segments(local_pids))
+        for worker in self.workers:
+            with contextlib.suppress(Exception):
+                ray.kill(worker, no_restart=True)
+        # Ray's kill lets a process exit on its own first; a stopped or hung one never does.
+        _sigkill_ray_workers(local_pids)
+        _wait_for_exit(local_pids, timeout_seconds=_EXIT_WAIT_SECONDS)
+        with contextlib.suppress(Exception):
+            remove_placement_group(self.placement_group)
+        remove_shm_segments(self.shm_segments, master_port=self.master_port)
+
+    def _local_pids(self) -> list[int]:
+        host = socket.gethostname()
+        return [a.pid for a in self.addresses if a.pid and a.host == host]
+
+
+def _wait_for_placement(group, bundles: list[dict[str, float]], *, timeout_seconds: float) -> None:
+    """Ray waits forever for resources that never come; a run says which is missing instead."""
+    needed: dict[str, float] = {}
+    for bundle in bundles:
+        for resource, amount in bundle.items():
+            needed[resource] = needed.get(resource, 0.0) + amount
+    end = time.monotonic() + timeout_seconds
+    ready_ref = group.ready()
+    while time.monotonic() < end:
+        with interrupts.shielded():
+            ready, _ = ray.wait([ready_ref], timeout=_WAIT_SLICE_SECONDS)
+        if ready:
+            return
+    available = ray.cluster_resources()
+    missing = {r: f"{amount:g} needed, {available.get(r, 0):g} in the cluster" for r, amount in needed.items()
+               if available.get(r, 0) < amount}
+    remove_placement_group(group)
+    detail = "; ".join(f"{r}: {text}" for r, text in missing.items()) or \
+        f"the cluster has {dict(available)} but no node fits a bundle of {bundles[0]}"
+    raise ConfigError("rl_config.actor_resource.num_npus",
+                      f"Ray could not place {len(bundles)} rank(s) within {timeout_seconds:.0f} s "
+                      f"(runtime.placement_timeout_seconds): {detail}")
+
+
+def _wait_for_exit(pids: list[int], *, timeout_seconds: float) -> None:
+    """Ray's kill is asynchronous; wait for the local processes, then SIGKILL what is left."""
+    end = time.monotonic() + timeout_seconds
+    alive = list(pids)
+    while alive and time.monotonic() < end:
+        alive = [pid for pid in alive if _is_running(pid)]
+        if alive:
+            time.sleep(0.1)
+    _sigkill_ray_workers(alive)
+
+
+def _sigkill_ray_workers(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            # Not a reused pid: a rank ("ray::...") or one of the Python children it started.
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"ray::" in cmdline or b"python" in cmdline:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _descendants(pids: list[int]) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/stat") as handle:
+                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry))
+    found, frontier = [], list(pids)
+    while frontier:
+        kids = children.get(frontier.pop(), [])
+        found += kids
+        frontier += kids
+    return found
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _mapped_shm_segments(pids: list[int]) -> set[str]:
+    """The /dev/shm files these processes have mapped and not yet unlinked."""
+    names = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as handle:
+                for line in handle:
+                    path = line.split(maxsplit=5)[-1].strip() if line.count(" ") >= 5 else ""
+                    if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
+                        names.add(path[len("/dev/shm/"):])
+    return names
+
+
+def remove_shm_segments(names: set[str], *, master_port: int) -> None:
+    from mindspeed_rl.engines.vllm_engine import remove_cpu_shm_segments
+
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join("/dev/shm", name))
+    remove_cpu_shm_segments(master_port)
 
 
 def merge_shards(shards: list[Shard]) -> list[Shard]:

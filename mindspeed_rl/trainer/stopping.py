@@ -1,0 +1,42 @@
+"""How a run ends when it does not finish: Ctrl-C / SIGTERM (mindspeed_rl/interrupts.py), or a
+worker that failed (workers/supervision.py). The CLI prints one line and exits 128 + the signal
+number (130, 143), or 1 for a worker failure."""
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mindspeed_rl.checkpoint.store import LATEST_NAME
+
+WORKER_FAILURE_EXIT_CODE = 1
+
+
+class RunStopped(Exception):
+    """The run ended early on purpose; `message` is the one line for the user."""
+
+    def __init__(self, exit_code: int, message: str):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.message = message
+
+
+@dataclass(kw_only=True)
+class RunProgress:
+    """Where the loop is, for the line an interrupted run prints."""
+
+    save_root: str | None = None
+    iteration: int = 0                      # the iteration in progress; 0 = start-up
+    last_checkpoint: str | None = None      # saved or loaded by this run
+    phase: str = field(default="start-up")
+
+    def last_checkpoint_text(self) -> str:
+        if self.save_root and (Path(self.save_root) / LATEST_NAME).is_file():
+            return str(Path(self.save_root) / (Path(self.save_root) / LATEST_NAME).read_text().strip())
+        if self.last_checkpoint:
+            return self.last_checkpoint
+        return "none" if self.save_root else "none (actor_config.save is not set)"
+
+    def interrupted_line(self, signum: int) -> str:
+        where = f"at iteration {self.iteration}" if self.iteration else f"during {self.phase}"
+        return f"interrupted by {signal.Signals(signum).name} {where}; last checkpoint: {self.last_checkpoint_text()}"

@@ -1,0 +1,70 @@
+"""Faults on purpose, for the failure tests: `MINDSPEED_RL_INJECT_FAULT=METHOD:RANK:CALL:ACTION`.
+
+The CALL-th call (1-based) of worker METHOD on rank RANK, before it runs, does ACTION:
+  raise  - raises RuntimeError (a bug in a worker)
+  kill   - SIGKILLs its own process (a crash, the OOM killer)
+  stop   - SIGSTOPs its own process (a hang: the process is alive and does nothing)
+  sleep  - sleeps for an hour (a long phase; the test sends Ctrl-C / SIGTERM meanwhile)
+Each action first prints `[fault] rank R: ACTION in METHOD` so a test knows the moment. Unset (the
+normal case), the production worker class is used unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+FAULT_ENV_VAR = "MINDSPEED_RL_INJECT_FAULT"
+ACTIONS = ("raise", "kill", "stop", "sleep")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    method: str
+    rank: int
+    call: int
+    action: str
+
+    @classmethod
+    def parse(cls, text: str) -> "FaultSpec":
+        parts = text.split(":")
+        if len(parts) != 4 or parts[3] not in ACTIONS or not parts[1].isdigit() or not parts[2].isdigit():
+            raise ValueError(f"{FAULT_ENV_VAR}={text!r}: expected METHOD:RANK:CALL:ACTION with ACTION in {ACTIONS}")
+        return cls(method=parts[0], rank=int(parts[1]), call=int(parts[2]), action=parts[3])
+
+
+def inject(spec: FaultSpec, rank: int) -> None:
+    print(f"[fault] rank {rank}: {spec.action} in {spec.method}", flush=True)
+    if spec.action == "raise":
+        raise RuntimeError(f"injected fault in {spec.method} on rank {rank}")
+    if spec.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if spec.action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if spec.action == "sleep":
+        time.sleep(3600)
+
+
+def worker_class_with_faults(text: str | None):
+    """A Ray actor class whose METHOD injects the fault, or None when no fault is asked for."""
+    if not text:
+        return None
+    import ray
+
+    from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorkerBase
+
+    spec = FaultSpec.parse(text)
+    original = getattr(ActorHybridWorkerBase, spec.method)
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        calls = self.__dict__.setdefault("_fault_calls", 0) + 1
+        self._fault_calls = calls
+        if self.rank_info.rank == spec.rank and calls == spec.call:
+            inject(spec, self.rank_info.rank)
+        return original(self, *args, **kwargs)
+
+    faulty = type("FaultInjectingWorker", (ActorHybridWorkerBase,), {spec.method: method})
+    return ray.remote(faulty)

@@ -1,0 +1,126 @@
+"""Watching the worker ranks from the driver: a deadline per RPC, heartbeats, and one-line failures.
+
+A rank that raises or dies ends the run with one line naming the rank, its host and pid, the RPC and
+the worker's own error. A rank that stops making progress (a hang, a SIGSTOP) ends it once the RPC's
+deadline passes; heartbeats tell a rank that stopped responding from ranks merely waiting for it in
+a collective, so the message names the culprit.
+"""
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+HEARTBEAT_SECONDS = 1.0
+_HEARTBEAT_NAMESPACE = "mindspeed_rl"
+
+
+class WorkerFailure(Exception):
+    """A worker raised, died or hung; the message is one line for the user."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerAddress:
+    rank: int
+    host: str
+    pid: int
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (host {self.host}, pid {self.pid})"
+
+
+def this_worker_address(rank: int) -> WorkerAddress:
+    import os
+
+    return WorkerAddress(rank=rank, host=socket.gethostname(), pid=os.getpid())
+
+
+class Deadlines:
+    """How long one RPC may run: `rpc_timeout_seconds` (initialize: its own), or `slack` times the
+    slowest earlier run of the same RPC if that is longer, so a phase whose normal length grows past
+    the base (longer responses, a bigger model) is not taken for a hang."""
+
+    def __init__(self, *, rpc_timeout_seconds: float, initialize_timeout_seconds: float, slack: float = 4.0):
+        self.base = {"initialize": initialize_timeout_seconds}
+        self.default = rpc_timeout_seconds
+        self.slack = slack
+        self.slowest: dict[str, float] = {}
+
+    def seconds(self, method: str) -> float:
+        return max(self.base.get(method, self.default), self.slack * self.slowest.get(method, 0.0))
+
+    def observe(self, method: str, seconds: float) -> None:
+        self.slowest[method] = max(self.slowest.get(method, 0.0), seconds)
+
+
+# -- heartbeats ---------------------------------------------------------------------------------
+def _heartbeat_key(run_key: str, rank: int) -> bytes:
+    return f"{run_key}/heartbeat/{rank}".encode()
+
+
+def start_heartbeat(run_key: str, rank: int, interval_seconds: float = HEARTBEAT_SECONDS) -> threading.Thread:
+    """A daemon thread in the worker bumping a counter in Ray's GCS key-value store. It keeps beating
+    while the main thread waits in a collective (the wait releases the GIL) and stops with the process
+    (SIGSTOP, a deadlock holding the GIL)."""
+    from ray.experimental import internal_kv
+
+    def beat() -> None:
+        count = 0
+        while True:
+            count += 1
+            try:
+                internal_kv._internal_kv_put(_heartbeat_key(run_key, rank), str(count).encode(), overwrite=True,
+                                             namespace=_HEARTBEAT_NAMESPACE)
+            except Exception:  # the GCS going away at shutdown must not print from a daemon thread
+                return
+            time.sleep(interval_seconds)
+
+    thread = threading.Thread(target=beat, name="mindspeed-rl-heartbeat", daemon=True)
+    thread.start()
+    return thread
+
+
+def read_heartbeats(run_key: str, ranks: list[int]) -> dict[int, bytes | None]:
+    from ray.experimental import internal_kv
+
+    return {rank: internal_kv._internal_kv_get(_heartbeat_key(run_key, rank), namespace=_HEARTBEAT_NAMESPACE)
+            for rank in ranks}
+
+
+def silent_ranks(run_key: str, ranks: list[int], *, watch_seconds: float = 3 * HEARTBEAT_SECONDS) -> list[int]:
+    """The ranks whose heartbeat did not move during `watch_seconds`."""
+    if not ranks:
+        return []
+    before = read_heartbeats(run_key, ranks)
+    time.sleep(watch_seconds)
+    after = read_heartbeats(run_key, ranks)
+    return [rank for rank in ranks if after[rank] is None or after[rank] == before[rank]]
+
+
+# -- messages -------------------------------------------------------------------------------------
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def describe_worker_error(error: BaseException) -> str:
+    """The worker's own error in one line: `Type: message (at file.py:123 in fn)`."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(error, RayTaskError):
+        cause = error.cause if isinstance(getattr(error, "cause", None), BaseException) else None
+        text = f"{type(cause).__name__}: {_first_line(str(cause))}" if cause else _first_line(str(error))
+        # Ray keeps the worker's traceback only as text, in the error's message.
+        frames = _FRAME.findall(getattr(error, "traceback_str", None) or str(error))
+        if frames:
+            path, line, function = frames[-1]
+            text += f" (at {path.rsplit('/', 1)[-1]}:{line} in {function})"
+        return text
+    if isinstance(error, RayActorError):
+        return "the worker process died (killed, or crashed outside Python)"
+    return f"{type(error).__name__}: {_first_line(str(error))}"
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[0] if lines else "(no message)"

@@ -1,0 +1,109 @@
+"""End to end: how a run ends when it does not finish (README "When a run fails").
+
+Each test launches `python cli/train_grpo.py` in its own session, as a terminal would, with a fault
+injected at a known point (`MINDSPEED_RL_INJECT_FAULT`, mindspeed_rl/workers/fault_injection.py) or
+a signal sent in a known phase, and checks the exit code, the one line the user reads, the time it
+took, and that no process of the run's session and no new /dev/shm segment is left.
+
+Runs where: subprocesses (Ray, 1 or 2 worker processes); ~4 min in all on 2 cores.
+"""
+import signal
+
+import pytest
+
+from run_watch import launch, leftovers, shm_entries
+
+ONE_RANK = "grpo_tiny_cpu"
+# Train PP2 -> vLLM TP2 on 2 ranks: vLLM's TP group shares a broadcast buffer in /dev/shm.
+TWO_RANKS = "grpo_tiny_cpu_pp2_infer_tp2"
+
+
+def _start(tmp_path, config_name: str, *overrides: str, fault: str | None = None):
+    env = {"MINDSPEED_RL_INJECT_FAULT": fault} if fault else {}
+    return launch(tmp_path, config_name, "megatron_training.train_iters=2",
+                  f"synthetic_data.data_dir={tmp_path / 'assets'}", *overrides, env=env)
+
+
+def _last_line(run) -> str:
+    lines = [line for line in run.stderr_text().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _assert_nothing_left(run, shm_before: set[str]) -> None:
+    processes, shm = leftovers(run, shm_before)
+    assert not processes, f"processes of the run still alive: {processes}"
+    assert not shm, f"/dev/shm segments left: {shm}"
+
+
+def test_a_worker_that_raises_stops_the_run_naming_rank_host_and_error(tmp_path):
+    shm_before = shm_entries()
+    run = _start(tmp_path, ONE_RANK, fault="update:0:1:raise")
+    fault_seen = run.wait_for("[fault] rank 0: raise in update")
+    code, ended = run.finish()
+    assert code == 1
+    line = _last_line(run)
+    assert line.startswith("worker failure during iteration 1: rank 0 (host "), line
+    assert "failed in update: RuntimeError: injected fault in update on rank 0 (at fault_injection.py:" in line
+    assert run.stderr_text().count("injected fault") == 1, "the error is reported once"
+    assert "Traceback" not in run.stderr_text()
+    assert ended - fault_seen < 60
+    _assert_nothing_left(run, shm_before)
+
+
+def test_a_sigkilled_worker_stops_both_ranks_and_its_shm_segments_are_removed(tmp_path):
+    shm_before = shm_entries()
+    run = _start(tmp_path, TWO_RANKS, fault="generate_sequences:0:1:kill")
+    fault_seen = run.wait_for("[fault] rank 0: kill in generate_sequences")
+    code, ended = run.finish()
+    assert code == 1
+    assert "rank 0 (host " in _last_line(run) and "died" in _last_line(run), _last_line(run)
+    assert ended - fault_seen < 60
+    _assert_nothing_left(run, shm_before)
+
+
+def test_a_stopped_rank_is_named_once_the_rpc_deadline_passes(tmp_path):
+    shm_before = shm_entries()
+    run = _start(tmp_path, TWO_RANKS, "runtime.rpc_timeout_seconds=15", fault="update:1:1:stop")
+    fault_seen = run.wait_for("[fault] rank 1: stop in update")
+    code, ended = run.finish()
+    assert code == 1
+    line = _last_line(run)
+    assert "rank 1 (host " in line and "stopped responding in update" in line, line
+    assert "ranks [0] were waiting for it" in line
+    # The deadline, then a few seconds of watching heartbeats and the teardown.
+    assert 15 <= ended - fault_seen < 15 + 30
+    _assert_nothing_left(run, shm_before)
+
+
+PHASES = {
+    # phase: (fault that holds a rank there, the line that says it is there)
+    "initialize": (None, "[init] rank 0 (host"),
+    "generate": ("generate_sequences:0:1:sleep", "[fault] rank 0: sleep in generate_sequences"),
+    "update": ("update:0:2:sleep", "[fault] rank 0: sleep in update"),
+}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_a_stop_signal_ends_the_run_within_15_s_leaving_nothing(tmp_path, phase, signum):
+    fault, marker = PHASES[phase]
+    shm_before = shm_entries()
+    save = tmp_path / "save"
+    run = _start(tmp_path, ONE_RANK, f"actor_config.save={save}", "megatron_training.save_interval=1", fault=fault)
+    run.wait_for(marker)
+    sent = __import__("time").monotonic()
+    if signum == signal.SIGINT:
+        run.signal_group(signum)  # Ctrl-C: the whole foreground group, Ray's daemons and workers too
+    else:
+        run.process.send_signal(signum)  # `kill PID`, a scheduler's stop: the driver alone
+    code, ended = run.finish()
+    assert code == 128 + signum
+    assert ended - sent < 15
+    name = signal.Signals(signum).name
+    where = {"initialize": "during initialize", "generate": "at iteration 1", "update": "at iteration 2"}[phase]
+    checkpoint = str(save / "iter_0000001") if phase == "update" else "none"
+    assert _last_line(run) == f"interrupted by {name} {where}; last checkpoint: {checkpoint}"
+    assert "Traceback" not in run.stderr_text()
+    # A save in progress is never left behind as a directory that looks like a checkpoint.
+    assert not list(save.glob(".tmp_*")) if save.exists() else True
+    _assert_nothing_left(run, shm_before)

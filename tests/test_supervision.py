@@ -1,0 +1,99 @@
+"""The driver's watchdog pieces: deadlines, heartbeats, error text, placement, fault specs.
+
+Runs where: in-process, with a local Ray cluster of 2 CPUs and small actors (no engines); ~20 s.
+"""
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from mindspeed_rl.config import ConfigError
+from mindspeed_rl.workers.fault_injection import FaultSpec
+from mindspeed_rl.workers.supervision import Deadlines, describe_worker_error, silent_ranks, start_heartbeat
+
+
+def test_a_deadline_is_the_base_until_an_rpc_has_run_slowly():
+    deadlines = Deadlines(rpc_timeout_seconds=10, initialize_timeout_seconds=100)
+    assert deadlines.seconds("update") == 10
+    assert deadlines.seconds("initialize") == 100
+    deadlines.observe("update", 2.0)
+    assert deadlines.seconds("update") == 10  # 4 x 2 s is still under the base
+    deadlines.observe("update", 5.0)
+    assert deadlines.seconds("update") == 20
+    assert deadlines.seconds("generate_sequences") == 10
+
+
+def test_a_fault_spec_names_method_rank_call_and_action():
+    assert FaultSpec.parse("update:1:2:stop") == FaultSpec(method="update", rank=1, call=2, action="stop")
+    for bad in ("update:1:2", "update:x:2:raise", "update:1:2:explode"):
+        with pytest.raises(ValueError, match="METHOD:RANK:CALL:ACTION"):
+            FaultSpec.parse(bad)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Beating:
+    def __init__(self, run_key: str, rank: int):
+        start_heartbeat(run_key, rank, interval_seconds=0.2)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def fail(self):
+        raise ValueError("bad value 7")
+
+    def die(self):
+        os._exit(3)
+
+
+def test_heartbeats_tell_a_stopped_process_from_a_live_one(local_ray):
+    ranks = [Beating.remote("hb-test", 0), Beating.remote("hb-test", 1)]
+    pids = ray.get([r.pid.remote() for r in ranks])
+    time.sleep(1.0)
+    assert silent_ranks("hb-test", [0, 1], watch_seconds=1.0) == []
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        time.sleep(0.5)
+        assert silent_ranks("hb-test", [0, 1], watch_seconds=1.0) == [0]
+    finally:
+        os.kill(pids[0], signal.SIGKILL)
+        for r in ranks:
+            ray.kill(r)
+
+
+def test_a_raising_worker_is_described_by_its_type_message_and_frame(local_ray):
+    actor = Beating.remote("err-test", 0)
+    with pytest.raises(ray.exceptions.RayTaskError) as raised:
+        ray.get(actor.fail.remote())
+    text = describe_worker_error(raised.value)
+    assert text.startswith("ValueError: bad value 7 (at test_supervision.py:")
+    assert text.endswith(" in fail)")
+    ray.kill(actor)
+
+
+def test_a_dead_worker_is_described_as_died(local_ray):
+    actor = Beating.remote("die-test", 0)
+    with pytest.raises(ray.exceptions.RayActorError) as raised:
+        ray.get(actor.die.remote())
+    assert describe_worker_error(raised.value).startswith("the worker process died")
+
+
+def test_a_placement_that_cannot_be_satisfied_names_the_missing_resource(local_ray):
+    from ray.util.placement_group import placement_group
+
+    from mindspeed_rl.workers.group import _wait_for_placement
+
+    bundles = [{"CPU": 1.0}] * 3
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"could not place 3 rank\(s\) within 2 s .*CPU: 3 needed, 2 in the cluster"):
+        _wait_for_placement(placement_group(bundles), bundles, timeout_seconds=2)
+    assert time.monotonic() - started < 10
