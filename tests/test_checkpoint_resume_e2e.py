@@ -1,23 +1,26 @@
-"""End to end through the CLI (subprocesses, real Ray + vLLM + Megatron, 1 rank): a run resumed from its
-iteration-2 checkpoint reaches the uninterrupted run's iteration 3 bit-exactly (fp32 CPU).
+"""End to end through the CLI (subprocesses, real Ray + vLLM + Megatron, 1 rank): a run whose driver is
+SIGKILLed after its iteration-2 checkpoint resumes from the last checkpoint and reaches the uninterrupted
+run's iterations 3 and 4 bit-exactly (fp32 CPU): metrics, weights and optimizer states.
 
-The interruption is a clean stop: the resumed run loads the uninterrupted run's own iteration-2 checkpoint
-(saved by save_interval=2), which is what a run SIGKILLed after iteration 2 would have left behind."""
+Runs where: three CLI runs one after the other; ~1.5 min on 2 cores."""
 
 import json
-import shutil
+import os
+import signal
 
 import torch
 
 from cli_runner import run_cli
+from run_watch import launch, session_processes
 
 # Wall-clock and memory figures differ between any two runs; everything else must be equal.
 VOLATILE_PREFIXES = ("timing/", "memory/", "offload/")
 VOLATILE_SUFFIXES = ("_tps", "seconds")
+TRAIN_4 = ("megatron_training.train_iters=4", "megatron_training.save_interval=2")
 
 
 def _records(path):
-    return [{k: v for k, v in json.loads(line).items() 
+    return [{k: v for k, v in json.loads(line).items()
              if not k.startswith(VOLATILE_PREFIXES) and not k.endswith(VOLATILE_SUFFIXES)}
             for line in path.read_text().splitlines()]
 
@@ -28,27 +31,37 @@ def _plain(directory):
     return dist_checkpointing.load_plain_tensors(str(directory))
 
 
-def test_resume_from_iteration_2_matches_uninterrupted_run(world, tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    done = run_cli(full, "grpo_tiny_cpu", "megatron_training.train_iters=3", "megatron_training.save_interval=2",
-                   f"actor_config.save={full / 'ckpt'}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in (full / "ckpt").iterdir()) == ["iter_0000002", "iter_0000003", "latest"]
+def _run_killed_after_iteration_2(tmp_path, save):
+    """The driver alone gets SIGKILL (the OOM killer, a node losing its job) right after the iteration-2
+    save; iteration 3 may be under way. What survives of its session is then cleared by hand."""
+    run = launch(tmp_path, "grpo_tiny_cpu", *TRAIN_4, f"actor_config.save={save}")
+    run.wait_for(f"[checkpoint] saved {save / 'iter_0000002'}")
+    os.kill(run.process.pid, signal.SIGKILL)
+    run.finish()
+    for pid in session_processes(run.process.pid):
+        os.kill(pid, signal.SIGKILL)
 
-    # The interrupted run's directory: its metrics up to iteration 2 plus a record the crash lost track of.
-    (resumed / "run").mkdir(parents=True)
-    shutil.copy(full / "run" / "metrics.jsonl", resumed / "run" / "metrics.jsonl")
-    done = run_cli(resumed, "grpo_tiny_cpu", "megatron_training.train_iters=3",
-                   f"actor_config.load={full / 'ckpt' / 'iter_0000002'}", "actor_config.finetune=false",
-                   f"actor_config.save={resumed / 'ckpt'}")
+
+def test_resume_after_a_sigkill_matches_the_uninterrupted_run(world, tmp_path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    done = run_cli(full, "grpo_tiny_cpu", *TRAIN_4, f"actor_config.save={full / 'save'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in (full / "save").iterdir()) == ["iter_0000002", "iter_0000004", "latest"]
+
+    _run_killed_after_iteration_2(killed, killed / "save")
+    assert (killed / "save" / "latest").read_text().strip() == "iter_0000002"
+    # Resume into the same run directory from the save root: its `latest` names iteration 2.
+    done = run_cli(killed, "grpo_tiny_cpu", *TRAIN_4, f"actor_config.load={killed / 'save'}",
+                   "actor_config.finetune=false", f"actor_config.save={killed / 'save'}")
     assert done.returncode == 0, done.stderr[-3000:]
 
     expected = _records(full / "run" / "metrics.jsonl")
-    got = _records(resumed / "run" / "metrics.jsonl")
-    assert [r["iteration"] for r in got] == [1, 2, 3]
+    got = _records(killed / "run" / "metrics.jsonl")
+    assert [r["iteration"] for r in got] == [1, 2, 3, 4]
     assert got == expected
     for part in ("model", "optimizer"):
-        want, have = _plain(full / "ckpt" / "iter_0000003" / part), _plain(resumed / "ckpt" / "iter_0000003" / part)
+        want = _plain(full / "save" / "iter_0000004" / part)
+        have = _plain(killed / "save" / "iter_0000004" / part)
         assert sorted(want) == sorted(have)
         for key in want:
             if isinstance(want[key], torch.Tensor):

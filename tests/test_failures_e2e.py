@@ -8,6 +8,7 @@ took, and that no process of the run's session and no new /dev/shm segment is le
 Runs where: subprocesses (Ray, 1 or 2 worker processes); ~4 min in all on 2 cores.
 """
 import signal
+import time
 
 import pytest
 
@@ -24,6 +25,15 @@ def _start(tmp_path, config_name: str, *overrides: str, fault: str | None = None
                   f"synthetic_data.data_dir={tmp_path / 'assets'}", *overrides, env=env)
 
 
+def _run_into_fault(tmp_path, config_name: str, fault: str, marker: str, *overrides: str):
+    """(the run, its exit code, seconds from the fault to the exit, /dev/shm before the run)."""
+    shm_before = shm_entries()
+    run = _start(tmp_path, config_name, *overrides, fault=fault)
+    fault_seen = run.wait_for(marker)
+    code, ended = run.finish()
+    return run, code, ended - fault_seen, shm_before
+
+
 def _last_line(run) -> str:
     lines = [line for line in run.stderr_text().splitlines() if line.strip()]
     return lines[-1] if lines else ""
@@ -36,42 +46,36 @@ def _assert_nothing_left(run, shm_before: set[str]) -> None:
 
 
 def test_a_worker_that_raises_stops_the_run_naming_rank_host_and_error(tmp_path):
-    shm_before = shm_entries()
-    run = _start(tmp_path, ONE_RANK, fault="update:0:1:raise")
-    fault_seen = run.wait_for("[fault] rank 0: raise in update")
-    code, ended = run.finish()
+    run, code, seconds, shm_before = _run_into_fault(tmp_path, ONE_RANK, "update:0:1:raise",
+                                                     "[fault] rank 0: raise in update")
     assert code == 1
     line = _last_line(run)
     assert line.startswith("worker failure during iteration 1: rank 0 (host "), line
     assert "failed in update: RuntimeError: injected fault in update on rank 0 (at fault_injection.py:" in line
     assert run.stderr_text().count("injected fault") == 1, "the error is reported once"
     assert "Traceback" not in run.stderr_text()
-    assert ended - fault_seen < 60
+    assert seconds < 60
     _assert_nothing_left(run, shm_before)
 
 
 def test_a_sigkilled_worker_stops_both_ranks_and_its_shm_segments_are_removed(tmp_path):
-    shm_before = shm_entries()
-    run = _start(tmp_path, TWO_RANKS, fault="generate_sequences:0:1:kill")
-    fault_seen = run.wait_for("[fault] rank 0: kill in generate_sequences")
-    code, ended = run.finish()
+    run, code, seconds, shm_before = _run_into_fault(tmp_path, TWO_RANKS, "generate_sequences:0:1:kill",
+                                                     "[fault] rank 0: kill in generate_sequences")
     assert code == 1
     assert "rank 0 (host " in _last_line(run) and "died" in _last_line(run), _last_line(run)
-    assert ended - fault_seen < 60
+    assert seconds < 60
     _assert_nothing_left(run, shm_before)
 
 
 def test_a_stopped_rank_is_named_once_the_rpc_deadline_passes(tmp_path):
-    shm_before = shm_entries()
-    run = _start(tmp_path, TWO_RANKS, "runtime.rpc_timeout_seconds=15", fault="update:1:1:stop")
-    fault_seen = run.wait_for("[fault] rank 1: stop in update")
-    code, ended = run.finish()
+    run, code, seconds, shm_before = _run_into_fault(tmp_path, TWO_RANKS, "update:1:1:stop",
+                                                     "[fault] rank 1: stop in update", "runtime.rpc_timeout_seconds=15")
     assert code == 1
     line = _last_line(run)
     assert "rank 1 (host " in line and "stopped responding in update" in line, line
     assert "ranks [0] were waiting for it" in line
     # The deadline, then a few seconds of watching heartbeats and the teardown.
-    assert 15 <= ended - fault_seen < 15 + 30
+    assert 15 <= seconds < 15 + 30
     _assert_nothing_left(run, shm_before)
 
 
@@ -91,7 +95,7 @@ def test_a_stop_signal_ends_the_run_within_15_s_leaving_nothing(tmp_path, phase,
     save = tmp_path / "save"
     run = _start(tmp_path, ONE_RANK, f"actor_config.save={save}", "megatron_training.save_interval=1", fault=fault)
     run.wait_for(marker)
-    sent = __import__("time").monotonic()
+    sent = time.monotonic()
     if signum == signal.SIGINT:
         run.signal_group(signum)  # Ctrl-C: the whole foreground group, Ray's daemons and workers too
     else:

@@ -103,12 +103,22 @@ def test_dataset_smaller_than_a_batch_is_an_error_not_a_hang(tmp_path):
     assert "megatron_training.global_batch_size" in done.stderr
 
 
-def test_pp2_train_tp2_infer_variant_runs(tmp_path):
-    """The 2-rank variant: Megatron PP2 stages are resharded into vLLM TP2 halves every iteration."""
-    run_dir = tmp_path / "run"
-    done = run_cli(tmp_path, "grpo_tiny_cpu_pp2_infer_tp2", "megatron_training.train_iters=2",
-                   f"synthetic_data.data_dir={tmp_path / 'assets'}")
-    assert done.returncode == 0, done.stderr[-3000:]
+@pytest.fixture(scope="module")
+def pp2_run(tmp_path_factory):
+    """The 2-rank variant, watched: Megatron PP2 stages are resharded into vLLM TP2 halves every iteration."""
+    from run_watch import launch, leftovers, shm_entries
+
+    tmp_path = tmp_path_factory.mktemp("pp2")
+    shm_before = shm_entries()
+    run = launch(tmp_path, "grpo_tiny_cpu_pp2_infer_tp2", "megatron_training.train_iters=2",
+                 f"synthetic_data.data_dir={tmp_path / 'assets'}")
+    code, _ = run.finish(timeout=600)
+    assert code == 0, run.stderr_text()[-3000:]
+    return tmp_path / "run", leftovers(run, shm_before)
+
+
+def test_pp2_train_tp2_infer_variant_runs(pp2_run):
+    run_dir, _ = pp2_run
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for r in records:
@@ -118,6 +128,13 @@ def test_pp2_train_tp2_infer_variant_runs(tmp_path):
         assert r["resharding/bytes_received"] > 0
         assert abs(r["resharding/bytes_received"] - r["resharding/bytes_local"]) / r["resharding/bytes_local"] < 0.2
         assert r["resharding/ranges_verified"] > 0
+
+
+def test_a_finished_two_rank_run_leaves_no_process_and_no_shm_segment(pp2_run):
+    """vLLM's TP2 broadcast buffer (/dev/shm/psm_*) used to outlive even a successful run."""
+    _, (processes, shm) = pp2_run
+    assert not processes, f"processes of the run still alive: {processes}"
+    assert not shm, f"/dev/shm segments left: {shm}"
 
 
 def test_the_7b_recipe_on_this_host_passes_every_check_then_names_the_device_count(tmp_path):

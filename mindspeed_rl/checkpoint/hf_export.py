@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mindspeed_rl.config.errors import ConfigError
-from mindspeed_rl.checkpoint.store import fsync_path
+from mindspeed_rl.checkpoint.store import fsync_path, replace_dir
 from mindspeed_rl.models.qwen2 import Qwen2Spec
 
 # Files copied next to the weights when the source directory has them (tokenizer + generation defaults).
@@ -146,13 +146,7 @@ def export_run_actor(actor, *, run_dir: str | os.PathLike, config_dir: str | os.
     written = [path for path, _ in actor.call("export_hf", str(staged), str(config_dir)) if path is not None]
     if written != [str(staged)]:
         raise RuntimeError(f"export_hf: expected global rank 0 alone to write {staged}, the ranks wrote {written}")
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.rename(out, old / out.name)
-        os.rename(staged, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(staged, out)
+    replace_dir(staged, out)
     fsync_path(out.parent)
     return out
 

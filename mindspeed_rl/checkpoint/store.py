@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,3 +167,18 @@ def resolve_and_verify(load_path: str | os.PathLike, *, key: str) -> VerifiedChe
         if _sha256_of(file_path) != expected["sha256"]:
             raise ConfigError(key, f"{file_path} does not match its sha256 in {manifest_path} (corrupt)")
     return VerifiedCheckpoint(path=path, iteration=iteration)
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move directory ``src`` to ``dst``, replacing an existing ``dst`` whole.
+
+    ``os.replace`` cannot overwrite a non-empty directory, so the old one is first renamed
+    aside; ``dst`` is then either the old or the new complete directory, or briefly absent.
+    """
+    if dst.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+        os.replace(dst, trash / dst.name)
+        os.replace(src, dst)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(src, dst)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_rl.data.asset_cache import MANIFEST_FILE, ensure_generated, write_text_atomic  # noqa: F401 (MANIFEST_FILE re-exported)
-from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.data.tiny_model import create_checkpoint_from_asset_params
 from mindspeed_rl.data.tokenizer import train_arith_tokenizer
 
 MODEL_SUBDIR = "model"
@@ -113,18 +113,7 @@ def ensure_demo_assets(
 def _generate_assets(data_path: Path, params: dict[str, Any]) -> None:
     seed, max_operand = params["seed"], params["max_operand"]
     tokenizer = train_arith_tokenizer(params["vocab_size"], seed, max_operand=max_operand)
-    create_tiny_qwen2_checkpoint(
-        data_path / MODEL_SUBDIR,
-        vocab_size=params["vocab_size"],
-        hidden_size=params["hidden_size"],
-        ffn_hidden_size=params["ffn_hidden_size"],
-        num_layers=params["num_layers"],
-        num_attention_heads=params["num_attention_heads"],
-        num_query_groups=params["num_query_groups"],
-        max_position_embeddings=params["max_position_embeddings"],
-        seed=seed,
-        init_std=params["init_std"],
-        tokenizer=tokenizer,
-    )
+    create_checkpoint_from_asset_params(data_path / MODEL_SUBDIR, params, vocab_size=params["vocab_size"],
+                                        tokenizer=tokenizer)
     rows = make_arith_prompts(params["num_prompts"], max_operand, seed)
     write_prompts_jsonl(data_path / PROMPTS_FILE, rows)

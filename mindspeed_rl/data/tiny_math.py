@@ -31,7 +31,7 @@ from typing import Any, Optional
 from tokenizers import Tokenizer
 
 from mindspeed_rl.data.asset_cache import MANIFEST_FILE, ensure_generated  # noqa: F401 (MANIFEST_FILE re-exported)
-from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.data.tiny_model import create_checkpoint_from_asset_params
 from mindspeed_rl.data.tokenizer import (
     CHAT_END_TOKEN,
     QWEN_STYLE_CHAT_TEMPLATE,
@@ -212,19 +212,8 @@ def tiny_math_vocab_size(max_operand: int) -> int:
 def _generate_assets(root: Path, params: dict[str, Any]) -> None:
     # `root` is asset_cache's staging directory: nothing reads it before it is complete.
     tokenizer = build_tiny_math_tokenizer(params["max_operand"], params["vocab_size"])
-    model_dir = create_tiny_qwen2_checkpoint(
-        root / MODEL_SUBDIR,
-        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
-        hidden_size=params["hidden_size"],
-        ffn_hidden_size=params["ffn_hidden_size"],
-        num_layers=params["num_layers"],
-        num_attention_heads=params["num_attention_heads"],
-        num_query_groups=params["num_query_groups"],
-        max_position_embeddings=params["max_position_embeddings"],
-        seed=params["seed"],
-        init_std=params["init_std"],
-        tokenizer=tokenizer,
-    )
+    model_dir = create_checkpoint_from_asset_params(
+        root / MODEL_SUBDIR, params, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True), tokenizer=tokenizer)
     # Rewritten with the chat template and <|im_end|> as eos, as in Qwen2.5-Instruct: vLLM
     # stops a rollout at the tokenizer's eos (and at config.json's <|endoftext|>).
     save_hf_tokenizer(tokenizer, model_dir, eos_token=CHAT_END_TOKEN, chat_template=QWEN_STYLE_CHAT_TEMPLATE)

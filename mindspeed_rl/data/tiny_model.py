@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from tokenizers import Tokenizer
 
+from mindspeed_rl.checkpoint.store import replace_dir
 from mindspeed_rl.data.tokenizer import EOS_TOKEN_ID, save_hf_tokenizer, train_arith_tokenizer
 
 ROPE_THETA = 1e6  # Qwen2.5's rotary base
@@ -142,16 +143,11 @@ def randomize_parameters(model: torch.nn.Module, seed: int, init_std: float) -> 
         param.copy_(value)
 
 
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move directory ``src`` to ``dst``, replacing an existing ``dst`` whole.
-
-    ``os.replace`` cannot overwrite a non-empty directory, so the old one is first renamed
-    aside; ``dst`` is then either the old or the new complete directory, or briefly absent.
-    """
-    if dst.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-        os.replace(dst, trash / dst.name)
-        os.replace(src, dst)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(src, dst)
+def create_checkpoint_from_asset_params(out_dir: Path, params: dict, *, vocab_size: int,
+                                        tokenizer: Tokenizer) -> Path:
+    """The demos' checkpoint from their asset parameters (mindspeed_rl/data/asset_cache.py)."""
+    return create_tiny_qwen2_checkpoint(
+        out_dir, vocab_size=vocab_size, hidden_size=params["hidden_size"], ffn_hidden_size=params["ffn_hidden_size"],
+        num_layers=params["num_layers"], num_attention_heads=params["num_attention_heads"],
+        num_query_groups=params["num_query_groups"], max_position_embeddings=params["max_position_embeddings"],
+        seed=params["seed"], init_std=params["init_std"], tokenizer=tokenizer)

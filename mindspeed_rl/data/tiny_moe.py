@@ -11,7 +11,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from mindspeed_rl.data.tiny_model import RMS_NORM_EPS, ROPE_THETA, randomize_parameters, replace_dir
+from mindspeed_rl.checkpoint.store import replace_dir
+from mindspeed_rl.data.tiny_model import RMS_NORM_EPS, ROPE_THETA, randomize_parameters
 from mindspeed_rl.data.tokenizer import EOS_TOKEN_ID, save_hf_tokenizer, train_arith_tokenizer
 
 
