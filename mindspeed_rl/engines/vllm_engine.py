@@ -190,7 +190,7 @@ def _unpack_cpu_linears(model: torch.nn.Module) -> None:
     and empties `layer.weight`, so the live model could only be updated through a full
     `reload_weights` (which needs full HF tensors on every rank). With plain weights, resharded
     shards are copied straight into the parameters, as on GPU. The cost is torch's own GEMM
-    instead of the prepacked kernel during generation.
+    instead of the prepacked kernel during generation. Biases get the weight's dtype back.
     """
     for module in model.modules():
         if not hasattr(module, "cpu_linear"):
@@ -204,6 +204,11 @@ def _unpack_cpu_linears(model: torch.nn.Module) -> None:
             shape = (rows, cols)
             module.weight = torch.nn.Parameter(torch.zeros(shape, dtype=weight.dtype, device=weight.device),
                                                requires_grad=False)
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor) and bias.dtype != module.weight.dtype:
+            # On CPUs with AMX, vLLM's small-GEMM kernel (SGL) takes an fp32 bias and casts the bias of a
+            # bf16 layer to fp32 in place; torch's linear needs one dtype. The cast back is exact.
+            bias.data = bias.data.to(module.weight.dtype)
 
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
