@@ -55,7 +55,7 @@ def _rank_main(rank, world, port, pair, bucket_mb, repeats, out_path):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state as ps
 
-    from mindspeed_rl.models.qwen2 import hf_to_megatron_shard
+    from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
     from mindspeed_rl.resharding.fingerprint import verify_transfer
     from mindspeed_rl.resharding.layouts import hf_shapes, vllm_layout
     from mindspeed_rl.resharding.naive import gather_full_hf, load_full_hf, materialize
@@ -69,7 +69,7 @@ def _rank_main(rank, world, port, pair, bucket_mb, repeats, out_path):
     g = torch.Generator().manual_seed(0)
     full = {n: torch.randn(shape, generator=g) * 0.02 for n, shape in hf_shapes(spec).items()}
     tp_rank, pp_rank = train.coordinates(rank, world)
-    sources = hf_to_megatron_shard(full, spec, tp_rank=tp_rank, tp=tp, pp_rank=pp_rank, pp=pp)
+    sources = megatron_shard_from_hf(full, spec, tp_rank=tp_rank, tp=tp, pp_rank=pp_rank, pp=pp)
     layout = vllm_layout(spec, tp=infer_tp, tp_rank=rank % infer_tp)
     oracle = {t.name: materialize(t, full, torch.float32) for t in layout}
     largest_param_bytes = max(t.numel() for t in full.values()) * 4

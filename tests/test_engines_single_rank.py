@@ -112,12 +112,12 @@ def test_vllm_logprobs_follow_megatron_across_updates(actor, rollout):
 
 def test_hf_weights_round_trip_exact(actor, checkpoint):
     """Megatron shards -> HF names gives back exactly the tensors of a freshly loaded engine."""
-    from mindspeed_rl.models.qwen2 import hf_to_megatron_shard
+    from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
 
     exported = actor.hf_weights_full()
     _, original = load_hf_checkpoint(checkpoint)
     assert set(exported) == set(original)
-    again = hf_to_megatron_shard(exported, actor.spec, tp_rank=0, tp=1)
+    again = megatron_shard_from_hf(exported, actor.spec, tp_rank=0, tp=1)
     for name, param in actor.module.named_parameters():
         assert torch.equal(again[name], param.detach()), name
 

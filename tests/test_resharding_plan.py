@@ -9,10 +9,9 @@ import math
 import pytest
 import torch
 
-from mindspeed_rl.models.qwen2 import hf_to_megatron_shard
+from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
 from mindspeed_rl.resharding.layouts import (hf_shapes, megatron_layout, padded_vocab, parameter_shapes, tensor_view,
                                              vllm_layout)
-from mindspeed_rl.resharding.naive import materialize
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
 from mindspeed_rl.resharding.transfer import Transfer, split_into_rounds
 from resharding_oracle import random_hf_state, tiny_moe_spec, tiny_spec, vllm_moe_shard_oracle, vllm_shard_oracle
@@ -28,7 +27,7 @@ def train_shards(hf, spec, train: TrainLayout, world: int) -> dict[int, dict[str
     shards = {}
     for rank in range(world):
         tp_rank, pp_rank = train.coordinates(rank, world)
-        shards[rank] = hf_to_megatron_shard(hf, spec, tp_rank=tp_rank, tp=train.tp, pp_rank=pp_rank, pp=train.pp)
+        shards[rank] = megatron_shard_from_hf(hf, spec, tp_rank=tp_rank, tp=train.tp, pp_rank=pp_rank, pp=train.pp)
     return shards
 
 
@@ -87,18 +86,22 @@ def test_same_layout_moves_nothing():
         assert all(plan.received_numel(r) == 0 for r in range(world))
 
 
-def test_megatron_layout_matches_the_checkpoint_converter():
-    """Two independent descriptions of Megatron's layout (segments vs the HF->Megatron converter)."""
+def test_hf_to_megatron_and_back_through_the_layout_is_exact():
+    """One description of Megatron's layout serves both directions (the engines' checkpoint load and the
+    export); that it is Megatron's real layout is shown by Megatron's logits equalling HF's at TP1, TP2,
+    PP2 (test_engines_single_rank, test_megatron_layouts_multiprocess)."""
+    from mindspeed_rl.resharding.layouts import hf_from_megatron_shards
+
     spec = tiny_spec(heads=8, kv=4)
     hf = random_hf_state(spec)
     for tp, pp in ((1, 1), (2, 1), (4, 2), (1, 4)):
-        for tp_rank in range(tp):
-            for pp_rank in range(pp):
-                converted = hf_to_megatron_shard(hf, spec, tp_rank=tp_rank, tp=tp, pp_rank=pp_rank, pp=pp)
-                layout = megatron_layout(spec, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
-                assert {t.name for t in layout} == set(converted)
-                for t in layout:
-                    assert torch.equal(materialize(t, hf, torch.float32), converted[t.name]), t.name
+        for pp_rank in range(pp):
+            shards = [megatron_shard_from_hf(hf, spec, tp_rank=tp_rank, tp=tp, pp_rank=pp_rank, pp=pp)
+                      for tp_rank in range(tp)]
+            layout = megatron_layout(spec, tp=tp, tp_rank=0, pp=pp, pp_rank=pp_rank)
+            assert {t.name for t in layout} == set(shards[0])
+            back = hf_from_megatron_shards(shards, spec, pp=pp, pp_rank=pp_rank)
+            assert back and all(torch.equal(back[name], hf[name]) for name in back)
 
 
 def test_rounds_respect_the_bucket_on_every_rank():
@@ -163,7 +166,7 @@ def moe_train_shards(hf, spec, train: TrainLayout, world: int) -> dict[int, dict
     shards = {}
     for rank in range(world):
         tp_rank, pp_rank = train.coordinates(rank, world)
-        shards[rank] = hf_to_megatron_shard(hf, spec, tp_rank=tp_rank, tp=train.tp, pp_rank=pp_rank, pp=train.pp,
+        shards[rank] = megatron_shard_from_hf(hf, spec, tp_rank=tp_rank, tp=train.tp, pp_rank=pp_rank, pp=train.pp,
                                             ep_rank=train.ep_rank(rank), ep=train.ep)
     return shards
 
@@ -211,17 +214,19 @@ def test_moe_received_bytes_are_the_minimum(world, tp, pp, ep, infer_tp, infer_e
         assert plan.received_numel(rank) == minimum
 
 
-def test_moe_megatron_layout_matches_the_checkpoint_converter():
+def test_moe_hf_to_megatron_and_back_through_the_layout_is_exact():
+    from mindspeed_rl.resharding.layouts import hf_from_megatron_shards
+
     spec = tiny_moe_spec()
     hf = random_hf_state(spec)
     for tp, ep in ((1, 1), (1, 2), (2, 2), (1, 4)):
-        for tp_rank in range(tp):
-            for ep_rank in range(ep):
-                converted = hf_to_megatron_shard(hf, spec, tp_rank=tp_rank, tp=tp, ep_rank=ep_rank, ep=ep)
-                layout = megatron_layout(spec, tp=tp, tp_rank=tp_rank, pp=1, pp_rank=0, ep=ep, ep_rank=ep_rank)
-                assert {t.key for t in layout} == set(converted)
-                for t in layout:
-                    assert torch.equal(materialize(t, hf, torch.float32), converted[t.name]), t.name
+        for ep_rank in range(ep):
+            shards = [megatron_shard_from_hf(hf, spec, tp_rank=tp_rank, tp=tp, ep_rank=ep_rank, ep=ep)
+                      for tp_rank in range(tp)]
+            back = hf_from_megatron_shards(shards, spec, ep=ep, ep_rank=ep_rank)
+            experts = {name for name in back if ".experts." in name}
+            assert len(experts) == 3 * spec.num_experts // ep * spec.num_layers  # gate, up, down of its experts
+            assert all(torch.equal(back[name], hf[name]) for name in back)
 
 
 def test_moe_expert_rank_order_follows_megatron():

@@ -1,7 +1,7 @@
 """Export a trained actor as an HF checkpoint directory (safetensors shards, config, tokenizer, generation config).
 
 The Megatron -> HF conversion is the one the resharding uses (`resharding.naive.gather_full_hf`, built on
-`models.qwen2.megatron_shards_to_hf`), so an export and a weight push to vLLM can never disagree on layout.
+`resharding.layouts.hf_from_megatron_shards`), so an export and a weight push to vLLM can never disagree on layout.
 The directory appears whole or not at all: it is written into a temporary sibling, every file fsynced, then
 renamed into place.
 """

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_rl.accelerator import Accelerator
-from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, hf_to_megatron_shard, transformer_config
+from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, transformer_config
+from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
 from mindspeed_rl.protocol import MicroBatch, RolloutBatch
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -86,7 +87,7 @@ def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: 
 def load_hf_into_megatron(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], spec: Qwen2Spec) -> None:
     from megatron.core import parallel_state as ps
 
-    shard = hf_to_megatron_shard(
+    shard = megatron_shard_from_hf(
         hf_state, spec,
         tp_rank=ps.get_tensor_model_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_world_size(),

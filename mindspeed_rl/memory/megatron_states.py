@@ -5,6 +5,8 @@ from typing import Iterator
 
 import torch
 
+from mindspeed_rl.memory.residency import REF_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS
+
 
 def param_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
     for param in module.parameters():
@@ -37,8 +39,6 @@ def optimizer_state_tensors(optimizer) -> Iterator[torch.Tensor]:
                     yield master.data
 
 
-TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS = (
-    "train_params", "train_grads", "optimizer_states", "reference_params")
 
 
 def register_megatron_states(offloader, actor, reference=None, *, keep_grads: bool = False) -> None:

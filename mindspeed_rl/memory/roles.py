@@ -1,10 +1,10 @@
 """ROLL semantics on a worker's RPCs: reload the call's states before it, offload them after it.
 
 The hybrid worker plays several of ROLL's roles on one device, so each RPC names the role whose
-states it needs (`ROLES`). Per call, `batch.meta_info["is_offload_states"] = False` (or a
-`meta_info=` keyword for calls without a batch) keeps the states on the device afterwards, e.g.
-when the very next call needs them again. Which train states leave the device while vLLM
-generates is decided separately by MindSpeed-RL's `offload_train_*` flags in the switch.
+states it needs. A role's states are its phase's row of the residency table (memory/residency.py)
+less the states the `offload_train_*` flags pin on the device, which no RPC moves. Per call,
+`batch.meta_info["is_offload_states"] = False` (or a `meta_info=` keyword for calls without a batch)
+keeps the states on the device afterwards, e.g. when the very next call needs them again.
 """
 from __future__ import annotations
 
@@ -13,23 +13,29 @@ import inspect
 from typing import Callable
 
 from mindspeed_rl.memory.context_managers import StateSet, state_offload_manager
-from mindspeed_rl.memory.megatron_states import REF_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS
 from mindspeed_rl.memory.offload import Offloader
-from mindspeed_rl.memory.vllm_states import INFER_WEIGHTS, KV_CACHE
+from mindspeed_rl.memory.residency import INFER_WEIGHTS, KV_CACHE, STATE_GROUPS, ResidencyPolicy
 
 ACTOR_INFER, ACTOR_FORWARD, ACTOR_TRAIN, REFERENCE = "actor_infer", "actor_forward", "actor_train", "reference"
+# The phase of the residency table whose states each role holds.
+ROLE_PHASES = {ACTOR_INFER: "generate", ACTOR_FORWARD: "old_logprob", ACTOR_TRAIN: "update", REFERENCE: "ref_logprob"}
 
 
-def build_roles(offloader: Offloader) -> dict[str, StateSet]:
+def build_roles(offloader: Offloader, policy: ResidencyPolicy) -> dict[str, StateSet]:
+    def states(role: str) -> list[str]:
+        row = policy.resident(ROLE_PHASES[role]) - policy.pinned
+        return [name for name in STATE_GROUPS if name in row and name in offloader.states]
+
+    infer = states(ACTOR_INFER)
     return {
         # Weights are reloaded before the switch writes into them; their contents may be dropped
         # on the way out because every switch overwrites them. The KV cache is rebuilt by the
         # switch itself, after the train states have left, so the two never peak together.
-        ACTOR_INFER: StateSet(offloader, [INFER_WEIGHTS, KV_CACHE], drop_on_offload=[INFER_WEIGHTS],
-                              reload_names=[INFER_WEIGHTS]),
-        ACTOR_FORWARD: StateSet(offloader, [TRAIN_PARAMS]),
-        ACTOR_TRAIN: StateSet(offloader, [TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER]),
-        REFERENCE: StateSet(offloader, [REF_PARAMS]),
+        ACTOR_INFER: StateSet(offloader, infer, drop_on_offload=[INFER_WEIGHTS],
+                              reload_names=[n for n in infer if n != KV_CACHE]),
+        ACTOR_FORWARD: StateSet(offloader, states(ACTOR_FORWARD)),
+        ACTOR_TRAIN: StateSet(offloader, states(ACTOR_TRAIN)),
+        REFERENCE: StateSet(offloader, states(REFERENCE)),
     }
 
 

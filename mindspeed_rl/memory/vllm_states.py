@@ -16,8 +16,8 @@ import torch
 
 from mindspeed_rl.accelerator import Accelerator
 from mindspeed_rl.memory.offload import Offloader, StorageGroup
+from mindspeed_rl.memory.residency import INFER_WEIGHTS, KV_CACHE
 
-INFER_WEIGHTS, KV_CACHE = "inference_weights", "kv_cache"
 
 
 class KVCacheState:

@@ -43,17 +43,3 @@ def local_experts(spec, ep_rank: int, ep: int) -> range:
     """Global expert ids held by EP rank `ep_rank` (contiguous blocks, as Megatron assigns them)."""
     per_rank = spec.num_experts // ep
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
-
-
-def hf_to_megatron_moe(hf: dict[str, torch.Tensor], spec, src: str, dst: str, *, etp_rank: int, etp: int,
-                       ep_rank: int, ep: int) -> dict[str, torch.Tensor]:
-    """Router and local experts of one layer (src: HF prefix, dst: Megatron prefix)."""
-    out = {dst + "mlp.router.weight": hf[src + "mlp.gate.weight"].clone()}
-    for local, expert in enumerate(local_experts(spec, ep_rank, ep)):
-        e = f"{src}mlp.experts.{expert}."
-        gate = torch.chunk(hf[e + "gate_proj.weight"], etp, dim=0)[etp_rank]
-        up = torch.chunk(hf[e + "up_proj.weight"], etp, dim=0)[etp_rank]
-        m = f"{dst}mlp.experts.local_experts.{local}."
-        out[m + "linear_fc1.weight"] = torch.cat([gate, up], dim=0)
-        out[m + "linear_fc2.weight"] = torch.chunk(hf[e + "down_proj.weight"], etp, dim=1)[etp_rank].clone()
-    return out

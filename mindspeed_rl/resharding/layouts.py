@@ -293,3 +293,42 @@ def uncovered_ranges(local: LocalTensor) -> list[tuple[int, int]]:
     if position < local.shape[local.dim]:
         gaps.append((position, local.shape[local.dim] - position))
     return gaps
+
+
+# -- HF <-> Megatron through the layout ------------------------------------------------------------
+def megatron_shard_from_hf(hf: dict, spec: Qwen2Spec, *, tp: int, tp_rank: int, pp: int = 1, pp_rank: int = 0,
+                           ep: int = 1, ep_rank: int = 0) -> dict:
+    """One Megatron (tp_rank, pp_rank, ep_rank) shard cut from full HF tensors, by `megatron_layout`:
+    the checkpoint load, the switch and the export read the same description of where each range lives."""
+    import torch
+
+    out = {}
+    for local in megatron_layout(spec, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank):
+        dtype = hf[local.segments[0].hf_name].dtype
+        tensor = torch.zeros(local.shape, dtype=dtype)
+        for seg in local.segments:
+            tensor.narrow(local.dim, seg.local_start, seg.length).copy_(
+                hf[seg.hf_name].narrow(local.dim, seg.hf_start, seg.length))
+        out[local.name] = tensor
+    return out
+
+
+def hf_from_megatron_shards(shards: list[dict], spec: Qwen2Spec, *, pp: int = 1, pp_rank: int = 0, ep: int = 1,
+                            ep_rank: int = 0) -> dict:
+    """Full HF tensors of one pipeline stage from all of its TP shards (index = tp_rank): the inverse of
+    `megatron_shard_from_hf`, through the same layout. Replicated ranges (norms) are written by every
+    shard; they are equal."""
+    import torch
+
+    shapes = hf_shapes(spec)
+    out: dict = {}
+    for tp_rank, shard in enumerate(shards):
+        layout = megatron_layout(spec, tp=len(shards), tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
+        for local in layout:
+            source = shard[local.name]
+            for seg in local.segments:
+                if seg.hf_name not in out:
+                    out[seg.hf_name] = torch.empty(shapes[seg.hf_name], dtype=source.dtype)
+                out[seg.hf_name].narrow(local.dim, seg.hf_start, seg.length).copy_(
+                    source.narrow(local.dim, seg.local_start, seg.length))
+    return out

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mindspeed_rl.models.qwen2 import Qwen2Spec, megatron_shards_to_hf
-from mindspeed_rl.resharding.layouts import LocalTensor, tensor_view, vllm_layout
+from mindspeed_rl.models.qwen2 import Qwen2Spec
+from mindspeed_rl.resharding.layouts import LocalTensor, hf_from_megatron_shards, tensor_view, vllm_layout
 
 
 def materialize(local: LocalTensor, hf: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -54,7 +54,7 @@ def gather_full_hf(params: dict[str, torch.Tensor], spec: Qwen2Spec) -> tuple[di
             for rank, piece in enumerate(gathered):
                 shards[rank][name] = piece
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    stage = megatron_shards_to_hf(shards, spec, pp_rank=pp_rank, pp=pp)
+    stage = hf_from_megatron_shards(shards, spec, pp_rank=pp_rank, pp=pp)
     if pp == 1:
         return stage, received
     full: dict[str, torch.Tensor] = {}

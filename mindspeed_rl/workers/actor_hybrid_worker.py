@@ -16,9 +16,8 @@ import torch
 from mindspeed_rl.algorithms.grpo import GRPOLossConfig, count_loss_units, grpo_loss
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
-from mindspeed_rl.memory.megatron_states import REF_PARAMS
+from mindspeed_rl.memory.residency import REF_PARAMS
 from mindspeed_rl.memory.roles import ACTOR_FORWARD, ACTOR_INFER, ACTOR_TRAIN, REFERENCE, offloaded_rpc
-from mindspeed_rl.memory.vllm_states import INFER_WEIGHTS
 from mindspeed_rl.protocol import MicroBatch, RolloutBatch
 
 
@@ -80,7 +79,8 @@ class ActorHybridWorkerBase:
         from mindspeed_rl.engines.megatron_engine import MegatronEngine
         from mindspeed_rl.memory.offload import Offloader
         from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
-        from mindspeed_rl.workers.sharding_manager import OffloadFlags, ShardingManager, SwitchSettings
+        from mindspeed_rl.memory.residency import ResidencyPolicy
+        from mindspeed_rl.workers.sharding_manager import ShardingManager, SwitchSettings
 
         started = time.perf_counter()
         cfg = self.config
@@ -115,8 +115,9 @@ class ActorHybridWorkerBase:
         gen = cfg.generate_config
         self.sharding_manager = ShardingManager(
             actor=self.actor, rollout=self.inference_model, offloader=self.offloader,
-            flags=OffloadFlags(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
-                               offload_train_optimizer=gen.offload_train_optimizer),
+            policy=ResidencyPolicy(offload_train_param=gen.offload_train_param,
+                                   offload_train_grad=gen.offload_train_grad,
+                                   offload_train_optimizer=gen.offload_train_optimizer),
             switch=SwitchSettings(
                 train=TrainLayout(tp=cfg.actor_config.tensor_model_parallel_size,
                                   pp=cfg.actor_config.pipeline_model_parallel_size,
@@ -157,13 +158,12 @@ class ActorHybridWorkerBase:
         from mindspeed_rl.memory.vllm_states import register_inference_states
 
         register_inference_states(self.offloader, self.inference_model, self.accelerator)
-        self.roles = build_roles(self.offloader)
+        self.roles = build_roles(self.offloader, self.sharding_manager.policy)
         self.ledger = MemoryLedger(self.offloader.resident_bytes, self.accelerator)
         register_memory_source(self.offloader.resident_bytes, self.accelerator)
-        # As ROLL's workers do after initialize: nothing stays on the device until a call needs it.
-        # vLLM holds dummy weights until the first switch, so there is nothing to keep there.
-        for name in self.offloader.states:
-            self.offloader.offload(name, keep_contents=False if name == INFER_WEIGHTS else None)
+        # As ROLL's workers do after initialize: only what the table pins stays on the device until a
+        # call needs it (vLLM holds dummy weights until the first switch: they are dropped).
+        self.sharding_manager.enter("idle")
         self.accelerator.empty_cache()
         self.ledger.record("initialize")
         log_gpu_memory_usage(head="initialized", rank=0)
@@ -233,6 +233,7 @@ class ActorHybridWorkerBase:
 
     @offloaded_rpc("ref_logprob", REFERENCE)
     def compute_ref_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
+        self.sharding_manager.enter("ref_logprob")
         in_phase = self.ledger.record("ref_logprob")
         micro_batch_size = self.config.rl_config.ref_forward_micro_batch_size or self.config.actor_config.micro_batch_size
         shard = self._forward_logprobs(self.reference, batch, micro_batch_size)

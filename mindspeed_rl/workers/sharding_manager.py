@@ -1,9 +1,10 @@
-"""The train <-> infer switch of the hybrid actor.
+"""The train <-> infer switch of the hybrid actor, and the one place states move between phases.
 
-enter_infer_mode: reshard the training weights straight into vLLM's live parameters (planned
-transfer, bounded buckets, fingerprint check), then move train states away per the
-`offload_train_*` flags and rebuild the KV cache. exit_infer_mode: release the KV cache.
-enter_forward_mode / enter_train_mode: bring back what the next phase needs.
+`enter(phase)` makes the resident state groups equal that phase's row of the residency table
+(memory/residency.py): it offloads what the row leaves out first, then reloads what it needs, so two
+phases' states never peak together. enter_infer_mode reshards the training weights straight into
+vLLM's live parameters (planned transfer, bounded buckets, fingerprint check) and then enters
+`generate` (train states leave per the `offload_train_*` flags, the KV cache is rebuilt last).
 """
 from __future__ import annotations
 
@@ -15,20 +16,12 @@ import torch
 
 from mindspeed_rl.engines.megatron_engine import MegatronEngine
 from mindspeed_rl.engines.vllm_engine import VLLMEngine
-from mindspeed_rl.memory.megatron_states import TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS
 from mindspeed_rl.memory.offload import Offloader
-from mindspeed_rl.memory.vllm_states import INFER_WEIGHTS
+from mindspeed_rl.memory.residency import INFER_WEIGHTS, KV_CACHE, STATE_GROUPS, TRAIN_PARAMS, ResidencyPolicy
 from mindspeed_rl.resharding.fingerprint import verify_transfer
 from mindspeed_rl.resharding.layouts import tensor_view, uncovered_ranges
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
 from mindspeed_rl.resharding.transfer import Transfer, destination_dtypes
-
-
-@dataclass(frozen=True, kw_only=True)
-class OffloadFlags:
-    offload_train_param: bool
-    offload_train_grad: bool
-    offload_train_optimizer: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,12 +35,12 @@ class SwitchSettings:
 
 
 class ShardingManager:
-    def __init__(self, *, actor: MegatronEngine, rollout: VLLMEngine, offloader: Offloader, flags: OffloadFlags,
+    def __init__(self, *, actor: MegatronEngine, rollout: VLLMEngine, offloader: Offloader, policy: ResidencyPolicy,
                  switch: SwitchSettings):
         self.actor = actor
         self.rollout = rollout
         self.offloader = offloader
-        self.flags = flags
+        self.policy = policy
         self.switch = switch
         self.plan = build_plan(actor.spec, switch.train, switch.infer, switch.world_size)
         # Megatron's shards mix dtypes (fp32 norms in a bf16 model); the wire carries each range in
@@ -79,6 +72,20 @@ class ShardingManager:
             self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
         return timer()
 
+    # -- phases ------------------------------------------------------------------------------------
+    def enter(self, phase: str) -> None:
+        """Resident state groups := the phase's row: offloads first, then reloads (the KV cache last)."""
+        target = self.policy.resident(phase)
+        for name in self._registered():
+            if name not in target and self.offloader.is_resident(name):
+                # Every switch overwrites vLLM's weights: their contents are not worth a copy.
+                self.offloader.offload(name, keep_contents=False if name == INFER_WEIGHTS else None)
+        for name in sorted(target & set(self._registered()), key=lambda n: n == KV_CACHE):
+            self.offloader.reload(name)
+
+    def _registered(self) -> list[str]:
+        return [name for name in STATE_GROUPS if name in self.offloader.states]
+
     # -- train -> infer --------------------------------------------------------------------------
     def enter_infer_mode(self) -> None:
         with self._timed("timing/resharding_enter_infer"):
@@ -86,13 +93,7 @@ class ShardingManager:
             self.offloader.reload(TRAIN_PARAMS)
             self.offloader.reload(INFER_WEIGHTS)
             self.push_weights()
-            if self.flags.offload_train_param:
-                self.offloader.offload(TRAIN_PARAMS)
-            if self.flags.offload_train_grad:
-                self.offloader.offload(TRAIN_GRADS)
-            if self.flags.offload_train_optimizer:
-                self.offloader.offload(TRAIN_OPTIMIZER)
-            self.rollout.rebuild_kv_cache()
+            self.enter("generate")
 
     def exit_infer_mode(self) -> None:
         with self._timed("timing/resharding_exit_infer"):
@@ -117,12 +118,11 @@ class ShardingManager:
     # -- infer -> train --------------------------------------------------------------------------
     def enter_forward_mode(self) -> None:
         with self._timed("timing/onload_forward"):
-            self.offloader.reload(TRAIN_PARAMS)
+            self.enter("old_logprob")
 
     def enter_train_mode(self) -> None:
         with self._timed("timing/onload_train"):
-            for group in (TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER):
-                self.offloader.reload(group)
+            self.enter("update")
 
     def exit_train_mode(self) -> None:
         """States stay resident: the next enter_infer_mode pushes weights from them first."""
