@@ -49,12 +49,14 @@ def _worker(rank, world_size, port, hf_dir, save_dir, out_dir):
 
         saver.train_step(batch, micro_batch_size=2, temperature=1.0, loss_fn=loss_fn)
         saver.save_sharded(save_dir, with_optimizer=False)
-        expected = saver.hf_weights_full()
+        from mindspeed_rl.checkpoint.hf_export import hf_weights_from_megatron
+
+        expected = hf_weights_from_megatron(saver.named_weights(), saver.spec)
         ps.destroy_model_parallel()
 
         loader = _engine(hf_dir, tp=1, pp=2)
         loader.load_sharded(save_dir, load_optimizer=False, scheduler_state=None)
-        got = loader.hf_weights_full()
+        got = hf_weights_from_megatron(loader.named_weights(), loader.spec)
         ps.destroy_model_parallel()
         if rank == 0:
             torch.save({"expected": expected, "got": got}, os.path.join(out_dir, "weights.pt"))

@@ -15,7 +15,7 @@ from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import LRSchedule, MegatronEngine, OptimizerSettings
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 from mindspeed_rl.protocol import RolloutBatch
-from mindspeed_rl.workers.actor_hybrid_worker import lr_schedule, optimizer_steps_per_iteration
+from mindspeed_rl.workers.actor_steps import lr_schedule, optimizer_steps_per_iteration
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 MAX_LR, MIN_LR, WARMUP, TOTAL = 1e-2, 1e-3, 3, 10

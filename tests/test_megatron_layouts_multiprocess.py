@@ -51,7 +51,9 @@ def _check_layout(rank, checkpoint, tp, pp, ids, oracle_logprobs, oracle_logits)
     expected = torch.gather(oracle_logprobs[:, 2:-1], 2, targets.unsqueeze(-1)).squeeze(-1)
     assert (got - expected).abs().max().item() < 1e-4, (tp, pp, (got - expected).abs().max().item())
 
-    exported = engine.hf_weights_full()
+    from mindspeed_rl.checkpoint.hf_export import hf_weights_from_megatron
+
+    exported = hf_weights_from_megatron(engine.named_weights(), engine.spec)
     assert set(exported) == set(state)
     for name, tensor in state.items():
         assert torch.equal(exported[name], tensor), name

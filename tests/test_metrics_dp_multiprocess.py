@@ -18,7 +18,7 @@ from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 from mindspeed_rl.protocol import RolloutBatch
-from mindspeed_rl.workers.actor_hybrid_worker import train_on_mini_batch
+from mindspeed_rl.workers.actor_steps import train_on_mini_batch
 from resharding_oracle import free_port
 
 LOSS = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.05, entropy_coeff=0.01, token_level_loss=True)

@@ -70,13 +70,37 @@ def cluster(tmp_path_factory):
                                   show_progress=False)
     setup.start_ray(config, "cpu", 1)
     actor = RayActorGroup(config=config, device="cpu", env_vars=default_env_vars(1), model_dir=model_dir,
-                          ref_model_dir=ref_dir)
+                          ref_model_dir=ref_dir, worker_class=_probing_worker_class())
     try:
         actor.initialize()
         yield config, actor, tokenizer, dataset, tmp_path
     finally:
         actor.shutdown()
         ray.shutdown()
+
+
+def _probing_worker_class():
+    """The production worker plus `rollout_probe` (sample with vLLM's current weights, no switch), which
+    shows what a weight round trip did to them. Shipped to the Ray workers by value: they cannot import
+    this test module."""
+    import sys
+
+    from ray import cloudpickle
+
+    from mindspeed_rl.memory.roles import ACTOR_INFER, offloaded_rpc
+    from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorkerBase
+
+    class ProbingWorker(ActorHybridWorkerBase):
+        @offloaded_rpc("rollout_probe", ACTOR_INFER)
+        def rollout_probe(self, prompt_token_ids: list[list[int]], seed: int) -> tuple[list, dict[str, float]]:
+            sampling = self.config.generate_config.sampling_config
+            self.inference_model.rebuild_kv_cache()
+            generations = self.inference_model.generate(prompt_token_ids, n=2, max_tokens=sampling.max_tokens,
+                                                        temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=seed)
+            return [(g.token_ids, g.logprobs) for g in generations], {}
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return ray.remote(ProbingWorker)
 
 
 def _resident(actor) -> list[dict[str, int]]:

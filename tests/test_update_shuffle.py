@@ -5,7 +5,7 @@ Runs where: in the pytest process; pure torch, no distributed world.
 """
 import torch
 
-from mindspeed_rl.workers.actor_hybrid_worker import MiniBatchShuffler
+from mindspeed_rl.workers.actor_steps import MiniBatchShuffler
 
 SAMPLES, ITERATIONS = 64, 5
 

@@ -325,12 +325,6 @@ class MegatronEngine:
         """This rank's Megatron shards, by `named_parameters()` name (the resharding sources)."""
         return {name: param.data for name, param in self.module.named_parameters()}
 
-    def hf_weights_full(self) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors of every layer on every rank (the naive gather of the baseline)."""
-        from mindspeed_rl.resharding.naive import gather_full_hf
-
-        return gather_full_hf(self.named_weights(), self.spec)[0]
-
     # -- distributed checkpoints -----------------------------------------------------------------
     def save_sharded(self, checkpoint_dir: str, *, with_optimizer: bool) -> dict | None:
         """Collective: the model (and optimizer) as Megatron dist checkpoints under `checkpoint_dir`

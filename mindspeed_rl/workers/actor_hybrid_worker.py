@@ -13,12 +13,14 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from mindspeed_rl.algorithms.grpo import GRPOLossConfig, count_loss_units, grpo_loss
+from mindspeed_rl.algorithms.grpo import GRPOLossConfig
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 from mindspeed_rl.memory.residency import REF_PARAMS
 from mindspeed_rl.memory.roles import ACTOR_FORWARD, ACTOR_INFER, ACTOR_TRAIN, REFERENCE, offloaded_rpc
-from mindspeed_rl.protocol import MicroBatch, RolloutBatch
+from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, optimizer_settings, sampling_seed, train_dp_slice,
+                                              train_on_mini_batch)
+from mindspeed_rl.protocol import RolloutBatch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,64 +74,75 @@ class ActorHybridWorkerBase:
 
     # -- construction ----------------------------------------------------------------------------
     def initialize(self) -> dict[str, float]:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
+        """Distributed groups, the Megatron actor and reference, vLLM, the switch, the memory policy."""
         from mindspeed_rl.accelerator import get_accelerator
-        from mindspeed_rl.engines.megatron_engine import MegatronEngine
         from mindspeed_rl.memory.offload import Offloader
-        from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
-        from mindspeed_rl.memory.residency import ResidencyPolicy
-        from mindspeed_rl.workers.sharding_manager import ShardingManager, SwitchSettings
 
         started = time.perf_counter()
         cfg = self.config
-        self.accelerator = acc = get_accelerator(cfg.runtime.device)
-        acc.set_device(0)  # Ray makes exactly this rank's device visible to the actor
-        collective_timeout = set_collective_timeout(cfg.runtime.collective_timeout_seconds)
-        dist.init_process_group(acc.distributed_backend, rank=self.rank_info.rank, world_size=self.rank_info.world_size,
-                                timeout=collective_timeout)
-        ps.initialize_model_parallel(
-            distributed_timeout_minutes=max(1, round(cfg.runtime.collective_timeout_seconds / 60)),
-            tensor_model_parallel_size=cfg.actor_config.tensor_model_parallel_size,
-            pipeline_model_parallel_size=cfg.actor_config.pipeline_model_parallel_size,
-            expert_model_parallel_size=cfg.actor_config.expert_model_parallel_size,
-        )
-        acc.seed_model_parallel_rng(cfg.megatron_training.seed)
-        options = self._model_options(acc)
-        spec, actor_state = load_hf_checkpoint(self.model_dir)
-        self._progress("checkpoint read", started)
-        dtype = torch.bfloat16 if cfg.megatron_training.bf16 else torch.float32
-        self.actor = MegatronEngine(spec=spec, hf_state=actor_state, params_dtype=dtype, accelerator=acc,
-                                    optimizer=optimizer_settings(cfg), options=options)
-        ref_state = actor_state if self.ref_model_dir == self.model_dir else load_hf_checkpoint(self.ref_model_dir)[1]
-        self.reference = MegatronEngine(spec=spec, hf_state=ref_state, params_dtype=dtype, accelerator=acc,
-                                        optimizer=None, options=options)
-        del actor_state, ref_state
-        self._progress("Megatron actor and reference built", started)
-        self.offloader = self._build_offloader(Offloader(acc))
-        self.offloader.offload(REF_PARAMS)
+        self.accelerator = get_accelerator(cfg.runtime.device)
+        self.accelerator.set_device(0)  # Ray makes exactly this rank's device visible to the actor
+        self._init_distributed(cfg.runtime, cfg.actor_config)
+        self.accelerator.seed_model_parallel_rng(cfg.megatron_training.seed)
+        self.actor, self.reference = self._build_megatron_engines(cfg.megatron_training, started)
+        self.offloader = self._build_offloader(Offloader(self.accelerator))
+        self.offloader.offload(REF_PARAMS)  # before vLLM allocates: the two never peak together
         self.inference_model = self._build_rollout()
         self.inference_model.release_kv_cache()
         self._progress("vLLM started", started)
-        gen = cfg.generate_config
-        self.sharding_manager = ShardingManager(
+        self.sharding_manager = self._build_sharding_manager(cfg.generate_config, cfg.actor_config)
+        self._setup_memory()
+        return {"timing/initialize": time.perf_counter() - started}
+
+    def _init_distributed(self, runtime, actor_config) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        collective_timeout = set_collective_timeout(runtime.collective_timeout_seconds)
+        dist.init_process_group(self.accelerator.distributed_backend, rank=self.rank_info.rank,
+                                world_size=self.rank_info.world_size, timeout=collective_timeout)
+        ps.initialize_model_parallel(
+            distributed_timeout_minutes=max(1, round(runtime.collective_timeout_seconds / 60)),
+            tensor_model_parallel_size=actor_config.tensor_model_parallel_size,
+            pipeline_model_parallel_size=actor_config.pipeline_model_parallel_size,
+            expert_model_parallel_size=actor_config.expert_model_parallel_size,
+        )
+
+    def _build_megatron_engines(self, megatron_training, started: float):
+        """The actor (with Megatron's optimizer) and the reference, from the HF checkpoints."""
+        from mindspeed_rl.engines.megatron_engine import MegatronEngine
+
+        options = self._model_options(self.accelerator)
+        spec, actor_state = load_hf_checkpoint(self.model_dir)
+        self._progress("checkpoint read", started)
+        dtype = torch.bfloat16 if megatron_training.bf16 else torch.float32
+        actor = MegatronEngine(spec=spec, hf_state=actor_state, params_dtype=dtype, accelerator=self.accelerator,
+                               optimizer=optimizer_settings(self.config), options=options)
+        ref_state = actor_state if self.ref_model_dir == self.model_dir else load_hf_checkpoint(self.ref_model_dir)[1]
+        reference = MegatronEngine(spec=spec, hf_state=ref_state, params_dtype=dtype, accelerator=self.accelerator,
+                                   optimizer=None, options=options)
+        self._progress("Megatron actor and reference built", started)
+        return actor, reference
+
+    def _build_sharding_manager(self, gen, actor_config):
+        from mindspeed_rl.memory.residency import ResidencyPolicy
+        from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
+        from mindspeed_rl.workers.sharding_manager import ShardingManager, SwitchSettings
+
+        return ShardingManager(
             actor=self.actor, rollout=self.inference_model, offloader=self.offloader,
             policy=ResidencyPolicy(offload_train_param=gen.offload_train_param,
                                    offload_train_grad=gen.offload_train_grad,
                                    offload_train_optimizer=gen.offload_train_optimizer),
             switch=SwitchSettings(
-                train=TrainLayout(tp=cfg.actor_config.tensor_model_parallel_size,
-                                  pp=cfg.actor_config.pipeline_model_parallel_size,
-                                  ep=cfg.actor_config.expert_model_parallel_size),
-                infer=InferLayout(tp=gen.infer_tensor_parallel_size,
-                                  expert_parallel=gen.infer_expert_parallel_size > 1),
+                train=TrainLayout(tp=actor_config.tensor_model_parallel_size,
+                                  pp=actor_config.pipeline_model_parallel_size,
+                                  ep=actor_config.expert_model_parallel_size),
+                infer=InferLayout(tp=gen.infer_tensor_parallel_size, expert_parallel=gen.infer_expert_parallel_size > 1),
                 rank=self.rank_info.rank, world_size=self.rank_info.world_size,
                 bucket_bytes=int(gen.resharding_bucket_mb * 2**20), check_weights=gen.check_weights_after_switch,
             ),
         )
-        self._setup_memory()
-        return {"timing/initialize": time.perf_counter() - started}
 
     def _progress(self, step: str, started: float) -> None:
         """One line per long start-up step (rank 0 speaks for all), so a slow start shows where it is."""
@@ -351,15 +364,6 @@ class ActorHybridWorkerBase:
                 "offload/reload_states/reload_bytes": float(copied),
                 **self.ledger.record("reload_states").metrics()}
 
-    @offloaded_rpc("rollout_probe", ACTOR_INFER)
-    def rollout_probe(self, prompt_token_ids: list[list[int]], seed: int) -> tuple[list, dict[str, float]]:
-        """Sample with vLLM's current weights, no switch: shows what a weight round trip did to them."""
-        sampling = self.config.generate_config.sampling_config
-        self.inference_model.rebuild_kv_cache()
-        generations = self.inference_model.generate(prompt_token_ids, n=2, max_tokens=sampling.max_tokens,
-                                                    temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=seed)
-        return [(g.token_ids, g.logprobs) for g in generations], {}
-
     def resident_bytes(self) -> dict[str, int]:
         """Device-resident bytes per category right now (the memory ledger's raw numbers)."""
         return self.offloader.resident_bytes()
@@ -389,87 +393,3 @@ def set_collective_timeout(seconds: float):
     if hasattr(distributed_c10d, "default_pg_nccl_timeout"):
         distributed_c10d.default_pg_nccl_timeout = timeout
     return timeout
-
-
-class MiniBatchShuffler:
-    """The order in which `update` cuts a rollout batch into mini-batches (one optimizer step each).
-
-    Seeded once per worker from megatron_training.seed; every call continues the same stream, so
-    iterations and epochs get different permutations and a run is reproducible from the seed.
-    Every rank seeds it alike and calls it equally often, so all ranks cut the same mini-batches
-    (each then trains on its DP slice of them).
-    """
-
-    def __init__(self, *, seed: int, shuffle: bool):
-        self.shuffle = shuffle
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def order(self, num_samples: int) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(num_samples)
-        return torch.randperm(num_samples, generator=self.generator)
-
-
-def sampling_seed(seed: int, iteration: int, stream: int) -> int:
-    """The sampling seed of one iteration's stream (an inference-DP rank): independent streams from
-    numpy's SeedSequence."""
-    import numpy as np
-
-    return int(np.random.SeedSequence([seed, iteration, stream]).generate_state(1)[0] & 0x7FFFFFFF)
-
-
-def train_dp_slice(num_samples: int) -> tuple[int, int]:
-    """This rank's [start, stop) of a batch split evenly over the train DP ranks."""
-    from megatron.core import parallel_state as ps
-
-    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    per_rank = num_samples // dp_size
-    return dp_rank * per_rank, (dp_rank + 1) * per_rank
-
-
-def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossConfig, *, micro_batch_size: int,
-                        temperature: float) -> dict[str, float]:
-    """One GRPO optimizer step on this DP rank's slice of `mini_batch` (which every rank holds whole).
-
-    The loss is normalised by the whole mini-batch's token count, known here without a collective;
-    the engine sums the per-rank stats over DP, so the returned stats are the mini-batch's.
-    """
-    denominator = float(count_loss_units(mini_batch.response_mask, loss_config.token_level_loss))
-    start, stop = train_dp_slice(len(mini_batch))
-
-    def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
-        return grpo_loss(
-            logprobs=logprobs, old_logprobs=mb.extras["old_logprobs"], ref_logprobs=mb.extras["ref_logprobs"],
-            advantages=mb.extras["advantages"], response_mask=mb.response_mask, entropy=entropy,
-            config=loss_config, loss_scale_denominator=denominator,
-        )
-
-    return engine.train_step(mini_batch.select(slice(start, stop)), micro_batch_size=micro_batch_size,
-                             temperature=temperature, loss_fn=loss_fn)
-
-
-def optimizer_steps_per_iteration(cfg: GRPOConfig) -> int:
-    """`update` takes one step per mini-batch of the rollout, `epochs` times."""
-    rl = cfg.rl_config
-    samples = cfg.megatron_training.global_batch_size * rl.n_samples_per_prompt
-    return -(-samples // rl.mini_batch_size_in_samples) * rl.epochs
-
-
-def lr_schedule(cfg: GRPOConfig):
-    """The run's LR schedule over all its optimizer steps (train_iters x steps per iteration)."""
-    from mindspeed_rl.engines.megatron_engine import LRSchedule
-
-    a = cfg.actor_config
-    total_steps = cfg.megatron_training.train_iters * optimizer_steps_per_iteration(cfg)
-    return LRSchedule(decay_style=a.lr_decay_style, warmup_steps=a.lr_warmup_fraction * total_steps,
-                      decay_steps=total_steps)
-
-
-def optimizer_settings(cfg: GRPOConfig):
-    from mindspeed_rl.engines.megatron_engine import OptimizerSettings
-
-    a = cfg.actor_config
-    return OptimizerSettings(lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
-                             adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad,
-                             schedule=lr_schedule(cfg),
-                             use_distributed_optimizer=cfg.megatron_training.use_distributed_optimizer)

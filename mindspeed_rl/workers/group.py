@@ -48,7 +48,8 @@ def _bundle(device: str, cpus_per_rank: float) -> dict[str, float]:
 class RayActorGroup:
     """`world_size` ActorHybridWorker ranks packed on one set of devices (colocated roles)."""
 
-    def __init__(self, *, config, device: str, env_vars: dict[str, str], model_dir: str, ref_model_dir: str):
+    def __init__(self, *, config, device: str, env_vars: dict[str, str], model_dir: str, ref_model_dir: str,
+                 worker_class=None):
         runtime = config.runtime
         world_size = config.world_size
         cpus_per_rank = 1.0
@@ -65,7 +66,8 @@ class RayActorGroup:
         _wait_for_placement(self.placement_group, bundles, timeout_seconds=runtime.placement_timeout_seconds)
         if os.environ.get(FAULT_ENV_VAR):
             env_vars = {**env_vars, FAULT_ENV_VAR: os.environ[FAULT_ENV_VAR]}
-        worker_class = worker_class_with_faults(os.environ.get(FAULT_ENV_VAR)) or ActorHybridWorker
+        # A test may bring its own subclass (probes); fault injection wraps the production class.
+        worker_class = worker_class or worker_class_with_faults(os.environ.get(FAULT_ENV_VAR)) or ActorHybridWorker
         with interrupts.shielded():
             self.workers = self._start_workers(worker_class, config, env_vars, model_dir, ref_model_dir, cpus_per_rank,
                                                device)

@@ -1,0 +1,93 @@
+"""What one rank does in `update` and how the run's optimizer is set up: the mini-batch order, this
+rank's slice of a batch, one GRPO optimizer step, the LR schedule over the run."""
+from __future__ import annotations
+
+import torch
+
+from mindspeed_rl.algorithms.grpo import GRPOLossConfig, count_loss_units, grpo_loss
+from mindspeed_rl.config import GRPOConfig
+from mindspeed_rl.protocol import MicroBatch, RolloutBatch
+
+
+class MiniBatchShuffler:
+    """The order in which `update` cuts a rollout batch into mini-batches (one optimizer step each).
+
+    Seeded once per worker from megatron_training.seed; every call continues the same stream, so
+    iterations and epochs get different permutations and a run is reproducible from the seed.
+    Every rank seeds it alike and calls it equally often, so all ranks cut the same mini-batches
+    (each then trains on its DP slice of them).
+    """
+
+    def __init__(self, *, seed: int, shuffle: bool):
+        self.shuffle = shuffle
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def order(self, num_samples: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(num_samples)
+        return torch.randperm(num_samples, generator=self.generator)
+
+
+def sampling_seed(seed: int, iteration: int, stream: int) -> int:
+    """The sampling seed of one iteration's stream (an inference-DP rank): independent streams from
+    numpy's SeedSequence."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, iteration, stream]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def train_dp_slice(num_samples: int) -> tuple[int, int]:
+    """This rank's [start, stop) of a batch split evenly over the train DP ranks."""
+    from megatron.core import parallel_state as ps
+
+    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_rank = num_samples // dp_size
+    return dp_rank * per_rank, (dp_rank + 1) * per_rank
+
+
+def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossConfig, *, micro_batch_size: int,
+                        temperature: float) -> dict[str, float]:
+    """One GRPO optimizer step on this DP rank's slice of `mini_batch` (which every rank holds whole).
+
+    The loss is normalised by the whole mini-batch's token count, known here without a collective;
+    the engine sums the per-rank stats over DP, so the returned stats are the mini-batch's.
+    """
+    denominator = float(count_loss_units(mini_batch.response_mask, loss_config.token_level_loss))
+    start, stop = train_dp_slice(len(mini_batch))
+
+    def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
+        return grpo_loss(
+            logprobs=logprobs, old_logprobs=mb.extras["old_logprobs"], ref_logprobs=mb.extras["ref_logprobs"],
+            advantages=mb.extras["advantages"], response_mask=mb.response_mask, entropy=entropy,
+            config=loss_config, loss_scale_denominator=denominator,
+        )
+
+    return engine.train_step(mini_batch.select(slice(start, stop)), micro_batch_size=micro_batch_size,
+                             temperature=temperature, loss_fn=loss_fn)
+
+
+def optimizer_steps_per_iteration(cfg: GRPOConfig) -> int:
+    """`update` takes one step per mini-batch of the rollout, `epochs` times."""
+    rl = cfg.rl_config
+    samples = cfg.megatron_training.global_batch_size * rl.n_samples_per_prompt
+    return -(-samples // rl.mini_batch_size_in_samples) * rl.epochs
+
+
+def lr_schedule(cfg: GRPOConfig):
+    """The run's LR schedule over all its optimizer steps (train_iters x steps per iteration)."""
+    from mindspeed_rl.engines.megatron_engine import LRSchedule
+
+    a = cfg.actor_config
+    total_steps = cfg.megatron_training.train_iters * optimizer_steps_per_iteration(cfg)
+    return LRSchedule(decay_style=a.lr_decay_style, warmup_steps=a.lr_warmup_fraction * total_steps,
+                      decay_steps=total_steps)
+
+
+def optimizer_settings(cfg: GRPOConfig):
+    from mindspeed_rl.engines.megatron_engine import OptimizerSettings
+
+    a = cfg.actor_config
+    return OptimizerSettings(lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
+                             adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad,
+                             schedule=lr_schedule(cfg),
+                             use_distributed_optimizer=cfg.megatron_training.use_distributed_optimizer)
