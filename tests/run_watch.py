@@ -60,6 +60,17 @@ class WatchedRun:
         raise AssertionError(f"{marker!r} never printed; stdout tail:\n" + "".join(self.stdout[-30:])
                              + "\nstderr tail:\n" + "".join(self.stderr[-30:]))
 
+    def wait_for_file_line(self, path: Path, marker: str, timeout: float = 300.0) -> float:
+        """Block until a line of `path` (written by the run's workers) contains `marker`; returns when."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if path.is_file() and marker in path.read_text():
+                return time.monotonic()
+            if self.process.poll() is not None and not (path.is_file() and marker in path.read_text()):
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{marker!r} never written to {path}; stderr tail:\n" + "".join(self.stderr[-30:]))
+
     def signal_group(self, signum: int) -> None:
         """What a terminal does on Ctrl-C: the signal goes to every process of the foreground group."""
         os.killpg(self.process.pid, signum)

@@ -20,7 +20,9 @@ TWO_RANKS = "grpo_tiny_cpu_pp2_infer_tp2"
 
 
 def _start(tmp_path, config_name: str, *overrides: str, fault: str | None = None):
-    env = {"MINDSPEED_RL_INJECT_FAULT": fault} if fault else {}
+    # The workers write the fault's moment to a file: their forwarded output may reach the driver after it exits.
+    env = {"MINDSPEED_RL_INJECT_FAULT": fault, "MINDSPEED_RL_INJECT_FAULT_LOG": str(tmp_path / "faults.log")} \
+        if fault else {}
     return launch(tmp_path, config_name, "megatron_training.train_iters=2",
                   f"synthetic_data.data_dir={tmp_path / 'assets'}", *overrides, env=env)
 
@@ -29,7 +31,7 @@ def _run_into_fault(tmp_path, config_name: str, fault: str, marker: str, *overri
     """(the run, its exit code, seconds from the fault to the exit, /dev/shm before the run)."""
     shm_before = shm_entries()
     run = _start(tmp_path, config_name, *overrides, fault=fault)
-    fault_seen = run.wait_for(marker)
+    fault_seen = run.wait_for_file_line(tmp_path / "faults.log", marker)
     code, ended = run.finish()
     return run, code, ended - fault_seen, shm_before
 
@@ -94,7 +96,10 @@ def test_a_stop_signal_ends_the_run_within_15_s_leaving_nothing(tmp_path, phase,
     shm_before = shm_entries()
     save = tmp_path / "save"
     run = _start(tmp_path, ONE_RANK, f"actor_config.save={save}", "megatron_training.save_interval=1", fault=fault)
-    run.wait_for(marker)
+    if fault:
+        run.wait_for_file_line(tmp_path / "faults.log", marker)
+    else:
+        run.wait_for(marker)
     sent = time.monotonic()
     if signum == signal.SIGINT:
         run.signal_group(signum)  # Ctrl-C: the whole foreground group, Ray's daemons and workers too

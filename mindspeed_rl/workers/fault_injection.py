@@ -5,8 +5,10 @@ The CALL-th call (1-based) of worker METHOD on rank RANK, before it runs, does A
   kill   - SIGKILLs its own process (a crash, the OOM killer)
   stop   - SIGSTOPs its own process (a hang: the process is alive and does nothing)
   sleep  - sleeps for an hour (a long phase; the test sends Ctrl-C / SIGTERM meanwhile)
-Each action first prints `[fault] rank R: ACTION in METHOD` so a test knows the moment. Unset (the
-normal case), the production worker class is used unchanged.
+Each action first prints `[fault] rank R: ACTION in METHOD`, and appends it to the file named by
+`MINDSPEED_RL_INJECT_FAULT_LOG` when set: Ray forwards a worker's output to the driver a little later,
+after a driver that fails fast may be gone, so a test watches the file. Unset (the normal case), the
+production worker class is used unchanged.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 FAULT_ENV_VAR = "MINDSPEED_RL_INJECT_FAULT"
+FAULT_LOG_ENV_VAR = "MINDSPEED_RL_INJECT_FAULT_LOG"
 ACTIONS = ("raise", "kill", "stop", "sleep")
 
 
@@ -36,7 +39,13 @@ class FaultSpec:
 
 
 def inject(spec: FaultSpec, rank: int) -> None:
-    print(f"[fault] rank {rank}: {spec.action} in {spec.method}", flush=True)
+    line = f"[fault] rank {rank}: {spec.action} in {spec.method}"
+    print(line, flush=True)
+    if os.environ.get(FAULT_LOG_ENV_VAR):
+        with open(os.environ[FAULT_LOG_ENV_VAR], "a") as log:
+            log.write(line + "\n")
+            log.flush()
+            os.fsync(log.fileno())
     if spec.action == "raise":
         raise RuntimeError(f"injected fault in {spec.method} on rank {rank}")
     if spec.action == "kill":

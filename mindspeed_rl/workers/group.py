@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from mindspeed_rl import interrupts
 from mindspeed_rl.config import ConfigError
 from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorker, RankInfo, Shard
-from mindspeed_rl.workers.fault_injection import FAULT_ENV_VAR, worker_class_with_faults
+from mindspeed_rl.workers.fault_injection import FAULT_ENV_VAR, FAULT_LOG_ENV_VAR, worker_class_with_faults
 from mindspeed_rl.workers.supervision import (Deadlines, WorkerAddress, WorkerFailure, describe_worker_error,
                                               silent_ranks)
 
@@ -64,8 +64,9 @@ class RayActorGroup:
         with interrupts.shielded():
             self.placement_group = placement_group(bundles, strategy="PACK")
         _wait_for_placement(self.placement_group, bundles, timeout_seconds=runtime.placement_timeout_seconds)
-        if os.environ.get(FAULT_ENV_VAR):
-            env_vars = {**env_vars, FAULT_ENV_VAR: os.environ[FAULT_ENV_VAR]}
+        for name in (FAULT_ENV_VAR, FAULT_LOG_ENV_VAR):
+            if os.environ.get(name):
+                env_vars = {**env_vars, name: os.environ[name]}
         # A test may bring its own subclass (probes); fault injection wraps the production class.
         worker_class = worker_class or worker_class_with_faults(os.environ.get(FAULT_ENV_VAR)) or ActorHybridWorker
         with interrupts.shielded():
