@@ -6,6 +6,9 @@ block) has a reader when code in `mindspeed_rl/` or `cli/` reads it as an attrib
 - outside `mindspeed_rl/config/`: the engines, workers, trainer and CLI, where keys take effect;
 - in `mindspeed_rl/config/model_check.py`, which the trainer calls at start to compare the model
   block with the checkpoint the engines build (that comparison is the block's effect);
+- in `mindspeed_rl/config/resources.py`, whose ResourcePlan is the actor's world size when
+  `actor_train.device_mapping` gives it, the device -> roles table the trainer prints and the cluster
+  check it runs at start (`GRPOConfig.resource_plan`, read by the trainer);
 - in the body of a config property (e.g. `GRPOConfig.world_size`) that itself has a reader.
 
 Validation elsewhere in `mindspeed_rl/config/` is not an effect. Keys whose only effect is to
@@ -31,7 +34,7 @@ from mindspeed_rl.config import GRPOConfig
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_PACKAGE = REPO_ROOT / "mindspeed_rl" / "config"
 # Config modules whose reads are effects: the trainer calls this one against the real checkpoint.
-EFFECT_MODULES_IN_CONFIG = {CONFIG_PACKAGE / "model_check.py"}
+EFFECT_MODULES_IN_CONFIG = {CONFIG_PACKAGE / "model_check.py", CONFIG_PACKAGE / "resources.py"}
 MODEL_BLOCK = "model.*"
 
 VALIDATED_ONLY: dict[str, str] = {
@@ -45,6 +48,19 @@ VALIDATED_ONLY: dict[str, str] = {
     "rl_config.adv_estimator": "group_norm only: GAE is not implemented",
     "rl_config.kl_ctrl_type": "fixed only: the KL coefficient stays init_kl_coef",
     "generate_config.infer_pipeline_parallel_size": "1 only: no vLLM pipeline parallelism in the hybrid engine",
+    # ROLL's role sections (config/resources.py): parsed, computed and checked; the values other than
+    # these are refused at load as not supported yet, so they are listed here although resources.py reads them.
+    "actor_train.num_gpus_per_worker": "1 only: a training role has one device per worker (computed)",
+    "reference.num_gpus_per_worker": "1 only: a training role has one device per worker (computed)",
+    "actor_infer.num_gpus_per_worker": "infer TP x PP only: vLLM's devices per worker (computed)",
+    "actor_train.world_size": "len(device_mapping) // num_gpus_per_worker only (computed)",
+    "actor_infer.world_size": "len(device_mapping) // num_gpus_per_worker only (computed)",
+    "reference.world_size": "len(device_mapping) // num_gpus_per_worker only (computed)",
+    "actor_infer.device_mapping": "actor_train's devices only: disaggregated or partly shared roles are not supported yet",
+    "reference.device_mapping": "actor_train's devices only: a reference on other devices is not supported yet",
+    "rewards.*.device_mapping": "null only: reward workers on devices (a reward model) are not supported yet",
+    "rewards.*.num_gpus_per_worker": "0 only: reward workers are CPU-only",
+    "rewards.*.model_path": "null only: reward models are not supported yet",
     f"{MODEL_BLOCK}.use_mcore_models": "true only: the engine builds Megatron-core models",
     f"{MODEL_BLOCK}.make_vocab_size_divisible_by": "1 only: the embedding has the checkpoint's vocab_size rows",
     f"{MODEL_BLOCK}.disable_bias_linear": "true only: Qwen linear layers have no bias (QKV bias is add_qkv_bias)",
@@ -203,6 +219,15 @@ def test_model_check_is_called_where_keys_take_effect() -> None:
             reads |= {name for _, name in _reads_in(ast.parse(path.read_text(encoding="utf-8")))}
             reads |= _names_in(path)
     assert "check_model_block_against_hf" in reads
+
+
+def test_the_resource_plan_is_read_where_keys_take_effect() -> None:
+    # resources.py's reads count as effects only because the trainer reads the plan it builds.
+    reads = set()
+    for path in _source_files():
+        if path.parent != CONFIG_PACKAGE:
+            reads |= {name for _, name in _reads_in(ast.parse(path.read_text(encoding="utf-8")))}
+    assert {"resource_plan", "table", "check_ray_cluster"} <= reads
 
 
 def _names_in(path: Path) -> set[str]:

@@ -19,6 +19,15 @@ from mindspeed_rl.config.megatron import ActorConfig, MegatronTrainingConfig
 from mindspeed_rl.config.model_arch import ModelArchConfig
 from mindspeed_rl.config.model_check import check_model_block_against_hf
 from mindspeed_rl.config.removed import REMOVED_KEYS
+from mindspeed_rl.config.resources import (
+    ActorInferResources,
+    ActorTrainResources,
+    ReferenceResources,
+    ResourcePlan,
+    RewardResources,
+    RoleResources,
+    parse_device_mapping,
+)
 from mindspeed_rl.config.rl import IntegratedModeConfig, ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 
@@ -28,6 +37,8 @@ __all__ = [
     "CPU_CONFIG_NAME",
     "SCHEMA_NAME",
     "ActorConfig",
+    "ActorInferResources",
+    "ActorTrainResources",
     "ConfigError",
     "GRPOConfig",
     "GenerateConfig",
@@ -35,12 +46,17 @@ __all__ = [
     "MegatronTrainingConfig",
     "ModelArchConfig",
     "RLConfig",
+    "ReferenceResources",
     "ResourceConfig",
+    "ResourcePlan",
+    "RewardResources",
+    "RoleResources",
     "RuntimeConfig",
     "SamplingConfig",
     "SyntheticDataConfig",
     "check_model_block_against_hf",
     "default_config_name",
     "load_config",
+    "parse_device_mapping",
     "register_configs",
 ]

@@ -8,7 +8,17 @@ from mindspeed_rl.config.errors import ConfigError
 from mindspeed_rl.config.generate import GenerateConfig
 from mindspeed_rl.config.megatron import ActorConfig, MegatronTrainingConfig
 from mindspeed_rl.config.model_arch import ModelArchConfig
-from mindspeed_rl.config.rl import RLConfig
+from mindspeed_rl.config.resources import (
+    ActorInferResources,
+    ActorTrainResources,
+    ReferenceResources,
+    ResourcePlan,
+    RewardResources,
+    actor_world_size,
+    build_resource_plan,
+    check_supported,
+)
+from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 
 WORLD_DESC_KEY = "rl_config.actor_resource.num_npus"
@@ -32,10 +42,31 @@ class GRPOConfig:
     model: dict[str, ModelArchConfig] = field(default_factory=dict)
     synthetic_data: Optional[SyntheticDataConfig] = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    # ROLL's resource sections (config/resources.py), all optional: left out, every role runs on the
+    # actor's rl_config.actor_resource.num_npus devices, as in MindSpeed-RL's integrated worker.
+    num_gpus_per_node: Optional[int] = None
+    actor_train: Optional[ActorTrainResources] = None
+    actor_infer: Optional[ActorInferResources] = None
+    reference: Optional[ReferenceResources] = None
+    rewards: dict[str, RewardResources] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
+        # Set from actor_train.device_mapping in __post_init__ when only that is given.
         return self.rl_config.actor_resource.num_npus
+
+    @property
+    def resource_plan(self) -> ResourcePlan:
+        """Every role's devices and world size, colocated or disaggregated, the device -> roles table
+        (config/resources.py; checked in __post_init__, cheap to derive again)."""
+        generate = self.generate_config
+        return build_resource_plan(
+            actor_train=self.actor_train, actor_infer=self.actor_infer, reference=self.reference,
+            rewards=self.rewards, num_gpus_per_node=self.num_gpus_per_node, num_npus=self.world_size,
+            use_integrated_worker=self.rl_config.use_integrated_worker,
+            infer_tensor_parallel_size=generate.infer_tensor_parallel_size,
+            infer_pipeline_parallel_size=generate.infer_pipeline_parallel_size,
+        )
 
     @property
     def train_data_parallel_size(self) -> int:
@@ -56,10 +87,20 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         for name, block in self.model.items():
             block.check(f"model.{name}")
+        self._resolve_world_size()
         self._check_model_selection()
         self.check_layout()
         self._check_synthetic_data()
         self._check_asset_paths()
+        check_supported(self.resource_plan, self.rewards)
+
+    def _resolve_world_size(self) -> None:
+        """MindSpeed-RL's rl_config.actor_resource.num_npus or ROLL's actor_train.device_mapping: one is
+        needed, both must agree; num_npus is filled in from the mapping so that every reader sees it."""
+        resource = self.rl_config.actor_resource
+        world, _ = actor_world_size(self.actor_train, resource.num_npus if resource is not None else None)
+        if resource is None:
+            self.rl_config.actor_resource = ResourceConfig(num_npus=world)
 
     def check_layout(self) -> None:
         """The parallel layout and batch shapes against the selected model block. The trainer runs them

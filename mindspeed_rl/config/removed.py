@@ -45,7 +45,7 @@ REMOVED_KEYS: dict[str, str] = {
     "rl_config.gamma": "GAE is not implemented: rl_config.adv_estimator is group_norm only",
     "rl_config.lam": "GAE is not implemented: rl_config.adv_estimator is group_norm only",
     "rl_config.num_cpus_for_local_task": (
-        "rule rewards run in the driver process, not in a separate Ray task with its own CPU reservation"
+        "rule rewards run in the driver process, or on rewards.<name>.world_size CPU workers that reserve no CPU"
     ),
     "model.*.attention_softmax_in_fp32": _KERNEL_IN_MEGATRON_TRAINING.format(name="attention_softmax_in_fp32"),
     "model.*.no_gradient_accumulation_fusion": _KERNEL_IN_MEGATRON_TRAINING.format(

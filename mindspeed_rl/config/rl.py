@@ -44,8 +44,9 @@ class RLConfig:
 
     SECTION_KEY: ClassVar[str] = "rl_config"
 
-    # Validated only: the integrated worker is the only one (actor, reference and reward share the
-    # actor's devices).
+    # true: the roles share the actor's devices (colocated, the only layout the engine runs). false declares
+    # disaggregated roles, which need actor_train/actor_infer device_mapping (config/resources.py) and are
+    # refused at load as not supported yet.
     use_integrated_worker: bool = True
     # Forward-only micro-batch sizes in samples; None = actor_config.micro_batch_size.
     actor_forward_micro_batch_size: Optional[int] = None
@@ -66,7 +67,8 @@ class RLConfig:
     n_samples_per_prompt: int = 8
     # Validated only: rule verifiers are the only reward (there is no reward model).
     rule_reward: bool = True
-    # Names from mindspeed_rl.data.rewards.VERIFIERS, one weight each.
+    # Names from mindspeed_rl.data.rewards.VERIFIERS, one weight each. Scored in the driver, or by the
+    # rewards.<name>.world_size CPU workers when that section is given (workers/reward_workers.py).
     verifier_function: list[str] = field(default_factory=list)
     verifier_weight: list[float] = field(default_factory=list)
     # Ours. Per-sample wall-clock limit of one verifier's answer comparison (math-verify), so that a
@@ -77,7 +79,8 @@ class RLConfig:
     log_max_throughput: bool = False
     # Also write the metrics as TensorBoard event files in the run directory.
     use_tensorboard: bool = False
-    actor_resource: ResourceConfig
+    # The actor's ranks. May be left out when actor_train.device_mapping gives them (then filled in from it).
+    actor_resource: Optional[ResourceConfig] = None
     integrated_mode_config: IntegratedModeConfig = field(default_factory=IntegratedModeConfig)
     # True: the loss is a mean over all response tokens of a micro-batch; False: per-sequence mean first.
     token_level_loss: bool = True
@@ -111,12 +114,7 @@ class RLConfig:
                 "must be >= 2: group_norm advantages normalise over the samples of one prompt "
                 f"(the std of a single sample is undefined), got {self.n_samples_per_prompt}",
             )
-        if not self.use_integrated_worker:
-            raise ConfigError(
-                f"{prefix}.use_integrated_worker",
-                "must be true: this hybrid engine only has the integrated worker "
-                "(reference and reward share actor_config; there is no ref_config/reward_config)",
-            )
+        # use_integrated_worker is checked with the role sections (GRPOConfig, config/resources.py).
         self._check_rewards()
 
     def _check_rewards(self) -> None:

@@ -190,18 +190,28 @@ def compute_rule_rewards(
     ``timeout_seconds`` bounds each sample's answer check (see :mod:`math_answers`). A name
     listed twice is scored once and its weights add up.
     """
+    _check_rule_reward_args(responses, labels, verifier_functions, verifier_weights)
+    scores: dict[str, list[float]] = {}
+    with sample_time_limit(timeout_seconds):
+        for name in verifier_functions:
+            if name not in scores:
+                verify = VERIFIERS[name]
+                scores[name] = [float(verify(response, label)) for response, label in zip(responses, labels)]
+    return combine_verifier_scores(scores, verifier_functions, verifier_weights)
+
+
+def combine_verifier_scores(scores: dict[str, list[float]], verifier_functions: list[str],
+                            verifier_weights: list[float]) -> RuleRewards:
+    """RuleRewards from each verifier's unweighted scores: ``total = sum_k weight_k * score_k``, summed in
+    float64 in the order of ``verifier_functions`` (a name listed twice adds its weights). The reward
+    workers (workers/reward_workers.py) combine their scores here too, so both paths agree bit for bit."""
     import torch
 
-    _check_rule_reward_args(responses, labels, verifier_functions, verifier_weights)
-    per_verifier: dict[str, torch.Tensor] = {}
-    total = torch.zeros(len(responses), dtype=torch.float64)
-    with sample_time_limit(timeout_seconds):
-        for name, weight in zip(verifier_functions, verifier_weights):
-            if name not in per_verifier:
-                verify = VERIFIERS[name]
-                scores = [float(verify(response, label)) for response, label in zip(responses, labels)]
-                per_verifier[name] = torch.tensor(scores, dtype=torch.float32)
-            total += weight * per_verifier[name].to(torch.float64)
+    per_verifier = {name: torch.tensor(scores[name], dtype=torch.float32) for name in dict.fromkeys(verifier_functions)}
+    num_samples = len(next(iter(per_verifier.values()))) if per_verifier else 0
+    total = torch.zeros(num_samples, dtype=torch.float64)
+    for name, weight in zip(verifier_functions, verifier_weights):
+        total += weight * per_verifier[name].to(torch.float64)
     return RuleRewards(total=total.to(torch.float32), per_verifier=per_verifier)
 
 

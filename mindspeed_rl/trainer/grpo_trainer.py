@@ -24,6 +24,7 @@ from mindspeed_rl import interrupts
 from mindspeed_rl.interrupts import RunInterrupted
 from mindspeed_rl.trainer.stopping import WORKER_FAILURE_EXIT_CODE, RunProgress, RunStopped
 from mindspeed_rl.workers.group import RayActorGroup, default_env_vars, merge_metrics, merge_shards
+from mindspeed_rl.workers.reward_workers import RewardWorkerGroup
 from mindspeed_rl.workers.supervision import WorkerFailure
 
 
@@ -72,13 +73,16 @@ def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]
           f"filtered), prompt_type={mt.prompt_type}", flush=True)
     device = detect_device() if config.runtime.device == "auto" else config.runtime.device
     setup.check_host_capacity(config, device, os.cpu_count() or 1)
+    print(config.resource_plan.table(device), flush=True)  # device -> roles, colocated or disaggregated
     threads = setup.threads_per_rank(config)
-    actor, completed = None, False
+    actor, completed, reward_group = None, False, None
     try:
         progress.phase = "Ray start"
         with interrupts.shielded():
             setup.start_ray(config, device, threads)
         interrupts.install()
+        config.resource_plan.check_ray_cluster(device)
+        reward_group = RewardWorkerGroup.from_config(config)  # rewards.<name>.world_size CPU workers, or None
         progress.phase = "initialize"
         print(f"[init] starting {config.world_size} rank(s) on {device}: checkpoint load, Megatron build, vLLM start",
               flush=True)
@@ -102,12 +106,15 @@ def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]
             actor.call("load_reference_checkpoint", str(ref_checkpoint))
             print(f"[checkpoint] reference model loaded from {ref_checkpoint}", flush=True)
         history = train(config, actor, tokenizer, dataset, run_dir, sampler=sampler,
-                        start_iteration=resume.iteration + 1 if resume else 1, hf_dir=model_dir, progress=progress)
+                        start_iteration=resume.iteration + 1 if resume else 1, hf_dir=model_dir, progress=progress,
+                        reward_group=reward_group)
         completed = True
         return history
     finally:
         # Signals wait until the workers are gone: a second Ctrl-C must not leave them running.
         with interrupts.deferred():
+            if reward_group is not None:
+                reward_group.kill()
             if actor is not None and completed:
                 actor.shutdown()
             elif actor is not None:
@@ -125,7 +132,7 @@ def _sampler(config: GRPOConfig, dataset: PromptDataset) -> PromptSampler:
 
 def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDataset, run_dir: Path, *,
           sampler: PromptSampler | None = None, start_iteration: int = 1, hf_dir: str | None = None,
-          progress: RunProgress | None = None) -> list[dict]:
+          progress: RunProgress | None = None, reward_group: RewardWorkerGroup | None = None) -> list[dict]:
     mt, rl = config.megatron_training, config.rl_config
     sampler = sampler or _sampler(config, dataset)
     progress = progress or RunProgress(save_root=config.actor_config.save)
@@ -139,8 +146,11 @@ def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDa
             batch, metrics = generate(actor, prompts, config, iteration=iteration)
             responses = [tokenizer.decode(ids, skip_special_tokens=True) for ids in _response_ids(batch)]
             labels = [p.label for p in prompts for _ in range(rl.n_samples_per_prompt)]
-            rewards = compute_rule_rewards(responses, labels, rl.verifier_function, rl.verifier_weight,
-                                           timeout_seconds=rl.verifier_timeout_seconds)
+            if reward_group is None:
+                rewards = compute_rule_rewards(responses, labels, rl.verifier_function, rl.verifier_weight,
+                                               timeout_seconds=rl.verifier_timeout_seconds)
+            else:  # in parallel on the CPU workers; a failed sample scores 0 and is counted
+                rewards, metrics["reward_workers/failed_samples"] = reward_group.score(responses, labels)
             batch.columns["advantages"] = group_normalized_advantages(rewards.total, rl.n_samples_per_prompt)
             batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor, "compute_ref_log_prob", batch)
             # ROLL's manual control: the update right after needs the train params again, so they stay.

@@ -1,0 +1,557 @@
+"""Roles and devices, in ROLL's terms: `device_mapping`, `num_gpus_per_worker`, `world_size`, `num_gpus_per_node`.
+
+The sections (all optional, top level, as in ROLL's YAMLs)::
+
+    num_gpus_per_node: 8
+    actor_train:   {device_mapping: list(range(0,16))}                          # 16 // 1 = 16 workers
+    actor_infer:   {device_mapping: list(range(0,12)), num_gpus_per_worker: 2}  # 12 // 2 = 6 workers
+    reference:     {device_mapping: list(range(0,16))}
+    rewards:
+      code_sandbox: {world_size: 8}                                             # CPU only: 8 Ray actors
+
+* ``device_mapping`` lists global device indices. ROLL runs ``eval()`` on the string; here it is read by
+  :func:`parse_device_mapping` (``ast.parse`` and a whitelist walk; nothing is ever evaluated) and may
+  also be a YAML list.
+* ``world_size = len(device_mapping) // num_gpus_per_worker``; the length must divide evenly. Training
+  roles (``actor_train``, ``reference``) have ``num_gpus_per_worker`` 1; the vLLM role ``actor_infer``
+  has ``generate_config.infer_tensor_parallel_size * infer_pipeline_parallel_size``. Both are computed;
+  a stated value that disagrees is an error.
+* A role with ``world_size`` and no ``device_mapping`` is CPU-only (``num_gpus_per_worker`` 0).
+* MindSpeed-RL's integrated keys map onto the same model: ``rl_config.use_integrated_worker: true`` with
+  ``rl_config.actor_resource.num_npus: N`` is ``actor_train = actor_infer = reference = range(N)``. A role
+  section left out takes the actor's devices. ``num_npus`` and ``actor_train.device_mapping`` both given
+  must agree.
+* Colocated (train and infer share devices and take turns) or disaggregated (disjoint devices) follows
+  from the mappings; ``rl_config.use_integrated_worker: false`` declares disaggregated, and then shared
+  devices are an error.
+
+:func:`build_resource_plan` runs all of that and gives a :class:`ResourcePlan` (per role its devices and
+world size, the mode, the cluster size, a device -> roles table). :func:`check_supported` then refuses
+what the engine does not run yet: anything but colocated roles on the same devices ``0..N-1``, reward
+models, more than one reward role.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+from mindspeed_rl.config.errors import ConfigError
+
+ACCEPTED_FORMS = (
+    "a list of device indices such as [0,1,2,3], range(4,8), range(0,16,2), range(8), list(range(0,16)), "
+    "or lists joined with + such as list(range(0,4)) + [6,7]"
+)
+# Longer strings and larger mappings are not device lists; refusing them keeps the parser's work bounded.
+MAX_MAPPING_TEXT = 4096
+MAX_DEVICES = 1 << 16
+INFER_ROLE = "actor_infer"
+NUM_NPUS_KEY = "rl_config.actor_resource.num_npus"
+INTEGRATED_KEY = "rl_config.use_integrated_worker"
+COLOCATED, DISAGGREGATED = "colocated", "disaggregated"
+
+
+# --- the parser ------------------------------------------------------------------------------------
+
+
+class _Refused(Exception):
+    """A part of the mapping outside the accepted forms; the message says which part."""
+
+
+def parse_device_mapping(value: Any, key: str) -> tuple[int, ...]:
+    """The device indices of a ``device_mapping`` value: a string in one of :data:`ACCEPTED_FORMS`, or a
+    YAML list of indices. Raises ConfigError naming ``key``. The string is parsed into a syntax tree and
+    only list literals, ``range``, ``list`` and ``+`` are interpreted; nothing is evaluated or imported."""
+    if isinstance(value, bool) or not isinstance(value, (str, list, tuple)):
+        hint = f" (did you mean [{value}] or range({value})?)" if isinstance(value, int) and value >= 0 else ""
+        raise ConfigError(key, f"expected {ACCEPTED_FORMS}; got {value!r}{hint}")
+    if isinstance(value, str):
+        devices = _parse_text(value, key)
+    else:
+        try:
+            devices = [_as_index(item) for item in value]
+        except _Refused as refused:
+            raise ConfigError(key, f"{refused} in {list(value)!r}; expected {ACCEPTED_FORMS}") from None
+    if not devices:
+        raise ConfigError(key, f"lists no device: {value!r}")
+    seen: set[int] = set()
+    for device in devices:
+        if device < 0:
+            raise ConfigError(key, f"device indices must be >= 0, got {device} in {value!r}")
+        if device in seen:
+            raise ConfigError(key, f"lists device {device} twice in {value!r}: a worker owns its devices")
+        seen.add(device)
+    return tuple(devices)
+
+
+def _parse_text(text: str, key: str) -> list[int]:
+    shown = text if len(text) <= 120 else text[:117] + "..."
+    if len(text) > MAX_MAPPING_TEXT:
+        raise ConfigError(key, f"is {len(text)} characters long, more than {MAX_MAPPING_TEXT}; expected {ACCEPTED_FORMS}")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise ConfigError(key, f"cannot read {shown!r}: expected {ACCEPTED_FORMS}") from None
+    try:
+        # A bare range() is a mapping (ROLL's eval gives a range, which it lists); inside + only lists join.
+        return _range_value(tree.body) if _is_call(tree.body, "range") else _list_value(tree.body)
+    except (_Refused, RecursionError) as refused:
+        why = str(refused) if isinstance(refused, _Refused) else "nested too deeply"
+        raise ConfigError(key, f"cannot read {shown!r}: {why}; expected {ACCEPTED_FORMS} (the string is parsed, "
+                               "never run)") from None
+
+
+def _list_value(node: ast.AST) -> list[int]:
+    """A term that Python would evaluate to a list: a list literal, list(...), or list + list."""
+    if isinstance(node, ast.List):
+        return [_as_index(_int_literal(element)) for element in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        # As in Python, + joins lists only: range(0,4) + [4] is a TypeError there, so it is refused here.
+        return _list_value(node.left) + _list_value(node.right)
+    if _is_call(node, "list"):
+        if len(node.args) != 1:
+            raise _Refused(f"list() takes one range or list, got {len(node.args)} arguments")
+        inner = node.args[0]
+        return _range_value(inner) if _is_call(inner, "range") else _list_value(inner)
+    if _is_call(node, "range"):
+        raise _Refused("range() joined with + is a TypeError in Python: write list(range(...))")
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        raise _Refused(f"{node.func.id}() is not accepted (only range and list)")
+    if isinstance(node, ast.Call):
+        raise _Refused("only range() and list() may be called")
+    if isinstance(node, ast.BinOp):
+        raise _Refused(f"operator {type(node.op).__name__} is not accepted (only + between lists)")
+    raise _Refused(f"{_describe(node)} is not accepted")
+
+
+def _range_value(node: ast.AST) -> list[int]:
+    assert isinstance(node, ast.Call)
+    if not 1 <= len(node.args) <= 3:
+        raise _Refused(f"range() takes 1 to 3 integers, got {len(node.args)}")
+    bounds = [_int_literal(argument) for argument in node.args]
+    try:
+        steps = range(*bounds)
+    except ValueError as error:  # a step of 0
+        raise _Refused(f"range{tuple(bounds)}: {error}") from None
+    if len(steps) > MAX_DEVICES:
+        raise _Refused(f"range{tuple(bounds)} has {len(steps)} devices, more than {MAX_DEVICES}")
+    return list(steps)
+
+
+def _is_call(node: ast.AST, name: str) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+            and not node.keywords and not any(isinstance(a, ast.Starred) for a in node.args))
+
+
+def _int_literal(node: ast.AST) -> int:
+    """An integer written as a literal, optionally negative (a range's step)."""
+    negative = isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+    operand = node.operand if negative else node
+    if isinstance(operand, ast.Constant) and type(operand.value) is int:
+        return -operand.value if negative else operand.value
+    raise _Refused(f"{_describe(node)} is not an integer")
+
+
+def _as_index(item: Any) -> int:
+    if type(item) is not int:
+        raise _Refused(f"{item!r} is not a device index")
+    return item
+
+
+def _describe(node: ast.AST) -> str:
+    try:
+        text = ast.unparse(node)
+    except Exception:  # pragma: no cover - unparse handles every node ast.parse makes
+        text = type(node).__name__
+    return repr(text if len(text) <= 60 else text[:57] + "...")
+
+
+def format_devices(devices: tuple[int, ...] | list[int]) -> str:
+    """Indices as spans, e.g. ``0-3,6,7``; ``cpu`` for none."""
+    if not devices:
+        return "cpu"
+    ordered = sorted(devices)
+    spans, start, previous = [], ordered[0], ordered[0]
+    for device in ordered[1:] + [None]:
+        if device is not None and device == previous + 1:
+            previous = device
+            continue
+        spans.append(str(start) if start == previous else f"{start}-{previous}" if previous > start + 1
+                     else f"{start},{previous}")
+        if device is not None:
+            start = previous = device
+    return ",".join(spans)
+
+
+# --- the role sections -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleResources:
+    """One role as placed: its devices (none for a CPU-only role) and its worker count."""
+
+    key: str                     # the config section: "actor_infer", "rewards.code_sandbox"
+    devices: tuple[int, ...]     # global device indices; () for CPU-only workers
+    num_gpus_per_worker: int     # 0 for CPU-only workers
+    world_size: int              # workers (Ray actors / ranks)
+    source: str                  # the key the devices come from
+
+    @property
+    def cpu_only(self) -> bool:
+        return not self.devices
+
+    def worker_devices(self) -> list[tuple[int, ...]]:
+        size = self.num_gpus_per_worker
+        return [self.devices[i * size:(i + 1) * size] for i in range(self.world_size)] if size else []
+
+
+def role_resources(key: str, *, device_mapping: Any = None, num_gpus_per_worker: Optional[int] = None,
+                   world_size: Optional[int] = None, gpus_per_worker: Optional[int] = None,
+                   gpus_per_worker_desc: str = "", cpu_allowed: bool = False) -> RoleResources:
+    """ROLL's arithmetic for one role (``WorkerConfig.__post_init__``), with its checks.
+
+    ``gpus_per_worker`` is the value the role must have (training 1, vLLM TP x PP), described by
+    ``gpus_per_worker_desc``; None lets ``num_gpus_per_worker`` choose (default 1)."""
+    if device_mapping is not None:
+        devices = parse_device_mapping(device_mapping, f"{key}.device_mapping")
+        if gpus_per_worker is not None:
+            if num_gpus_per_worker is not None and num_gpus_per_worker != gpus_per_worker:
+                raise ConfigError(f"{key}.num_gpus_per_worker",
+                                  f"must be {gpus_per_worker_desc} (or left out), got {num_gpus_per_worker}")
+            size = gpus_per_worker
+        else:
+            size = 1 if num_gpus_per_worker is None else num_gpus_per_worker
+        if size < 1:
+            raise ConfigError(f"{key}.num_gpus_per_worker", f"must be >= 1 for a role with a device_mapping (0 is for "
+                                                            f"CPU-only roles, which give world_size alone), got {size}")
+        if len(devices) % size != 0:
+            raise ConfigError(f"{key}.device_mapping",
+                              f"lists {len(devices)} devices, not divisible by num_gpus_per_worker={size} "
+                              f"(world_size = len(device_mapping) // num_gpus_per_worker)")
+        workers = len(devices) // size
+        if world_size is not None and world_size != workers:
+            raise ConfigError(f"{key}.world_size",
+                              f"must equal len(device_mapping) // num_gpus_per_worker = {len(devices)} // {size} = "
+                              f"{workers} (or be left out), got {world_size}")
+        return RoleResources(key=key, devices=devices, num_gpus_per_worker=size, world_size=workers,
+                             source=f"{key}.device_mapping")
+    if world_size is not None:
+        if not cpu_allowed:
+            raise ConfigError(f"{key}.device_mapping", f"missing: {key} runs on devices; world_size alone describes "
+                                                       "a CPU-only role (rewards.<name>)")
+        if world_size < 0:
+            raise ConfigError(f"{key}.world_size", f"must be >= 0, got {world_size}")
+        if num_gpus_per_worker not in (None, 0):
+            raise ConfigError(f"{key}.num_gpus_per_worker", "must be 0 (or left out) for a CPU-only role (world_size "
+                                                            f"without device_mapping), got {num_gpus_per_worker}")
+        return RoleResources(key=key, devices=(), num_gpus_per_worker=0, world_size=world_size,
+                             source=f"{key}.world_size")
+    raise ConfigError(key, "needs device_mapping (devices) or world_size (CPU-only workers)")
+
+
+@dataclass(kw_only=True)
+class RoleResourceConfig:
+    """A role that runs on devices: `actor_train`, `actor_infer` or `reference` (ROLL's names).
+
+    Left out, a role runs on the actor's devices (integrated, as MindSpeed-RL). See the module doc."""
+
+    SECTION_KEY: ClassVar[str] = ""
+    # The number of devices per worker this role must have; None: checked where it is known.
+    GPUS_PER_WORKER: ClassVar[Optional[int]] = None
+
+    # ROLL's string (e.g. list(range(0,8))) or a YAML list of device indices; null = the actor's devices.
+    device_mapping: Any = None
+    # Devices per worker: 1 for training roles, TP x PP for vLLM; computed, a stated value must agree.
+    num_gpus_per_worker: Optional[int] = None
+    # len(device_mapping) // num_gpus_per_worker; computed, a stated value must agree.
+    world_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        key = self.SECTION_KEY
+        if self.device_mapping is not None:
+            # At load, so that a bad string is refused with its key before anything else runs.
+            role_resources(key, device_mapping=self.device_mapping, num_gpus_per_worker=self.num_gpus_per_worker,
+                           world_size=self.world_size, gpus_per_worker=self.GPUS_PER_WORKER,
+                           gpus_per_worker_desc=f"{self.GPUS_PER_WORKER} (a training role has one device per worker)")
+        elif self.world_size is not None:
+            role_resources(key, world_size=self.world_size)  # raises: world_size alone is for CPU-only roles
+        elif self.num_gpus_per_worker is not None and self.num_gpus_per_worker < 1:
+            raise ConfigError(f"{key}.num_gpus_per_worker", f"must be >= 1, got {self.num_gpus_per_worker}")
+
+
+@dataclass(kw_only=True)
+class ActorTrainResources(RoleResourceConfig):
+    """`actor_train`: the Megatron ranks. Its device count is the actor's world size."""
+
+    SECTION_KEY: ClassVar[str] = "actor_train"
+    GPUS_PER_WORKER: ClassVar[Optional[int]] = 1
+
+
+@dataclass(kw_only=True)
+class ActorInferResources(RoleResourceConfig):
+    """`actor_infer`: the vLLM engines, each on infer TP x PP devices."""
+
+    SECTION_KEY: ClassVar[str] = "actor_infer"
+
+
+@dataclass(kw_only=True)
+class ReferenceResources(RoleResourceConfig):
+    """`reference`: the reference model's forward ranks."""
+
+    SECTION_KEY: ClassVar[str] = "reference"
+    GPUS_PER_WORKER: ClassVar[Optional[int]] = 1
+
+
+@dataclass(kw_only=True)
+class RewardResources:
+    """`rewards.<name>`: a reward role. Today: CPU workers running the rule verifiers of
+    `rl_config.verifier_function` (weights `rl_config.verifier_weight`), `world_size` Ray actors."""
+
+    # CPU-only Ray actors that score a batch in parallel; 0 = in the driver process.
+    world_size: Optional[int] = None
+    # A reward model on devices (ROLL). Parsed and checked; refused at load (not supported yet).
+    device_mapping: Any = None
+    num_gpus_per_worker: Optional[int] = None
+    model_path: Optional[str] = None
+
+    def resources(self, key: str) -> RoleResources:
+        return role_resources(key, device_mapping=self.device_mapping, num_gpus_per_worker=self.num_gpus_per_worker,
+                              world_size=self.world_size, cpu_allowed=True)
+
+
+# --- the plan --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResourcePlan:
+    """Every role's placement, derived from the whole config."""
+
+    roles: tuple[RoleResources, ...]   # actor_train, actor_infer, reference, then rewards.<name>
+    mode: str                          # COLOCATED or DISAGGREGATED (actor_train vs actor_infer)
+    num_gpus_per_node: Optional[int]
+
+    def role(self, key: str) -> RoleResources:
+        for role in self.roles:
+            if role.key == key:
+                return role
+        raise KeyError(key)
+
+    @property
+    def world_size(self) -> int:
+        """The actor's ranks (actor_train's workers)."""
+        return self.role("actor_train").world_size
+
+    @property
+    def cluster_size(self) -> int:
+        """Devices the plan needs: the largest index + 1 (ROLL)."""
+        return max((max(role.devices) for role in self.roles if role.devices), default=0) + 1
+
+    @property
+    def num_nodes(self) -> Optional[int]:
+        return math.ceil(self.cluster_size / self.num_gpus_per_node) if self.num_gpus_per_node else None
+
+    def device_roles(self) -> dict[int, list[str]]:
+        """Device index -> the roles placed on it, in plan order."""
+        table: dict[int, list[str]] = {device: [] for device in range(self.cluster_size)}
+        for role in self.roles:
+            for device in role.devices:
+                table[device].append(role.key)
+        return table
+
+    def check_cluster(self, available_devices: int, *, num_nodes: Optional[int] = None, what: str = "devices") -> None:
+        """The devices the mappings name must exist: ``available_devices`` in all, and with
+        num_gpus_per_node, ``num_gpus_per_node x num_nodes``. Raises ConfigError naming the mapping."""
+        capacity, desc = available_devices, f"{available_devices} {what}"
+        if self.num_gpus_per_node and num_nodes is not None and self.num_gpus_per_node * num_nodes < capacity:
+            capacity = self.num_gpus_per_node * num_nodes
+            desc = f"num_gpus_per_node={self.num_gpus_per_node} x {num_nodes} node(s) = {capacity} {what}"
+        if self.cluster_size <= capacity:
+            return
+        highest = max((role for role in self.roles if role.devices), key=lambda role: max(role.devices))
+        device = max(highest.devices)
+        raise ConfigError(highest.source, f"names device {device}, beyond the cluster: it has {desc} "
+                                          f"(indices 0..{capacity - 1}), the mappings need {self.cluster_size}")
+
+    def check_ray_cluster(self, device: str) -> None:
+        """check_cluster against the running Ray cluster: its devices of this kind (on CPU, the logical
+        CPUs the ranks take one each of) and its live nodes."""
+        import ray
+
+        resource = {"cuda": "GPU", "npu": "NPU"}.get(device, "CPU")
+        nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+        self.check_cluster(int(ray.cluster_resources().get(resource, 0)), num_nodes=nodes,
+                           what=f"{resource} in the Ray cluster")
+
+    def table(self, device: str = "") -> str:
+        """The device -> roles table printed at start, and each role's figures; ``device`` names the kind
+        (cpu, cuda, npu)."""
+        train, infer = self.role("actor_train"), self.role(INFER_ROLE)
+        if self.mode == COLOCATED:
+            shared = format_devices(sorted(set(train.devices) & set(infer.devices)))
+            head = f"colocated: actor_train and actor_infer take turns on device(s) {shared}"
+        else:
+            head = (f"disaggregated: actor_train on device(s) {format_devices(train.devices)}, "
+                    f"actor_infer on device(s) {format_devices(infer.devices)}")
+        kind = f"{device} device(s)".lstrip() + (": rank processes" if device == "cpu" else "")
+        nodes = f", {self.num_nodes} node(s) of num_gpus_per_node={self.num_gpus_per_node}" if self.num_nodes else ""
+        lines = [f"[resources] {head} ({self.cluster_size} {kind}{nodes})"]
+        rows: list[tuple[str, str, str]] = []
+        by_device = self.device_roles()
+        for devices, roles in _runs(by_device, self.num_gpus_per_node):
+            node = ""
+            if self.num_gpus_per_node:
+                node = format_devices(sorted({d // self.num_gpus_per_node for d in devices}))
+            rows.append((format_devices(devices), node, ", ".join(roles) or "(idle)"))
+        for role in self.roles:
+            if role.cpu_only:
+                rows.append(("cpu-only", "", f"{role.key} ({role.world_size} worker(s))" if role.world_size
+                             else f"{role.key} (in the driver)"))
+        width = max(len(r[0]) for r in rows + [("device", "", "")])
+        node_width = max(len(r[1]) for r in rows + [("", "node", "")]) if self.num_gpus_per_node else 0
+        header = f"  {'device':<{width}}  " + (f"{'node':<{node_width}}  " if node_width else "") + "roles"
+        lines.append(header)
+        for devices, node, roles in rows:
+            lines.append(f"  {devices:<{width}}  " + (f"{node:<{node_width}}  " if node_width else "") + roles)
+        key_width = max(len(role.key) for role in self.roles)
+        lines.append(f"  {'role':<{key_width}}  devices  num_gpus_per_worker  world_size  from")
+        for role in self.roles:
+            lines.append(f"  {role.key:<{key_width}}  {format_devices(role.devices):<7}  "
+                         f"{role.num_gpus_per_worker:<19}  {role.world_size:<10}  {role.source}")
+        return "\n".join(lines)
+
+
+def _runs(by_device: dict[int, list[str]], per_node: Optional[int]) -> list[tuple[list[int], list[str]]]:
+    """Consecutive devices of one node that hold the same roles, grouped."""
+    runs: list[tuple[list[int], list[str]]] = []
+    for device, roles in sorted(by_device.items()):
+        same_node = not per_node or device // per_node == (device - 1) // per_node
+        if runs and runs[-1][1] == roles and runs[-1][0][-1] == device - 1 and same_node:
+            runs[-1][0].append(device)
+        else:
+            runs.append(([device], roles))
+    return runs
+
+
+def actor_world_size(actor_train: Optional[RoleResourceConfig], num_npus: Optional[int]) -> tuple[int, str]:
+    """The actor's ranks and the key they come from: ``actor_train.device_mapping`` (ROLL) or
+    ``rl_config.actor_resource.num_npus`` (MindSpeed-RL); both given must agree."""
+    mapped = actor_train is not None and actor_train.device_mapping is not None
+    if not mapped:
+        if num_npus is None:
+            raise ConfigError(NUM_NPUS_KEY, "missing: set it (MindSpeed-RL: the actor's ranks) or "
+                                            "actor_train.device_mapping (ROLL)")
+        return num_npus, NUM_NPUS_KEY
+    train = role_resources("actor_train", device_mapping=actor_train.device_mapping,
+                           num_gpus_per_worker=actor_train.num_gpus_per_worker, world_size=actor_train.world_size,
+                           gpus_per_worker=1, gpus_per_worker_desc="1")
+    if num_npus is not None and num_npus != train.world_size:
+        raise ConfigError("actor_train.device_mapping",
+                          f"gives {train.world_size} training ranks ({format_devices(train.devices)}) but "
+                          f"{NUM_NPUS_KEY}={num_npus}: both set the actor's world size; make them agree or remove one")
+    return train.world_size, "actor_train.device_mapping"
+
+
+def build_resource_plan(*, actor_train: Optional[RoleResourceConfig], actor_infer: Optional[RoleResourceConfig],
+                        reference: Optional[RoleResourceConfig], rewards: Mapping[str, RewardResources],
+                        num_gpus_per_node: Optional[int], num_npus: Optional[int], use_integrated_worker: bool,
+                        infer_tensor_parallel_size: int, infer_pipeline_parallel_size: int) -> ResourcePlan:
+    """Every role's devices and world size with the seed's checks (divisibility, vLLM's devices per
+    worker, workers within a node, shared devices under a declared disaggregated layout). Pure: what
+    the engine runs today is :func:`check_supported`'s business."""
+    sections = {"actor_train": actor_train, "actor_infer": actor_infer, "reference": reference}
+    mapped = [key for key, section in sections.items() if section is not None and section.device_mapping is not None]
+    mapped += [f"rewards.{name}" for name, section in rewards.items() if section.device_mapping is not None]
+    if not use_integrated_worker and not mapped:
+        raise ConfigError(INTEGRATED_KEY, "must be true: this hybrid engine only has the integrated worker "
+                                          "(reference and reward share actor_config; there is no "
+                                          "ref_config/reward_config)")
+    if num_gpus_per_node is not None and num_gpus_per_node < 1:
+        raise ConfigError("num_gpus_per_node", f"must be >= 1, got {num_gpus_per_node}")
+    world, world_key = actor_world_size(actor_train, num_npus)
+    actor_devices = tuple(range(world))
+    tp, pp = infer_tensor_parallel_size, infer_pipeline_parallel_size
+    gpus_per_worker = {
+        "actor_train": (1, "1 (a training role has one device per worker)"),
+        "reference": (1, "1 (a training role has one device per worker)"),
+        "actor_infer": (tp * pp, f"generate_config.infer_tensor_parallel_size * infer_pipeline_parallel_size = "
+                                 f"{tp} * {pp} = {tp * pp} (vLLM's devices per worker)"),
+    }
+    roles = []
+    for key, section in sections.items():
+        required, desc = gpus_per_worker[key]
+        if section is not None and section.device_mapping is not None:
+            role = role_resources(key, device_mapping=section.device_mapping,
+                                  num_gpus_per_worker=section.num_gpus_per_worker, world_size=section.world_size,
+                                  gpus_per_worker=required, gpus_per_worker_desc=desc)
+        else:
+            # The actor's devices (MindSpeed-RL's integrated worker); a stated num_gpus_per_worker must
+            # still agree (world_size alone, without device_mapping, is refused by the section).
+            stated_gpus = section.num_gpus_per_worker if section is not None else None
+            role = role_resources(key, device_mapping=list(actor_devices), num_gpus_per_worker=stated_gpus,
+                                  gpus_per_worker=required, gpus_per_worker_desc=desc)
+            role = RoleResources(key=key, devices=role.devices, num_gpus_per_worker=role.num_gpus_per_worker,
+                                 world_size=role.world_size, source=world_key)
+        roles.append(role)
+    for name, section in rewards.items():
+        roles.append(section.resources(f"rewards.{name}"))
+    if num_gpus_per_node:
+        for role in roles:
+            for index, devices in enumerate(role.worker_devices()):
+                nodes = sorted({device // num_gpus_per_node for device in devices})
+                if len(nodes) > 1:
+                    raise ConfigError(f"{role.key}.device_mapping",
+                                      f"worker {index} spans nodes {nodes}: its devices {format_devices(devices)} "
+                                      f"cross a node boundary (num_gpus_per_node={num_gpus_per_node}); a worker's "
+                                      "devices must be on one node")
+    train, infer = roles[0], roles[1]
+    shared = sorted(set(train.devices) & set(infer.devices))
+    if not use_integrated_worker and shared:
+        raise ConfigError(f"{infer.source}",
+                          f"shares devices {format_devices(shared)} with actor_train ({train.source}), but "
+                          f"{INTEGRATED_KEY}=false says the roles run disaggregated, each on its own devices: make "
+                          "the mappings disjoint, or set it true to colocate them")
+    return ResourcePlan(roles=tuple(roles), mode=COLOCATED if shared else DISAGGREGATED,
+                        num_gpus_per_node=num_gpus_per_node)
+
+
+def check_supported(plan: ResourcePlan, rewards: Mapping[str, RewardResources]) -> None:
+    """What the engine runs today: actor_train, actor_infer and reference colocated on the same devices
+    0..N-1 (N the actor's world size), rule rewards in the driver or on CPU workers. Anything else
+    was parsed and checked by build_resource_plan and is refused here, naming the key."""
+    train, infer = plan.role("actor_train"), plan.role(INFER_ROLE)
+    if plan.mode == DISAGGREGATED:
+        raise ConfigError(infer.source,
+                          f"disaggregated roles (actor_train on {format_devices(train.devices)}, actor_infer on "
+                          f"{format_devices(infer.devices)}) are not supported yet: the engine runs training and "
+                          "generation on the same devices in turn; give actor_infer actor_train's device_mapping")
+    expected = tuple(range(plan.world_size))
+    if train.devices != expected:
+        raise ConfigError(train.source,
+                          f"must be list(range(0,{plan.world_size})) today, got {format_devices(train.devices)}: the "
+                          f"engine starts its {plan.world_size} ranks on the devices Ray gives it; choosing which "
+                          "devices is not supported yet")
+    for key in ("actor_infer", "reference"):
+        role = plan.role(key)
+        if role.devices != train.devices:
+            raise ConfigError(role.source,
+                              f"must be actor_train's devices ({format_devices(train.devices)}) today, got "
+                              f"{format_devices(role.devices)}: roles that share only some devices are not "
+                              "supported yet (the hybrid engine switches every rank between the roles)")
+    for name, section in rewards.items():
+        key = f"rewards.{name}"
+        if section.model_path is not None:
+            raise ConfigError(f"{key}.model_path",
+                              "reward models are not supported yet: a reward role runs the rule verifiers of "
+                              "rl_config.verifier_function on CPU workers (world_size); remove model_path")
+        if section.device_mapping is not None:
+            raise ConfigError(f"{key}.device_mapping",
+                              "reward workers on devices (a reward model) are not supported yet: a reward role "
+                              "runs rule verifiers on CPU workers; give it world_size instead")
+    if len(rewards) > 1:
+        names = list(rewards)
+        raise ConfigError(f"rewards.{names[1]}",
+                          f"one reward role is supported yet: the verifiers of rl_config.verifier_function run in "
+                          f"rewards.{names[0]}; per-role verifiers are not supported")
