@@ -9,6 +9,7 @@ import json
 
 import torch
 from cli_runner import run_cli
+from planner_checks import assert_prediction_matches_ledger
 from resharding_oracle import LOGPROB_TOLERANCE
 
 
@@ -26,3 +27,5 @@ def test_bf16_tp2pp2_to_infer_dp4_runs(tmp_path):
         assert abs(r["resharding/bytes_received"] - 3 * r["resharding/bytes_local"]) / r["resharding/bytes_received"] < 0.1
         assert r["resharding/ranges_verified"] > 0
         assert 0.0 < r["rollout/logprob_max_abs_diff"] < LOGPROB_TOLERANCE[torch.bfloat16]
+        # bf16 TP2 x PP2: fp32 norms, fp32 grads and masters, two micro-batches in flight on stage 0.
+        assert_prediction_matches_ledger(r)

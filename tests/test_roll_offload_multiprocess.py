@@ -22,6 +22,7 @@ from hydra import compose, initialize_config_dir
 
 from mindspeed_rl.config import load_config
 from mindspeed_rl.memory.timeline import build_timeline
+from planner_checks import assert_prediction_matches_ledger
 
 CATEGORIES = ("train_params", "train_grads", "optimizer_states", "inference_weights", "kv_cache", "reference_params")
 ON_DEVICE = {  # DESIGN.md's phase table with every offload_train_* flag on
@@ -188,6 +189,7 @@ def test_roll_offload_control_on_the_hybrid_worker(cluster):
         for phase, expected in ON_DEVICE.items():
             assert _in_phase(record, phase) == expected, (phase, record)
         assert record["rollout/logprob_max_abs_diff"] < 1e-4
+        assert_prediction_matches_ledger(record)  # train TP2 -> infer TP1 x DP2: the planner's bytes
     timeline = build_timeline(history, last_iterations=3)
     assert timeline.totals()[-1] == records[-1]["memory/update/total_bytes"]
     assert (tmp_path / "memory_timeline.png").stat().st_size > 10_000

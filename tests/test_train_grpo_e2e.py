@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cli_runner import run_cli
+from planner_checks import assert_prediction_matches_ledger
 
 
 def test_two_iterations_write_metrics(tmp_path):
@@ -22,6 +23,11 @@ def test_two_iterations_write_metrics(tmp_path):
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
+    # The planner (cli/plan.py) printed its per-phase bytes at start; each record carries them beside the
+    # ledger's: within 10% per category, 30% for the activations.
+    assert sum(line.startswith("[plan] ") for line in done.stdout.splitlines()) == 4, done.stdout[-3000:]
+    for r in records:
+        assert_prediction_matches_ledger(r)
     for r in records:
         assert 0.0 <= r["reward/mean"] <= 1.0
         # After every weight push vLLM samples from exactly the training weights.
@@ -128,6 +134,7 @@ def test_pp2_train_tp2_infer_variant_runs(pp2_run):
         assert r["resharding/bytes_received"] > 0
         assert abs(r["resharding/bytes_received"] - r["resharding/bytes_local"]) / r["resharding/bytes_local"] < 0.2
         assert r["resharding/ranges_verified"] > 0
+        assert_prediction_matches_ledger(r)  # the planner's bytes per phase and category, largest rank
 
 
 def test_a_finished_two_rank_run_leaves_no_process_and_no_shm_segment(pp2_run):

@@ -85,6 +85,8 @@ def _pairs(arch: ModelArchConfig, hf: dict) -> list[_Pair]:
 def _experts(arch: ModelArchConfig, hf: dict) -> _Pair:
     if hf.get("num_experts"):
         return _direct("num_experts", arch.num_experts, hf, "num_experts")
+    if hf.get("n_routed_experts"):  # DeepSeek-V3's name
+        return _direct("num_experts", arch.num_experts, hf, "n_routed_experts")
     # A dense checkpoint states no experts: a MoE block for it disagrees.
     return _Pair("num_experts", arch.num_experts, 0, "no num_experts (a dense model)")
 

@@ -74,6 +74,7 @@ def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]
     device = detect_device() if config.runtime.device == "auto" else config.runtime.device
     setup.check_host_capacity(config, device, os.cpu_count() or 1)
     print(config.resource_plan.table(device), flush=True)  # device -> roles, colocated or disaggregated
+    prediction = memory_prediction(config, hf_config, device)  # cli/plan.py's figures, compared with the ledger
     threads = setup.threads_per_rank(config)
     actor, completed, reward_group = None, False, None
     try:
@@ -107,7 +108,7 @@ def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]
             print(f"[checkpoint] reference model loaded from {ref_checkpoint}", flush=True)
         history = train(config, actor, tokenizer, dataset, run_dir, sampler=sampler,
                         start_iteration=resume.iteration + 1 if resume else 1, hf_dir=model_dir, progress=progress,
-                        reward_group=reward_group)
+                        prediction=prediction, reward_group=reward_group)
         completed = True
         return history
     finally:
@@ -132,8 +133,12 @@ def _sampler(config: GRPOConfig, dataset: PromptDataset) -> PromptSampler:
 
 def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDataset, run_dir: Path, *,
           sampler: PromptSampler | None = None, start_iteration: int = 1, hf_dir: str | None = None,
-          progress: RunProgress | None = None, reward_group: RewardWorkerGroup | None = None) -> list[dict]:
+          progress: RunProgress | None = None, prediction=None,
+          reward_group: RewardWorkerGroup | None = None) -> list[dict]:
     mt, rl = config.megatron_training, config.rl_config
+    if prediction is None:  # a library caller: the same plan, from the checkpoint the run was built from
+        prediction = memory_prediction(config, setup.read_hf_config(hf_dir or setup.resolve_assets(config)[0]),
+                                       quiet=True)
     sampler = sampler or _sampler(config, dataset)
     progress = progress or RunProgress(save_root=config.actor_config.save)
     sinks = MetricsSinks(run_dir, metrics_file=config.runtime.metrics_file, use_tensorboard=rl.use_tensorboard)
@@ -163,6 +168,8 @@ def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDa
             metrics["timing/all"] = time.perf_counter() - started
             metrics.update(iteration_metrics(config, batch, metrics, rewards,
                                              accuracy(responses, labels, rl.verifier_function)))
+            if prediction is not None:  # the planner's bytes at this iteration's sequence width, beside the ledger's
+                metrics.update(prediction.with_seq_length(batch.input_ids.shape[1]).ledger_metrics())
             history.append(metrics)
             sinks.write(metrics)
             if iteration % config.runtime.log_interval == 0:
@@ -184,6 +191,29 @@ def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDa
         path = export_run_actor(actor, run_dir=run_dir, config_dir=hf_dir or mt.tokenizer_name_or_path)
         print(f"[export] HF checkpoint: {path}", flush=True)
     return history
+
+
+def memory_prediction(config: GRPOConfig, hf_config: dict, device: str | None = None, *, quiet: bool = False):
+    """The planner's MemoryPlan of this run (cli/plan.py), printed as one line per phase; None (said in one
+    line) when the planner cannot size the model."""
+    from mindspeed_rl.accelerator import detect_device
+    from mindspeed_rl.config import ConfigError
+    from mindspeed_rl.planner.from_config import predict_run
+    from mindspeed_rl.planner.memory import LEDGER_PHASES, format_bytes
+
+    device = device or (detect_device() if config.runtime.device == "auto" else config.runtime.device)
+    try:
+        plan = predict_run(config, hf_config, device=device)
+    except (ConfigError, ValueError) as error:
+        print(f"[plan] no memory prediction: {error}", flush=True)
+        return None
+    if not quiet:
+        table, totals = plan.table(LEDGER_PHASES), plan.totals(LEDGER_PHASES)
+        for phase in LEDGER_PHASES:
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in table[phase].items() if v)
+            where = f" at {plan.inputs.padded_seq_length} tokens per sequence" if phase == "update" else ""
+            print(f"[plan] {phase}: {format_bytes(totals[phase][1])} per device predicted{where} ({parts})", flush=True)
+    return plan
 
 
 def iteration_metrics(config: GRPOConfig, batch: RolloutBatch, phase_metrics: dict, rewards, accuracy_value: float) -> dict:

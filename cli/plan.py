@@ -1,0 +1,112 @@
+"""Plan a run's device memory before launching it:
+``python cli/plan.py --config-name NAME [key=value ...] [--device-memory 64GiB] [--json FILE|-]
+[--h2d-gbps 25] [--link-gbps 50]``.
+
+Composes the config exactly like ``cli/train_grpo.py`` (Hydra, the same overrides, ``load_config``), then prints,
+per device and per phase, the bytes of every state group (train params, grads, optimizer states, reference,
+inference weights, KV cache, activations), the peak phase, whether it fits ``--device-memory`` and, if not, which
+offload flags, micro-batch sizes or layouts would; and for the switch the bytes each rank sends and receives
+(the resharding plan itself) with times at the stated bandwidths. Starts no Ray, no vLLM, allocates no model.
+
+Exit codes: 0 (also when the plan does not fit: the verdict is in the output); 2 on bad input, one line
+``config error: <key>: <message>`` on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+CONFIG_ERROR_EXIT_CODE = 2
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2, like every other bad input
+        print(f"config error: arguments: {message}", file=sys.stderr)
+        sys.exit(CONFIG_ERROR_EXIT_CODE)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config-name", default=None, help="a YAML under configs/ (default: as cli/train_grpo.py)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, key=value")
+    parser.add_argument("--device-memory", default=None, help="memory of one device, e.g. 64GiB or 80GB")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="write the plan as JSON to FILE (-: to stdout, instead of the table)")
+    parser.add_argument("--h2d-gbps", type=float, default=25.0,
+                        help="host <-> device copy bandwidth in GB/s (1e9 bytes/s); default %(default)s")
+    parser.add_argument("--link-gbps", type=float, default=50.0,
+                        help="device <-> device bandwidth per rank and direction in GB/s; default %(default)s")
+    return parser
+
+
+def _compose(config_name: str, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mindspeed_rl.config import ConfigError
+
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            return compose(config_name=config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as error:
+        first = " ".join(line.strip() for line in str(error).splitlines()[:2]) or type(error).__name__
+        raise ConfigError("--config-name" if "config" in first.lower() and "override" not in first.lower()
+                          else "overrides", first) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)
+    from mindspeed_rl.config import ConfigError, default_config_name, load_config
+
+    try:
+        device_memory = None
+        if args.device_memory is not None:
+            from mindspeed_rl.planner.memory import parse_bytes
+
+            try:
+                device_memory = parse_bytes(args.device_memory)
+            except ValueError as error:
+                raise ConfigError("--device-memory", str(error)) from None
+        for name in ("h2d_gbps", "link_gbps"):
+            if not getattr(args, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')}", f"must be a positive GB/s figure, got {getattr(args, name)}")
+        cfg = _compose(args.config_name or default_config_name(), args.overrides)
+        config = load_config(cfg)
+
+        from mindspeed_rl.planner.from_config import architecture, plan_config, resolve_hf_config, suggest
+        from mindspeed_rl.planner.report import json_report, text_report
+
+        source = resolve_hf_config(config)
+        arch = architecture(source)
+        link, h2d = args.link_gbps * 1e9, args.h2d_gbps * 1e9
+        try:
+            plan, switch = plan_config(config, arch, device_memory=device_memory, link_bytes_per_second=link)
+        except ValueError as error:
+            raise ConfigError("actor_config", str(error)) from None
+        suggestions = None
+        if device_memory is not None and plan.fits() is False:
+            suggestions = suggest(cfg, arch, device_memory=device_memory)
+        report_args = dict(model_name=config.actor_config.model, source=source.source, switch=switch,
+                           suggestions=suggestions, h2d_bytes_per_second=h2d, link_bytes_per_second=link)
+        if args.json is None:
+            print(text_report(plan, **report_args))
+        else:
+            document = json.dumps(json_report(plan, **report_args), indent=2)
+            if args.json == "-":
+                print(document)
+            else:
+                Path(args.json).write_text(document + "\n", encoding="utf-8")
+                print(text_report(plan, **report_args))
+                print(f"\nJSON written to {args.json}")
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT_CODE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""Bytes per device, per phase and per state group, before anything is launched.
+
+Each rank's bytes of every state group the ledger counts (`memory/ledger.py` categories) come from the
+layouts (`planner/params.py`); the phase table is the sum over what the ONE residency policy
+(`memory/residency.py`) keeps on the device in that phase, plus the update's activations. The figures
+are per rank; the table shows, like the ledger's metrics, the largest rank of each group, and the
+largest rank's total.
+
+Activations (the update phase; forward-only phases save nothing for backward), bytes per token of a
+micro-batch of `micro_batch_size x seq_length` tokens, `e` the param dtype's bytes, `t` the train TP:
+    per layer   (16 + 2e) h [/t with sequence parallel] + 4e q/t + 5e f/t + c a/t s
+    first stage + 8 (the token ids the embedding keeps)
+    last stage  + (8 + e) h + 4 V/t + 8 V (fp32 logits, and the full-vocabulary log-softmax of the entropy)
+with q = heads x head_dim, f the MLP width (MoE layers: top-k x the expert width + the shared experts'
+width, + 8 E for the router's fp32 logits and probabilities + 2e k h for the dispatched tokens), c = 4
+in fp32 and 4 + e otherwise (the attention probabilities in fp32; 0 with flash attention on an
+accelerator). A pipeline stage p of PP holds min(PP - p, micro-batches per step) micro-batches (1F1B).
+The coefficients were measured on this engine's path (Megatron local spec, torch norms, unfused
+attention, `with_entropy=True` in the loss) by varying each of h, f, head_dim, heads, seq, V, TP, PP and
+dtype on CPU; they reproduce the demos' measured `memory/update/activations_bytes` within 3%. MoE and MLA
+terms are estimates, not calibrated.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from mindspeed_rl.memory.residency import (INFER_WEIGHTS, KV_CACHE, PHASES, REF_PARAMS, STATE_GROUPS, TRAIN_GRADS,
+                                           TRAIN_OPTIMIZER, TRAIN_PARAMS, ResidencyPolicy)
+from mindspeed_rl.planner.arch import Architecture
+from mindspeed_rl.planner.params import stage_layers, stage_train_bytes, vllm_numel
+
+ACTIVATIONS = "activations"
+CATEGORIES = STATE_GROUPS + (ACTIVATIONS,)
+# The ledger's phases (memory/ledger.py), which metrics.jsonl carries; the planner adds idle and the switch.
+LEDGER_PHASES = ("generate", "ref_logprob", "old_logprob", "update")
+SWITCH = "switch"  # the push into vLLM: train params and inference weights at once, plus staging buffers
+TABLE_PHASES = PHASES[:1] + (SWITCH,) + PHASES[1:]
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+    """How vLLM sizes its KV cache: bytes on CPU (`cpu_kvcache_space_gb`); on an accelerator the
+    `gpu_memory_utilization` share of the device minus the weights, or without a device size what
+    `max_num_seqs` sequences of `max_model_len` tokens need."""
+
+    on_cpu: bool
+    cpu_bytes: int = 0
+    gpu_memory_utilization: float = 0.5
+    max_num_seqs: int = 1
+    max_model_len: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    arch: Architecture
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    infer_tp: int = 1
+    infer_expert_parallel: bool = False
+    bf16: bool = False
+    infer_dtype: str = "float32"
+    distributed_optimizer: bool = False
+    sequence_parallel: bool = False
+    flash_attention: bool = False
+    micro_batch_size: int = 1
+    mini_batch_samples: int = 1  # samples per optimizer step, over all DP ranks
+    seq_length: int = 1  # prompt + response tokens of a micro-batch's rows
+    policy: ResidencyPolicy = field(default_factory=ResidencyPolicy)
+    kv: KVCacheSpec = field(default_factory=lambda: KVCacheSpec(on_cpu=True))
+    device_memory: int | None = None
+    bucket_bytes: int = 64 << 20  # generate_config.resharding_bucket_mb
+
+    def __post_init__(self) -> None:
+        if self.world_size % (self.tp * self.pp):
+            raise ValueError(f"train TP*PP={self.tp * self.pp} must divide the world size {self.world_size}")
+        if self.world_size % self.infer_tp:
+            raise ValueError(f"infer TP={self.infer_tp} must divide the world size {self.world_size}")
+        if self.dp % self.ep:
+            raise ValueError(f"EP={self.ep} must divide the data-parallel size {self.dp}")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def infer_dp(self) -> int:
+        return self.world_size // self.infer_tp
+
+    @property
+    def sequence_parallel_effective(self) -> bool:
+        return self.tp > 1 and (self.sequence_parallel or self.arch.is_moe)  # Megatron: MoE + TP needs SP
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return max(1, self.mini_batch_samples // (self.dp * self.micro_batch_size))
+
+    @property
+    def padded_seq_length(self) -> int:
+        multiple = self.tp if self.sequence_parallel_effective else 1
+        return -(-self.seq_length // multiple) * multiple
+
+    def rank_coordinates(self, rank: int) -> dict[str, int]:
+        """Megatron's order tp-cp-ep-dp-pp (the engine's TrainLayout) and vLLM's TP blocks."""
+        tp_rank, pp_rank = rank % self.tp, rank // (self.tp * self.dp)
+        dp_rank = (rank // self.tp) % self.dp
+        ep_rank = dp_rank % self.ep
+        return dict(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, ep_rank=ep_rank,
+                    expert_dp_rank=dp_rank // self.ep, infer_tp_rank=rank % self.infer_tp,
+                    infer_dp_rank=rank // self.infer_tp)
+
+
+# -- activations ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ActivationTerms:
+    """Bytes per token (see the module docstring)."""
+
+    dense_layer: float
+    moe_layer: float
+    first_stage: float
+    last_stage: float
+
+
+def activation_terms(inputs: PlanInputs) -> ActivationTerms:
+    arch, t = inputs.arch, inputs.tp
+    e = 2 if inputs.bf16 else 4
+    h, s = arch.hidden_size, inputs.padded_seq_length
+    h_part = (16 + 2 * e) * h / (t if inputs.sequence_parallel_effective else 1)
+    q_part = 4 * e * arch.q_width / t
+    scores = 0.0 if inputs.flash_attention else (4 if e == 4 else 4 + e) * arch.num_attention_heads / t * s
+    attention = h_part + q_part + scores
+    dense = attention + 5 * e * arch.intermediate_size / t
+    moe = attention
+    if arch.is_moe:
+        moe += 5 * e * (arch.moe_topk * arch.moe_intermediate_size + arch.shared_expert_size) / t
+        moe += 8 * arch.num_experts + 2 * e * arch.moe_topk * h
+    vocab = arch.vocab_size
+    return ActivationTerms(dense_layer=dense, moe_layer=moe, first_stage=8.0,
+                           last_stage=(8 + e) * h + 4 * vocab / t + 8 * vocab)
+
+
+def activation_bytes(inputs: PlanInputs, pp_rank: int) -> int:
+    """Peak bytes autograd keeps for backward on a rank of pipeline stage `pp_rank` during the update."""
+    terms = activation_terms(inputs)
+    layers = stage_layers(inputs.arch, pp_rank, inputs.pp)
+    per_token = sum(terms.moe_layer if inputs.arch.is_moe_layer(i) else terms.dense_layer for i in layers)
+    if pp_rank == 0:
+        per_token += terms.first_stage
+    if pp_rank == inputs.pp - 1:
+        per_token += terms.last_stage
+    in_flight = min(inputs.pp - pp_rank, inputs.micro_batches_per_step)
+    return int(in_flight * inputs.micro_batch_size * inputs.padded_seq_length * per_token)
+
+
+# -- per rank -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankBytes:
+    rank: int
+    states: dict[str, int]  # STATE_GROUPS + activations
+    switch_staging: int = 0
+
+    def phase(self, policy: ResidencyPolicy, phase: str) -> dict[str, int]:
+        """Bytes per category on this rank in `phase` (0 for what is not resident)."""
+        if phase == SWITCH:
+            resident = policy.pinned | {TRAIN_PARAMS, INFER_WEIGHTS}
+        else:
+            resident = policy.resident(phase)
+        out = {c: (self.states[c] if c in resident else 0) for c in STATE_GROUPS}
+        out[ACTIVATIONS] = self.states[ACTIVATIONS] if phase == "update" else 0
+        if phase == SWITCH:
+            out["switch_staging"] = self.switch_staging
+        return out
+
+
+def kv_cache_bytes(inputs: PlanInputs, inference_weight_bytes: int) -> int:
+    kv = inputs.kv
+    if kv.on_cpu:
+        return max(kv.cpu_bytes, 1 << 20)  # engines/vllm_engine.py: kv_cache_memory_bytes
+    if inputs.device_memory is not None:
+        return max(0, int(kv.gpu_memory_utilization * inputs.device_memory) - inference_weight_bytes)
+    return kv_needed_bytes(inputs)
+
+
+def kv_needed_bytes(inputs: PlanInputs) -> int:
+    """What max_num_seqs sequences of max_model_len tokens need on one vLLM rank."""
+    per_token = inputs.arch.kv_bytes_per_token(inputs.infer_tp, DTYPE_BYTES[inputs.infer_dtype])
+    return inputs.kv.max_num_seqs * inputs.kv.max_model_len * per_token
+
+
+def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> RankBytes:
+    c = inputs.rank_coordinates(rank)
+    train = stage_train_bytes(inputs.arch, tp=inputs.tp, pp=inputs.pp, pp_rank=c["pp_rank"], ep=inputs.ep,
+                              dp=inputs.dp, bf16=inputs.bf16, distributed_optimizer=inputs.distributed_optimizer,
+                              dp_rank=c["dp_rank"])
+    infer = vllm_numel(inputs.arch, tp=inputs.infer_tp, tp_rank=c["infer_tp_rank"],
+                       dp=inputs.infer_dp, dp_rank=c["infer_dp_rank"],
+                       expert_parallel=inputs.infer_expert_parallel) * DTYPE_BYTES[inputs.infer_dtype]
+    states = {
+        TRAIN_PARAMS: train.params, TRAIN_GRADS: train.grads, TRAIN_OPTIMIZER: train.optimizer,
+        REF_PARAMS: train.reference if inputs.policy.has_reference else 0,
+        INFER_WEIGHTS: infer, KV_CACHE: kv_cache_bytes(inputs, infer),
+        ACTIVATIONS: activation_bytes(inputs, c["pp_rank"]),
+    }
+    return RankBytes(rank, states, switch_staging)
+
+
+# -- the plan -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryPlan:
+    inputs: PlanInputs
+    ranks: tuple[RankBytes, ...]
+
+    def rank_phase(self, rank: RankBytes, phase: str) -> dict[str, int]:
+        return rank.phase(self.inputs.policy, phase)
+
+    def table(self, phases: tuple[str, ...] = TABLE_PHASES) -> dict[str, dict[str, int]]:
+        """phase -> category -> bytes: the largest rank of each category (as the ledger's metrics)."""
+        out = {}
+        for phase in phases:
+            rows = [self.rank_phase(r, phase) for r in self.ranks]
+            out[phase] = {c: max(row[c] for row in rows) for c in rows[0]}
+        return out
+
+    def totals(self, phases: tuple[str, ...] = TABLE_PHASES) -> dict[str, tuple[int, int]]:
+        """phase -> (rank, bytes) of the rank with the largest total."""
+        out = {}
+        for phase in phases:
+            best = max(self.ranks, key=lambda r: (sum(self.rank_phase(r, phase).values()), -r.rank))
+            out[phase] = (best.rank, sum(self.rank_phase(best, phase).values()))
+        return out
+
+    def peak(self) -> tuple[str, int, int]:
+        """(phase, rank, bytes) of the largest total."""
+        phase, (rank, total) = max(self.totals().items(), key=lambda item: item[1][1])
+        return phase, rank, total
+
+    def problems(self) -> list[str]:
+        """What cannot work whatever the peak: vLLM's share of the device below its weights (no KV cache)."""
+        i = self.inputs
+        if i.kv.on_cpu or i.device_memory is None:
+            return []
+        budget = int(i.kv.gpu_memory_utilization * i.device_memory)
+        weights = max(r.states[INFER_WEIGHTS] for r in self.ranks)
+        if weights >= budget:
+            return [f"vLLM's share gpu_memory_utilization {i.kv.gpu_memory_utilization} x {format_bytes(i.device_memory)}"
+                    f" = {format_bytes(budget)} does not hold its weights ({format_bytes(weights)}): no room for a KV "
+                    "cache, vLLM cannot start"]
+        return []
+
+    def fits(self) -> bool | None:
+        memory = self.inputs.device_memory
+        return None if memory is None else self.peak()[2] <= memory and not self.problems()
+
+    def with_seq_length(self, seq_length: int) -> "MemoryPlan":
+        """The same plan with the update's activations at another sequence length (the trainer passes
+        each iteration's batch width)."""
+        inputs = replace(self.inputs, seq_length=seq_length)
+        ranks = tuple(RankBytes(r.rank, {**r.states, ACTIVATIONS: activation_bytes(inputs, inputs.rank_coordinates(
+            r.rank)["pp_rank"])}, r.switch_staging) for r in self.ranks)
+        return MemoryPlan(inputs, ranks)
+
+    def ledger_metrics(self, prefix: str = "memory") -> dict[str, float]:
+        """`memory/<phase>/predicted_bytes` and `memory/<phase>/<category>_predicted_bytes` for the phases the
+        ledger records, beside its measured `memory/<phase>/<category>_bytes` in metrics.jsonl."""
+        out = {}
+        table, totals = self.table(LEDGER_PHASES), self.totals(LEDGER_PHASES)
+        for phase in LEDGER_PHASES:
+            for category, value in table[phase].items():
+                if category == ACTIVATIONS and phase != "update":
+                    continue
+                out[f"{prefix}/{phase}/{category}_predicted_bytes"] = float(value)
+            out[f"{prefix}/{phase}/predicted_bytes"] = float(totals[phase][1])
+        return out
+
+
+def plan_memory(inputs: PlanInputs, *, switch_staging: dict[int, int] | None = None) -> MemoryPlan:
+    staging = switch_staging or {}
+    ranks, by_key = [], {}
+    for rank in range(inputs.world_size):
+        c = inputs.rank_coordinates(rank)
+        # TP and EP ranks of a stage hold equal shapes; only the stage and the optimizer's DP shards differ.
+        key = (c["pp_rank"], c["dp_rank"], c["expert_dp_rank"])
+        if key not in by_key:
+            by_key[key] = rank_bytes(inputs, rank)
+        ranks.append(RankBytes(rank, by_key[key].states, staging.get(rank, 0)))
+    return MemoryPlan(inputs, tuple(ranks))
+
+
+def format_bytes(value: float) -> str:
+    if value == 0:
+        return "-"
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{int(value)} B"
+
+
+def parse_bytes(text: str) -> int:
+    """'64GiB', '80GB', '512MiB', '1.5TiB', '123' (bytes)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "K": 1 << 10, "M": 1 << 20,
+             "G": 1 << 30, "T": 1 << 40}
+    stripped = text.strip().replace(" ", "")
+    number = stripped.rstrip("KMGTiBkmgtib")
+    unit = stripped[len(number):].upper()
+    if unit not in units or not number:
+        raise ValueError(f"{text!r} is not a size like 64GiB, 80GB or 1.5TiB")
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size like 64GiB, 80GB or 1.5TiB") from None
+    if value <= 0 or not math.isfinite(value):
+        raise ValueError(f"{text!r} must be a positive size")
+    return int(value * units[unit])

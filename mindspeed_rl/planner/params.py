@@ -1,0 +1,271 @@
+"""Per-rank tensors of the training and the inference layouts, and what Megatron's DDP and optimizer make
+of them: numbers only, no tensor is allocated.
+
+Qwen2 / Qwen3-MoE shards come from the engine's own layouts (`resharding/layouts.py`: `megatron_layout`,
+`vllm_layout`, the functions the switch is planned with), so the planner and the engine agree by
+construction. DeepSeek-V3 has no layout in the engine; its shards follow Megatron-core's MLA / MoE
+modules (down-projections and norms replicated over TP, up-projections and the output projection split,
+routed experts over EP with expert TP = TP, shared experts split like a dense MLP) and vLLM's
+DeepSeek-V2/V3 model (same split; experts over TP x DP, or whole experts with expert parallelism).
+
+What Megatron builds (megatron-core 0.16, `distributed/param_and_grad_buffer.py`, the engine's
+`DistributedDataParallelConfig(grad_reduce_in_fp32=True)`, no overlapped grad reduce, so one bucket
+per buffer), checked against the tensors a live engine holds (tests/test_planner.py):
+- bf16 models keep their RMSNorm weights in fp32 (the local spec's torch norm); the rest is bf16;
+- one grad buffer per (param dtype, expert or not), always fp32;
+- with the distributed optimizer, params also live in a param buffer of the same layout, each param's
+  start padded to 64 elements and the buffer's end to lcm(DP, 128) elements (expert buffers: the
+  expert-DP size); each DP rank's optimizer owns one contiguous 1/DP of every buffer;
+- Adam: exp_avg + exp_avg_sq in fp32 for every element a rank optimizes, plus an fp32 master copy of
+  each bf16 element (fp32 params are their own master).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from mindspeed_rl.planner.arch import Architecture
+
+NORM_SUFFIXES = ("layernorm.weight", "norm.weight")
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    numel: int
+    norm: bool = False  # fp32 in a bf16 Megatron model
+    expert: bool = False  # in Megatron's expert-parallel grad buffers
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith(NORM_SUFFIXES)
+
+
+# -- training shards ------------------------------------------------------------------------------------
+def megatron_params(arch: Architecture, *, tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int = 1,
+                    ep_rank: int = 0) -> tuple[Param, ...]:
+    """The parameters of one Megatron (tp_rank, pp_rank, ep_rank) shard, in `named_parameters()` order.
+
+    TP and EP split evenly, so every TP and EP rank of a stage has the same shapes (only the ranges of the
+    full tensors differ): the shapes are those of TP rank 0, EP rank 0 of the stage."""
+    return _stage_params(arch, tp, pp, pp_rank, ep)
+
+
+@lru_cache(maxsize=4096)
+def _stage_params(arch: Architecture, tp: int, pp: int, pp_rank: int, ep: int) -> tuple[Param, ...]:
+    tp_rank = ep_rank = 0
+    spec = arch.to_spec()
+    if spec is not None:
+        from mindspeed_rl.resharding.layouts import megatron_layout
+
+        layout = megatron_layout(spec, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
+        params = [Param(t.name, math.prod(t.shape), _is_norm(t.name), ".experts." in t.name) for t in layout]
+    else:
+        params = list(_deepseek_megatron(arch, tp, tp_rank, pp, pp_rank, ep, ep_rank))
+    return tuple(sorted(params, key=_registration_order))
+
+
+# Megatron registers a layer's modules in this order (TransformerLayer: input_layernorm, self_attention
+# (linear_proj before linear_qkv / MLA's projections, then the q/k norms), pre_mlp_layernorm, mlp); DDP's
+# buffers follow it, which decides where the distributed optimizer's padding falls.
+_LAYER_ORDER = ("input_layernorm", "self_attention.linear_proj", "self_attention.", "pre_mlp_layernorm",
+                "mlp.router", "mlp.")
+
+
+def _registration_order(param: Param) -> tuple:
+    name = param.name
+    if name.startswith("embedding."):
+        return (0,)
+    if name.startswith("decoder.layers."):
+        layer, rest = name[len("decoder.layers."):].split(".", 1)
+        section = next(i for i, prefix in enumerate(_LAYER_ORDER) if rest.startswith(prefix))
+        return (1, int(layer), section)
+    return (2, 0 if name.startswith("decoder.final_layernorm") else 1)
+
+
+def stage_layers(arch: Architecture, pp_rank: int, pp: int) -> range:
+    if arch.num_layers % pp:
+        raise ValueError(f"PP={pp} must divide num_layers={arch.num_layers} (the engine splits layers evenly)")
+    per_stage = arch.num_layers // pp
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def _deepseek_megatron(arch: Architecture, tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int, ep_rank: int):
+    h, a = arch.hidden_size, arch.num_attention_heads // tp
+    q_head = arch.qk_nope_head_dim + arch.qk_rope_head_dim
+    vocab = arch.vocab_size // tp
+    if pp_rank == 0:
+        yield Param("embedding.word_embeddings.weight", vocab * h)
+    for local, layer in enumerate(stage_layers(arch, pp_rank, pp)):
+        p = f"decoder.layers.{local}."
+        yield Param(p + "input_layernorm.weight", h, norm=True)
+        if arch.q_lora_rank:
+            yield Param(p + "self_attention.linear_q_down_proj.weight", arch.q_lora_rank * h)
+            yield Param(p + "self_attention.q_layernorm.weight", arch.q_lora_rank, norm=True)
+            yield Param(p + "self_attention.linear_q_up_proj.weight", a * q_head * arch.q_lora_rank)
+        else:
+            yield Param(p + "self_attention.linear_q_proj.weight", a * q_head * h)
+        yield Param(p + "self_attention.linear_kv_down_proj.weight", (arch.kv_lora_rank + arch.qk_rope_head_dim) * h)
+        yield Param(p + "self_attention.kv_layernorm.weight", arch.kv_lora_rank, norm=True)
+        yield Param(p + "self_attention.linear_kv_up_proj.weight",
+                    a * (arch.qk_nope_head_dim + arch.v_head_dim) * arch.kv_lora_rank)
+        yield Param(p + "self_attention.linear_proj.weight", h * a * arch.v_head_dim)
+        yield Param(p + "pre_mlp_layernorm.weight", h, norm=True)
+        if not arch.is_moe_layer(layer):
+            f = arch.intermediate_size // tp
+            yield Param(p + "mlp.linear_fc1.weight", 2 * f * h)
+            yield Param(p + "mlp.linear_fc2.weight", h * f)
+            continue
+        yield Param(p + "mlp.router.weight", arch.num_experts * h)
+        f = arch.moe_intermediate_size // tp
+        for e in range(arch.num_experts // ep):
+            m = f"{p}mlp.experts.local_experts.{e}."
+            yield Param(m + "linear_fc1.weight", 2 * f * h, expert=True)
+            yield Param(m + "linear_fc2.weight", h * f, expert=True)
+        if arch.num_shared_experts:
+            fs = arch.shared_expert_size // tp
+            yield Param(p + "mlp.shared_experts.linear_fc1.weight", 2 * fs * h)
+            yield Param(p + "mlp.shared_experts.linear_fc2.weight", h * fs)
+    if pp_rank == pp - 1:
+        yield Param("decoder.final_layernorm.weight", h, norm=True)
+        if not arch.tie_word_embeddings or pp > 1:
+            yield Param("output_layer.weight", vocab * h)
+
+
+# -- Megatron's buffers and optimizer -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Buffer:
+    """One DDP param/grad buffer: its params' [start, end) element ranges and its padded size."""
+
+    expert: bool
+    fp32: bool  # the params' dtype is fp32 (norms of a bf16 model, or an fp32 model)
+    ranges: tuple[tuple[int, int], ...]
+    numel: int  # padded
+    shard_group: int  # the DP size its optimizer shards over (expert buffers: expert DP)
+
+    def shard_numel(self, rank: int) -> int:
+        """Elements of real params in DP rank `rank`'s contiguous 1/shard_group of the buffer."""
+        size = self.numel // self.shard_group
+        lo, hi = rank * size, (rank + 1) * size
+        total = 0
+        for start, end in self.ranges[max(0, bisect.bisect_right(self.ranges, (lo, lo)) - 1):]:  # sorted by start
+            if start >= hi:
+                break
+            total += max(0, min(hi, end) - max(lo, start))
+        return total
+
+
+def ddp_buffers(params: tuple[Param, ...], *, bf16: bool, distributed_optimizer: bool, dp: int,
+                expert_dp: int) -> list[Buffer]:
+    """Megatron DDP's buffers for one rank's params (reverse order, as DDP fills them)."""
+    groups: dict[tuple[bool, bool], list[Param]] = {}
+    for param in params:
+        groups.setdefault((param.expert, param.norm or not bf16), []).append(param)
+    buffers = []
+    for (expert, fp32), members in groups.items():
+        group = expert_dp if expert else dp
+        position, ranges = 0, []
+        for param in reversed(members):
+            if distributed_optimizer:
+                position = -(-position // 64) * 64
+            ranges.append((position, position + param.numel))
+            position += param.numel
+        if distributed_optimizer:
+            divisor = math.lcm(group, 128)
+            position = -(-position // divisor) * divisor
+        buffers.append(Buffer(expert, fp32, tuple(ranges), position, group if distributed_optimizer else 1))
+    return buffers
+
+
+@dataclass(frozen=True)
+class TrainStateBytes:
+    params: int
+    grads: int
+    optimizer: int
+    reference: int  # the reference model: the same shard, no DDP buffer
+
+
+def train_state_bytes(params: tuple[Param, ...], *, bf16: bool, distributed_optimizer: bool, dp: int,
+                      expert_dp: int, dp_rank: int, expert_dp_rank: int,
+                      buffers: list[Buffer] | None = None) -> TrainStateBytes:
+    param_bytes = lambda fp32: 4 if fp32 or not bf16 else 2  # noqa: E731
+    unpadded = sum(p.numel * param_bytes(p.norm) for p in params)
+    if buffers is None:
+        buffers = ddp_buffers(params, bf16=bf16, distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=expert_dp)
+    grads = sum(b.numel for b in buffers) * 4  # grad_reduce_in_fp32
+    if distributed_optimizer:
+        train = sum(b.numel * param_bytes(b.fp32) for b in buffers)
+        optimizer = 0
+        for b in buffers:
+            elements = b.shard_numel(expert_dp_rank if b.expert else dp_rank)
+            optimizer += elements * (8 if b.fp32 else 12)
+    else:
+        train = unpadded
+        optimizer = sum(p.numel * (8 if p.norm or not bf16 else 12) for p in params)
+    return TrainStateBytes(params=train, grads=grads, optimizer=optimizer, reference=unpadded)
+
+
+@lru_cache(maxsize=4096)
+def stage_train_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, ep: int, dp: int, bf16: bool,
+                      distributed_optimizer: bool, dp_rank: int) -> TrainStateBytes:
+    """`train_state_bytes` of a rank of pipeline stage `pp_rank` and data-parallel rank `dp_rank` (EP ranks are
+    carved out of DP: expert-DP rank = dp_rank // ep)."""
+    params = _stage_params(arch, tp, pp, pp_rank, ep)
+    buffers = _stage_buffers(arch, tp, pp, pp_rank, ep, dp, bf16, distributed_optimizer)
+    return train_state_bytes(params, bf16=bf16, distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=dp // ep,
+                             dp_rank=dp_rank, expert_dp_rank=dp_rank // ep, buffers=buffers)
+
+
+@lru_cache(maxsize=1024)
+def _stage_buffers(arch: Architecture, tp: int, pp: int, pp_rank: int, ep: int, dp: int, bf16: bool,
+                   distributed_optimizer: bool) -> list[Buffer]:
+    return ddp_buffers(_stage_params(arch, tp, pp, pp_rank, ep), bf16=bf16,
+                       distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=dp // ep)
+
+
+# -- inference shards -----------------------------------------------------------------------------------
+VLLM_VOCAB_PADDING = 64
+
+
+def vllm_numel(arch: Architecture, *, tp: int, tp_rank: int, dp: int, dp_rank: int, expert_parallel: bool) -> int:
+    """Elements of one vLLM rank's parameters (`named_parameters()`, the vocabulary padded to a multiple of 64).
+    Every rank's shapes are the same (even splits; KV heads replicated by whole heads; padding rows count)."""
+    return _vllm_numel(arch, tp, dp, expert_parallel)
+
+
+@lru_cache(maxsize=1024)
+def _vllm_numel(arch: Architecture, tp: int, dp: int, expert_parallel: bool) -> int:
+    tp_rank = dp_rank = 0
+    spec = arch.to_spec()
+    if spec is not None:
+        from mindspeed_rl.resharding.layouts import parameter_shapes, vllm_layout
+
+        layout = vllm_layout(spec, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank, expert_parallel=expert_parallel)
+        return sum(math.prod(shape) for shape in parameter_shapes(layout).values())
+    return _deepseek_vllm_numel(arch, tp, dp, expert_parallel)
+
+
+def _deepseek_vllm_numel(arch: Architecture, tp: int, dp: int, expert_parallel: bool) -> int:
+    h, a = arch.hidden_size, arch.num_attention_heads // tp
+    vocab = -(-arch.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // tp
+    total = vocab * h * (1 if arch.tie_word_embeddings else 2) + h
+    q_head = arch.qk_nope_head_dim + arch.qk_rope_head_dim
+    attention = (arch.kv_lora_rank + arch.qk_rope_head_dim) * h + arch.kv_lora_rank  # kv_a_proj + norm: whole
+    attention += a * (arch.qk_nope_head_dim + arch.v_head_dim) * arch.kv_lora_rank + h * a * arch.v_head_dim
+    if arch.q_lora_rank:
+        attention += arch.q_lora_rank * h + arch.q_lora_rank + a * q_head * arch.q_lora_rank
+    else:
+        attention += a * q_head * h
+    moe_ranks = tp * dp
+    for layer in range(arch.num_layers):
+        total += 2 * h + attention
+        if not arch.is_moe_layer(layer):
+            total += 3 * h * arch.intermediate_size // tp
+            continue
+        total += arch.num_experts * h + (arch.num_experts if arch.router_bias else 0)
+        experts = arch.num_experts * 3 * h * arch.moe_intermediate_size
+        total += experts // moe_ranks  # whole experts (EP) or a 1/(TP x DP) slice of each: the same count
+        total += 3 * h * arch.shared_expert_size // tp
+    return total

@@ -1,0 +1,208 @@
+"""The planner's output: a text table and a JSON document of the same figures."""
+from __future__ import annotations
+
+from mindspeed_rl.memory.residency import (INFER_WEIGHTS, KV_CACHE, REF_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER,
+                                           TRAIN_PARAMS)
+from mindspeed_rl.planner.from_config import Suggestion
+from mindspeed_rl.planner.memory import (ACTIVATIONS, DTYPE_BYTES, TABLE_PHASES, MemoryPlan, activation_terms,
+                                         format_bytes, kv_needed_bytes)
+from mindspeed_rl.planner.switch import SwitchPlan, iteration_moves
+
+ROWS = (
+    (TRAIN_PARAMS, "train params"),
+    (TRAIN_GRADS, "train grads (fp32)"),
+    (TRAIN_OPTIMIZER, "optimizer (Adam + fp32 masters)"),
+    (REF_PARAMS, "reference params"),
+    ("reward_model", "reward model"),
+    (INFER_WEIGHTS, "inference weights"),
+    (KV_CACHE, "KV cache"),
+    (ACTIVATIONS, "activations (estimate)"),
+    ("switch_staging", "switch staging buffers"),
+)
+
+
+def count_text(count: int) -> str:
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
+
+
+def _layout_line(plan: MemoryPlan) -> list[str]:
+    i = plan.inputs
+    train = f"train TP{i.tp} x PP{i.pp} x DP{i.dp}" + (f" (EP{i.ep})" if i.arch.is_moe else "")
+    extras = ["bf16" if i.bf16 else "fp32"]
+    if i.distributed_optimizer:
+        extras.append("distributed optimizer")
+    if i.sequence_parallel_effective:
+        extras.append("sequence parallel")
+    if i.flash_attention:
+        extras.append("flash attention")
+    infer = f"infer TP{i.infer_tp} x DP{i.infer_dp}" + (" (expert parallel)" if i.infer_expert_parallel else "")
+    if i.kv.on_cpu:
+        kv = f"KV cache {format_bytes(i.kv.cpu_bytes)} (cpu_kvcache_space_gb)"
+    elif i.device_memory is not None:
+        kv = (f"KV cache = gpu_memory_utilization {i.kv.gpu_memory_utilization} x {format_bytes(i.device_memory)} "
+              "- inference weights")
+    else:
+        kv = f"KV cache = max_num_seqs {i.kv.max_num_seqs} x max_model_len {i.kv.max_model_len} tokens (no --device-memory)"
+    flags = "/".join(str(not (s in i.policy.pinned)).lower() for s in (TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER))
+    return [f"  {train}, {', '.join(extras)}; update micro-batch {i.micro_batch_size} x {i.padded_seq_length} tokens, "
+            f"{i.micro_batches_per_step} per step per DP rank",
+            f"  {infer}, {i.infer_dtype}; {kv}",
+            f"  offload_train_param/grad/optimizer: {flags}; reference model: "
+            f"{'yes' if i.policy.has_reference else 'no'}; reward: rule-based (no reward model on the device)"]
+
+
+def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: SwitchPlan | None,
+                suggestions: list[Suggestion] | None, h2d_bytes_per_second: float, link_bytes_per_second: float) -> str:
+    i, arch = plan.inputs, plan.inputs.arch
+    lines = [f"model {model_name}: {arch.name}, {count_text(arch.parameter_count())} parameters"
+             + (f" ({count_text(arch.active_parameter_count())} active)" if arch.is_moe else "")
+             + (f", MTP module ({arch.mtp_layers} layer) not counted" if arch.mtp_layers else ""),
+             f"  numbers from {source}",
+             f"  {arch.support}",
+             f"layout: {i.world_size} device{'s' if i.world_size > 1 else ''}"]
+    lines += _layout_line(plan)
+    table, totals = plan.table(), plan.totals()
+    width = max(len(label) for _, label in ROWS) + 2
+    header = "".join(f"{p:>14}" for p in TABLE_PHASES)
+    lines += ["", f"bytes per device (each row: its largest rank; total: the largest rank's sum)",
+              f"{'':<{width}}{header}"]
+    for key, label in ROWS:
+        values = [table[p].get(key, 0) for p in TABLE_PHASES]
+        if key in ("reward_model", "switch_staging") and not any(values):
+            if key == "reward_model":
+                lines.append(f"{label:<{width}}" + "".join(f"{'-':>14}" for _ in TABLE_PHASES))
+            continue
+        lines.append(f"{label:<{width}}" + "".join(f"{format_bytes(v):>14}" for v in values))
+    lines.append(f"{'total':<{width}}" + "".join(f"{format_bytes(totals[p][1]):>14}" for p in TABLE_PHASES))
+    lines.append(f"{'  on rank':<{width}}" + "".join(f"{totals[p][0]:>14}" for p in TABLE_PHASES))
+    phase, rank, peak = plan.peak()
+    lines += ["", f"peak: {phase} on rank {rank}: {format_bytes(peak)} ({peak} bytes)"]
+    if i.device_memory is None:
+        lines.append("fits: no verdict (give --device-memory, e.g. --device-memory 64GiB)")
+    else:
+        margin = i.device_memory - peak
+        problems = plan.problems()
+        verdict = "FITS" if plan.fits() else "DOES NOT FIT"
+        lines.append(f"device memory {format_bytes(i.device_memory)}: {verdict} "
+                     f"({'margin' if margin >= 0 else 'short by'} {format_bytes(abs(margin))}"
+                     f"{' at the peak' if problems else ''})")
+        lines += [f"  and: {problem}" for problem in problems]
+        if not i.kv.on_cpu:
+            needed = kv_needed_bytes(i)
+            kv = table["generate"][KV_CACHE]
+            if 0 < kv < needed:
+                lines.append(f"  note: the KV cache ({format_bytes(kv)}) holds {kv / needed:.0%} of max_num_seqs x "
+                             f"max_model_len ({format_bytes(needed)}); vLLM runs fewer sequences at once")
+    if suggestions is not None:
+        if i.device_memory is not None and plan.fits() is False:
+            if suggestions:
+                lines += ["", "would fit with (Hydra overrides, each checked as load_config checks a config, then planned):"]
+                lines += [f"  {' '.join(s.overrides)}    -> peak {s.peak_phase} {format_bytes(s.peak_bytes)}"
+                          for s in suggestions]
+            else:
+                lines += ["", "no offload flag, micro-batch size or layout on these devices fits; more devices are needed"]
+    lines += ["", _switch_text(plan, switch, link_bytes_per_second)]
+    lines += _moves_text(plan, h2d_bytes_per_second)
+    lines += ["", "formulas:"] + [f"  {line}" for line in formulas(plan)]
+    return "\n".join(lines)
+
+
+def _switch_text(plan: MemoryPlan, switch: SwitchPlan | None, link: float) -> str:
+    if switch is None:
+        return ("switch train -> infer: not computed (the resharding plan has layouts for Qwen2 dense and "
+                "Qwen3-MoE only)")
+    if switch.max_received == 0 and switch.max_sent == 0:
+        return "switch train -> infer (the resharding plan): the layouts agree, every rank copies locally, nothing crosses the wire"
+    lines = [f"switch train -> infer (the resharding plan; {plan.inputs.infer_dtype} on the wire; "
+             f"link {link / 1e9:g} GB/s): {format_bytes(switch.max_received)} received / "
+             f"{format_bytes(switch.max_sent)} sent by the busiest rank, about {switch.seconds:.3f} s",
+             f"  {'rank':>6}{'received':>14}{'sent':>14}{'local copy':>14}{'staging':>14}{'seconds':>10}"]
+    for r in switch.ranks:
+        lines.append(f"  {r.rank:>6}{format_bytes(r.received):>14}{format_bytes(r.sent):>14}"
+                     f"{format_bytes(r.local):>14}{format_bytes(r.staging):>14}{max(r.received, r.sent) / link:>10.3f}")
+    return "\n".join(lines)
+
+
+def _moves_text(plan: MemoryPlan, h2d: float) -> list[str]:
+    lines = [f"host <-> device per iteration (largest rank; copies at {h2d / 1e9:g} GB/s; grads, vLLM weights and the "
+             "KV cache are dropped, not copied):"]
+    states = {k: max(r.states[k] for r in plan.ranks) for k in plan.ranks[0].states}
+    total = 0.0
+    for move in iteration_moves(plan.inputs, states):
+        if move.onload or move.offload:
+            seconds = (move.onload + move.offload) / h2d
+            total += seconds
+            lines.append(f"  {move.before:>11} -> {move.after:<11} onload {format_bytes(move.onload):>10}  "
+                         f"offload {format_bytes(move.offload):>10}  {seconds:.3f} s")
+    lines.append(f"  total {total:.3f} s")
+    return lines
+
+
+def formulas(plan: MemoryPlan) -> list[str]:
+    i = plan.inputs
+    e = 2 if i.bf16 else 4
+    terms = activation_terms(i)
+    moe = f" (MoE layer {terms.moe_layer:.0f} B, an uncalibrated estimate)" if i.arch.is_moe else ""
+    return [
+        "train params: the Megatron shard's elements x 2 (bf16; RMSNorm weights 4) or 4; with the distributed "
+        "optimizer the DDP param buffer, padded",
+        "train grads: Megatron DDP grad buffers, fp32 (grad_reduce_in_fp32), one per dtype and expert/dense, "
+        "padded with the distributed optimizer",
+        "optimizer: (exp_avg + exp_avg_sq) 8 B + fp32 master 4 B (bf16 params) per optimized element; the "
+        "distributed optimizer optimizes 1/DP of each buffer (expert buffers: 1/(DP/EP))",
+        "reference params: the train shard's elements, unpadded (no DDP)",
+        f"inference weights: the vLLM shard's elements (vocabulary padded to 64) x {DTYPE_BYTES[i.infer_dtype]}",
+        "KV cache: cpu_kvcache_space_gb on CPU; gpu_memory_utilization x device memory - inference weights on an "
+        "accelerator (vLLM's own activation reserve not subtracted); per token 2 x layers x KV heads per rank x "
+        "head_dim x dtype (MLA: layers x (kv_lora_rank + rope dim) x dtype)",
+        f"activations (update, per micro-batch token, e={e}): per layer (16+2e)h[/t with SP] + 4e q/t + 5e f/t "
+        f"+ c a s/t = {terms.dense_layer:.0f} B{moe}; first stage +8 B; last stage "
+        f"+(8+e)h + 4V/t + 8V = {terms.last_stage:.0f} B; x micro_batch_size x seq x min(PP - stage, "
+        "micro-batches) in flight; coefficients measured on this engine's CPU path (mindspeed_rl/planner/memory.py)",
+        "switch staging: min(received, bucket) + min(sent, bucket) (generate_config.resharding_bucket_mb)",
+    ]
+
+
+def json_report(plan: MemoryPlan, *, model_name: str, source: str, switch: SwitchPlan | None,
+                suggestions: list[Suggestion] | None, h2d_bytes_per_second: float,
+                link_bytes_per_second: float) -> dict:
+    i, arch = plan.inputs, plan.inputs.arch
+    phase, rank, peak = plan.peak()
+    totals = plan.totals()
+    states = {k: max(r.states[k] for r in plan.ranks) for k in plan.ranks[0].states}
+    return {
+        "model": {"name": model_name, "architecture": arch.name, "model_type": arch.model_type, "source": source,
+                  "parameters": arch.parameter_count(), "active_parameters": arch.active_parameter_count(),
+                  "mtp_layers_excluded": arch.mtp_layers, "trainable": arch.trainable, "support": arch.support},
+        "layout": {"world_size": i.world_size, "tp": i.tp, "pp": i.pp, "dp": i.dp, "ep": i.ep,
+                   "infer_tp": i.infer_tp, "infer_dp": i.infer_dp, "infer_expert_parallel": i.infer_expert_parallel,
+                   "bf16": i.bf16, "infer_dtype": i.infer_dtype, "distributed_optimizer": i.distributed_optimizer,
+                   "sequence_parallel": i.sequence_parallel_effective, "flash_attention": i.flash_attention,
+                   "micro_batch_size": i.micro_batch_size, "seq_length": i.padded_seq_length,
+                   "micro_batches_per_step": i.micro_batches_per_step,
+                   "offload_train_param": TRAIN_PARAMS not in i.policy.pinned,
+                   "offload_train_grad": TRAIN_GRADS not in i.policy.pinned,
+                   "offload_train_optimizer": TRAIN_OPTIMIZER not in i.policy.pinned},
+        "phases": {p: {**{k: v for k, v in row.items()}, "reward_model": 0, "total": totals[p][1],
+                       "total_rank": totals[p][0]} for p, row in plan.table().items()},
+        "per_rank": [{"rank": r.rank, **r.states,
+                      "phases": {p: sum(plan.rank_phase(r, p).values()) for p in TABLE_PHASES}} for r in plan.ranks],
+        "peak": {"phase": phase, "rank": rank, "bytes": peak},
+        "device_memory": i.device_memory,
+        "fits": plan.fits(),
+        "problems": plan.problems(),
+        "margin_bytes": None if i.device_memory is None else i.device_memory - peak,
+        "kv_needed_bytes": kv_needed_bytes(i),
+        "suggestions": [{"overrides": list(s.overrides), "peak_phase": s.peak_phase, "peak_bytes": s.peak_bytes}
+                        for s in suggestions or []],
+        "switch": None if switch is None else {
+            "link_bytes_per_second": link_bytes_per_second, "seconds": switch.seconds,
+            "ranks": [{"rank": r.rank, "received_bytes": r.received, "sent_bytes": r.sent, "local_bytes": r.local,
+                       "staging_bytes": r.staging, "seconds": max(r.received, r.sent) / link_bytes_per_second}
+                      for r in switch.ranks]},
+        "host_device_moves": [{"from": m.before, "to": m.after, "onload_bytes": m.onload, "offload_bytes": m.offload,
+                               "seconds": (m.onload + m.offload) / h2d_bytes_per_second}
+                              for m in iteration_moves(i, states)],
+        "formulas": formulas(plan),
+    }
+

@@ -1,0 +1,95 @@
+"""What each switch moves, per rank, and how long that takes at stated bandwidths.
+
+The train -> infer push is the resharding plan itself (`resharding/plan.py build_plan`, the function the
+engine's ShardingManager executes): each rank's received, sent and locally copied elements, counted at the
+inference dtype (every range travels in the dtype of the vLLM parameter it lands in). Its extra memory is
+the transfer's two staging buffers, min(received, bucket) + min(sent, bucket), which is what the engine
+reports as `resharding/peak_extra_bytes`.
+
+The host <-> device moves of an iteration follow the residency policy through the trainer's call order
+(ROLL's automatic mode: every RPC offloads its states afterwards, except that the train params stay from
+old_logprob into update): states that keep their contents are copied (train params, optimizer states,
+reference params), grads are dropped and come back as zeros, vLLM's weights are dropped after generating
+and refilled by the push, the KV cache is released and rebuilt empty.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mindspeed_rl.memory.residency import REF_PARAMS, TRAIN_OPTIMIZER, TRAIN_PARAMS
+from mindspeed_rl.planner.memory import DTYPE_BYTES, PlanInputs
+
+# The trainer's order of residency rows in one iteration (grpo_trainer.train + the RPCs' automatic offload).
+ITERATION = ("generate", "idle", "ref_logprob", "idle", "old_logprob", "update", "idle")
+COPIED = (TRAIN_PARAMS, TRAIN_OPTIMIZER, REF_PARAMS)  # groups whose contents cross host <-> device
+
+
+@dataclass(frozen=True)
+class RankSwitch:
+    rank: int
+    received: int
+    sent: int
+    local: int
+    staging: int
+
+
+@dataclass(frozen=True)
+class SwitchPlan:
+    ranks: tuple[RankSwitch, ...]
+    link_bytes_per_second: float
+
+    @property
+    def max_received(self) -> int:
+        return max(r.received for r in self.ranks)
+
+    @property
+    def max_sent(self) -> int:
+        return max(r.sent for r in self.ranks)
+
+    @property
+    def seconds(self) -> float:
+        """Point-to-point, both directions at once: the busiest rank's larger direction over the link."""
+        return max(max(r.received, r.sent) for r in self.ranks) / self.link_bytes_per_second
+
+
+def plan_switch(inputs: PlanInputs, *, link_bytes_per_second: float) -> SwitchPlan | None:
+    """The push's bytes per rank from the resharding plan; None where the engine has no layout for the model."""
+    spec = inputs.arch.to_spec()
+    if spec is None:
+        return None
+    from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
+
+    plan = build_plan(spec, TrainLayout(tp=inputs.tp, pp=inputs.pp, ep=inputs.ep),
+                      InferLayout(tp=inputs.infer_tp, expert_parallel=inputs.infer_expert_parallel), inputs.world_size)
+    size = DTYPE_BYTES[inputs.infer_dtype]
+    ranks = []
+    for rank in range(inputs.world_size):
+        stats = plan.stats[rank]
+        received, sent = stats["received_numel"] * size, stats["sent_numel"] * size
+        staging = min(received, inputs.bucket_bytes) + min(sent, inputs.bucket_bytes)
+        ranks.append(RankSwitch(rank, received, sent, stats["local_numel"] * size, staging))
+    return SwitchPlan(tuple(ranks), link_bytes_per_second)
+
+
+@dataclass(frozen=True)
+class Move:
+    """Host <-> device copies when the residency goes from one row to the next (largest rank)."""
+
+    before: str
+    after: str
+    onload: int
+    offload: int
+
+
+def iteration_moves(inputs: PlanInputs, states: dict[str, int]) -> list[Move]:
+    """`states`: one rank's bytes per state group."""
+    policy, moves = inputs.policy, []
+    for before, after in zip(ITERATION, ITERATION[1:] + ITERATION[:1]):
+        was, will = policy.resident(before), policy.resident(after)
+        onload = sum(states[g] for g in COPIED if g in will and g not in was)
+        offload = sum(states[g] for g in COPIED if g in was and g not in will)
+        if before == "idle" and after == "generate":
+            onload += states[TRAIN_PARAMS] if TRAIN_PARAMS not in was else 0  # the push reads them
+            offload += states[TRAIN_PARAMS] if TRAIN_PARAMS not in policy.pinned else 0
+        moves.append(Move(before, after, onload, offload))
+    return moves

@@ -1,0 +1,330 @@
+"""The memory planner (mindspeed_rl/planner/, cli/plan.py): parameter counts of the shipped specs against the
+published sizes, the phase table against the residency policy, per-rank bytes against hand computations and
+against a live Megatron engine's tensors, the switch against the resharding plan, and the CLI.
+
+Runs where: in the pytest process (the live-engine checks use the 1-rank gloo world of conftest), plus three
+short `python cli/plan.py` subprocesses (no Ray, no vLLM; a few seconds each).
+"""
+import itertools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mindspeed_rl.memory.residency import PHASES, ResidencyPolicy
+from mindspeed_rl.planner.arch import from_hf_config
+from mindspeed_rl.planner.memory import (ACTIVATIONS, KVCacheSpec, PlanInputs, activation_bytes, parse_bytes,
+                                         plan_memory)
+from mindspeed_rl.planner.params import megatron_params, train_state_bytes, vllm_numel
+from mindspeed_rl.planner.switch import plan_switch
+
+REPO = Path(__file__).resolve().parents[1]
+HF = REPO / "configs" / "model" / "hf"
+
+# Published totals (model cards / the safetensors metadata on the Hub); DeepSeek-V3 without its MTP module.
+PUBLISHED = {"qwen25_7b": 7.61e9, "qwen25_32b": 32.8e9, "qwen3_30b_a3b": 30.5e9, "deepseek_v3": 671e9}
+
+
+def _arch(name: str):
+    return from_hf_config(json.loads((HF / f"{name}.json").read_text()))
+
+
+def _tiny(**overrides):
+    config = {"model_type": "qwen2", "vocab_size": 16, "hidden_size": 128, "intermediate_size": 256,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
+    return from_hf_config({**config, **overrides})
+
+
+def _tiny_moe(**overrides):
+    config = dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, head_dim=16, num_experts=4,
+                  moe_intermediate_size=32, num_experts_per_tok=2)
+    return _tiny(**{**config, **overrides})
+
+
+# -- parameter counts ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_count_of_each_shipped_spec_is_within_half_a_percent_of_the_published_size(name):
+    count = _arch(name).parameter_count()
+    assert abs(count - PUBLISHED[name]) / PUBLISHED[name] < 0.005, (name, count)
+
+
+def test_active_parameters_of_the_moe_specs():
+    assert abs(_arch("qwen3_30b_a3b").active_parameter_count() / 3.3e9 - 1) < 0.02  # "A3B": 3.3B active
+    assert abs(_arch("deepseek_v3").active_parameter_count() / 37e9 - 1) < 0.02  # 37B activated
+
+
+@pytest.mark.parametrize("name", ["qwen25_7b", "qwen3_30b_a3b"])
+def test_the_count_equals_the_engines_hf_tensor_shapes(name):
+    from mindspeed_rl.resharding.layouts import hf_shapes
+
+    arch = _arch(name)
+    assert arch.parameter_count() == sum(math.prod(s) for s in hf_shapes(arch.to_spec()).values())
+
+
+def test_deepseek_shards_add_up_to_the_count():
+    """TP1/PP1/EP1 Megatron holds every parameter (the router's score bias is a buffer there); vLLM too."""
+    arch = _arch("deepseek_v3")
+    assert not arch.trainable and "cannot train" in arch.support and arch.mtp_layers == 1
+    megatron = sum(p.numel for p in megatron_params(arch, tp=1, tp_rank=0, pp=1, pp_rank=0))
+    router_bias = arch.num_experts * (arch.num_layers - arch.first_dense_layers)
+    assert megatron + router_bias == arch.parameter_count()
+    assert vllm_numel(arch, tp=1, tp_rank=0, dp=1, dp_rank=0, expert_parallel=False) == arch.parameter_count()
+
+
+def test_shipped_model_blocks_describe_their_config_json():
+    from omegaconf import OmegaConf
+
+    from mindspeed_rl.config import ModelArchConfig, check_model_block_against_hf
+
+    for name in PUBLISHED:
+        block = OmegaConf.load(REPO / "configs" / "model" / f"{name}.yaml")[name]
+        arch = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelArchConfig), block))
+        arch.check(f"model.{name}")
+        check_model_block_against_hf(arch, f"model.{name}", json.loads((HF / f"{name}.json").read_text()))
+
+
+# -- per-rank bytes by hand ---------------------------------------------------------------------------------
+def test_dense_tp2_pp2_shards_by_hand():
+    arch = _tiny()  # V16 h128 f256 4 layers, 4 heads of 32, 2 KV heads, QKV bias, untied
+    h, hd = 128, 32
+    layer = (2 * h                                   # input / pre-MLP norms, replicated
+             + (2 * hd + hd + hd) * (h + 1)          # linear_qkv: this rank's query group (2 heads + k + v), bias
+             + h * 2 * hd                            # linear_proj: half the columns
+             + 2 * (256 // 2) * h + h * (256 // 2))  # linear_fc1 [gate; up] halves, linear_fc2 half the columns
+    first = 16 // 2 * h + 2 * layer                  # vocab-parallel embedding + 2 layers
+    last = 2 * layer + h + 16 // 2 * h               # 2 layers + final norm + vocab-parallel output layer
+    for tp_rank in (0, 1):
+        assert sum(p.numel for p in megatron_params(arch, tp=2, tp_rank=tp_rank, pp=2, pp_rank=0)) == first
+        assert sum(p.numel for p in megatron_params(arch, tp=2, tp_rank=tp_rank, pp=2, pp_rank=1)) == last
+    plan = plan_memory(PlanInputs(arch=arch, world_size=4, tp=2, pp=2))
+    table = plan.table()
+    assert table["old_logprob"]["train_params"] == 4 * last  # fp32, the larger stage
+    assert table["update"]["train_grads"] == 4 * last
+    assert table["update"]["optimizer_states"] == 8 * last  # Adam moments, fp32 model: no masters
+    # vLLM TP1 on every rank: the whole model, the 16-row vocabulary padded to 64.
+    whole = arch.parameter_count() + 2 * (64 - 16) * h
+    assert table["generate"]["inference_weights"] == 4 * whole
+
+
+def test_bf16_keeps_norms_in_fp32_and_adds_fp32_masters():
+    arch = _tiny(num_hidden_layers=2)
+    params = megatron_params(arch, tp=1, tp_rank=0, pp=1, pp_rank=0)
+    norms = sum(p.numel for p in params if p.norm)
+    assert norms == 2 * 2 * 128 + 128
+    rest = arch.parameter_count() - norms
+    state = train_state_bytes(params, bf16=True, distributed_optimizer=False, dp=1, expert_dp=1, dp_rank=0,
+                              expert_dp_rank=0)
+    assert state.params == state.reference == 2 * rest + 4 * norms
+    assert state.grads == 4 * (rest + norms)  # grad_reduce_in_fp32
+    assert state.optimizer == 12 * rest + 8 * norms  # moments for all, fp32 masters for the bf16 ones
+
+
+def test_moe_tp2_ep2_shards_and_the_distributed_optimizer_by_hand():
+    arch = _tiny_moe()  # h64, 4 heads of 16, 2 KV heads, 4 experts of 32, q/k norms, no bias, 2 layers
+    h, tp, ep = 64, 2, 2
+    expert = 2 * (32 // tp) * h + h * (32 // tp)  # one expert's fc1 [gate; up] and fc2, split over expert TP
+    layer_dense = 2 * h + (2 * 16 + 16 + 16) * h + 2 * 16 + h * 2 * 16 + 4 * h  # norms, qkv, q/k norms, proj, router
+    params = megatron_params(arch, tp=tp, tp_rank=1, pp=1, pp_rank=0, ep=ep, ep_rank=1)
+    experts = sum(p.numel for p in params if p.expert)
+    assert experts == 2 * (4 // ep) * expert
+    assert sum(p.numel for p in params) == experts + 2 * layer_dense + 2 * (16 // tp) * h + h
+    # bf16 + distributed optimizer on 8 ranks: DP 4, expert DP 2. Each buffer's params start on 64-element
+    # boundaries, each buffer ends on lcm(DP, 128); a rank optimizes 1/DP of each (1/expert-DP of the experts).
+    state = train_state_bytes(params, bf16=True, distributed_optimizer=True, dp=4, expert_dp=2, dp_rank=0,
+                              expert_dp_rank=0)
+    norms = [p.numel for p in params if p.norm]  # 64, 16, 16, 64 per layer, then the final 64 (all fp32)
+    # DDP fills a buffer in reverse order, each start rounded up to 64: every norm but the first is rounded up.
+    padded_norms = -(-(sum(-(-n // 64) * 64 for n in norms[1:]) + norms[0]) // 128) * 128
+    dense_bf16 = sum(p.numel for p in params if not p.norm and not p.expert)  # all multiples of 64
+    assert state.params == 2 * (-(-dense_bf16 // 128) * 128 + experts) + 4 * padded_norms
+    assert state.grads == 4 * (-(-dense_bf16 // 128) * 128 + experts + padded_norms)
+    assert state.reference == 2 * (dense_bf16 + experts) + 4 * sum(norms)
+
+
+def test_activations_follow_the_pipeline_schedule():
+    arch = _tiny()
+    inputs = PlanInputs(arch=arch, world_size=2, pp=2, micro_batch_size=4, mini_batch_samples=8, seq_length=10)
+    assert inputs.micro_batches_per_step == 2
+    # Stage 0 holds 2 micro-batches in flight (1F1B warm-up), the last stage 1 plus the logits.
+    per_layer = 24 * 128 + 16 * 128 + 20 * 256 + 4 * 4 * 10
+    assert activation_bytes(inputs, 0) == 2 * 4 * 10 * (2 * per_layer + 8)
+    assert activation_bytes(inputs, 1) == 4 * 10 * (2 * per_layer + 12 * 128 + 12 * 16)
+
+
+# -- the phase table is the residency policy ----------------------------------------------------------------
+@pytest.mark.parametrize("flags", list(itertools.product([True, False], repeat=3)))
+def test_the_phase_table_follows_the_residency_policy(flags):
+    policy = ResidencyPolicy(offload_train_param=flags[0], offload_train_grad=flags[1], offload_train_optimizer=flags[2])
+    plan = plan_memory(PlanInputs(arch=_tiny(), world_size=2, tp=2, policy=policy,
+                                  kv=KVCacheSpec(on_cpu=True, cpu_bytes=1 << 22)))
+    table = plan.table()
+    for phase in PHASES:
+        resident = {c for c, v in table[phase].items() if v}
+        expected = set(policy.resident(phase)) | ({ACTIVATIONS} if phase == "update" else set())
+        assert resident == expected, (phase, flags)
+        assert plan.totals()[phase][1] == sum(table[phase].values())  # every rank alike here
+    switch = {c for c, v in table["switch"].items() if v}
+    assert switch == set(policy.pinned) | {"train_params", "inference_weights"}
+
+
+def test_kv_cache_sizes():
+    arch = _arch("qwen25_7b")
+    gpu = KVCacheSpec(on_cpu=False, gpu_memory_utilization=0.5, max_num_seqs=8, max_model_len=1024)
+    needed = plan_memory(PlanInputs(arch=arch, world_size=2, infer_tp=2, bf16=True, infer_dtype="bfloat16", kv=gpu))
+    per_token = 2 * 28 * (4 // 2) * 128 * 2  # K and V, 28 layers, 2 of the 4 KV heads, head_dim 128, bf16
+    assert needed.table()["generate"]["kv_cache"] == 8 * 1024 * per_token
+    sized = plan_memory(PlanInputs(arch=arch, world_size=2, infer_tp=2, bf16=True, infer_dtype="bfloat16", kv=gpu,
+                                   device_memory=64 << 30))
+    row = sized.table()["generate"]
+    assert row["kv_cache"] + row["inference_weights"] == 32 << 30  # vLLM fills its share of the device
+    cpu = plan_memory(PlanInputs(arch=arch, world_size=1, kv=KVCacheSpec(on_cpu=True, cpu_bytes=3 << 20)))
+    assert cpu.table()["generate"]["kv_cache"] == 3 << 20
+
+
+def test_parse_bytes():
+    assert parse_bytes("64GiB") == 64 << 30 and parse_bytes("80GB") == 80 * 10**9 and parse_bytes("1.5TiB") == 3 << 39
+    for bad in ("abc", "-1GiB", "12XB", ""):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+# -- the switch is the resharding plan ----------------------------------------------------------------------
+@pytest.mark.parametrize("layout", [
+    dict(arch="dense", world_size=2, tp=2, infer_tp=1),
+    dict(arch="dense", world_size=2, pp=2, infer_tp=2),
+    dict(arch="dense", world_size=4, tp=2, pp=2, infer_tp=1, infer_dtype="bfloat16"),
+    dict(arch="moe", world_size=2, ep=2, infer_tp=2, infer_expert_parallel=True),
+])
+def test_switch_bytes_are_the_resharding_plans(layout):
+    from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
+
+    layout = dict(layout)
+    arch = _tiny() if layout.pop("arch") == "dense" else _tiny_moe()
+    inputs = PlanInputs(arch=arch, bucket_bytes=1 << 16, **layout)
+    switch = plan_switch(inputs, link_bytes_per_second=1e9)
+    plan = build_plan(arch.to_spec(), TrainLayout(tp=inputs.tp, pp=inputs.pp, ep=inputs.ep),
+                      InferLayout(tp=inputs.infer_tp, expert_parallel=inputs.infer_expert_parallel), inputs.world_size)
+    size = 2 if inputs.infer_dtype == "bfloat16" else 4
+    for rank in switch.ranks:
+        stats = plan.stats[rank.rank]
+        assert (rank.received, rank.sent, rank.local) == (size * stats["received_numel"], size * stats["sent_numel"],
+                                                          size * stats["local_numel"])
+        assert rank.staging == min(rank.received, 1 << 16) + min(rank.sent, 1 << 16)
+    assert switch.seconds == max(max(r.received, r.sent) for r in switch.ranks) / 1e9
+
+
+# -- against a live Megatron engine (1 rank) ----------------------------------------------------------------
+def _storage_bytes(tensors) -> int:
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _live_engine(world, arch, *, bf16: bool, distributed: bool):
+    from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
+    from mindspeed_rl.resharding.layouts import hf_shapes
+
+    spec = arch.to_spec()
+    generator = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(s, generator=generator) * 0.05 for k, s in hf_shapes(spec).items()}
+    settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                                 clip_grad=1.0, use_distributed_optimizer=distributed)
+    return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                          accelerator=world, optimizer=settings)
+
+
+def _train_once(engine, vocab: int, *, samples: int, prompt: int, response: int, micro_batch_size: int):
+    from mindspeed_rl.algorithms.grpo import GRPOLossConfig
+    from mindspeed_rl.protocol import RolloutBatch
+    from mindspeed_rl.workers.actor_hybrid_worker import train_on_mini_batch
+
+    generator = torch.Generator().manual_seed(1)
+    batch = RolloutBatch.from_token_lists(
+        [torch.randint(1, vocab, (prompt,), generator=generator).tolist() for _ in range(samples)],
+        [torch.randint(1, vocab, (response,), generator=generator).tolist() for _ in range(samples)],
+        pad_id=0, response_width=response)
+    for column in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
+        batch.columns[column] = torch.zeros(batch.response_logprobs_shape)
+    batch.columns["advantages"] = torch.randn(samples, generator=generator)
+    config = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.001, entropy_coeff=0.0,
+                            token_level_loss=True)
+    train_on_mini_batch(engine, batch, config, micro_batch_size=micro_batch_size, temperature=1.0)
+
+
+@pytest.mark.parametrize("arch, bf16, distributed", [
+    (_tiny(hidden_size=96, intermediate_size=200, num_hidden_layers=2, vocab_size=40), True, True),
+    (_tiny_moe(hidden_size=96, head_dim=24, vocab_size=40, moe_intermediate_size=40), True, True),
+    (_tiny(num_hidden_layers=2), False, False),
+], ids=["dense-bf16-distopt-padded", "moe-bf16-distopt-padded", "dense-fp32"])
+def test_train_states_equal_a_live_engines_tensors(world, arch, bf16, distributed):
+    """Sizes that are not multiples of 64 put the distributed optimizer's padding where the planner says."""
+    from mindspeed_rl.memory.megatron_states import grad_buffer_tensors, optimizer_state_tensors, param_tensors
+
+    engine = _live_engine(world, arch, bf16=bf16, distributed=distributed)
+    _train_once(engine, arch.vocab_size, samples=4, prompt=5, response=3, micro_batch_size=4)  # Adam's moments
+    predicted = train_state_bytes(megatron_params(arch, tp=1, tp_rank=0, pp=1, pp_rank=0), bf16=bf16,
+                                  distributed_optimizer=distributed, dp=1, expert_dp=1, dp_rank=0, expert_dp_rank=0)
+    assert predicted.params == _storage_bytes(param_tensors(engine.module))
+    assert predicted.grads == _storage_bytes(grad_buffer_tensors(engine.model))
+    assert predicted.optimizer == _storage_bytes(optimizer_state_tensors(engine.optimizer))
+    assert predicted.reference == sum(p.numel() * p.element_size() for p in engine.module.parameters())
+
+
+def test_activation_estimate_against_the_activation_meter(world):
+    """Dimensions other than the demo's: the measured coefficients carry over (fp32, TP1, one micro-batch)."""
+    import itertools as it
+
+    from mindspeed_rl.memory import ActivationMeter
+    from mindspeed_rl.memory.megatron_states import grad_buffer_tensors, optimizer_state_tensors, param_tensors
+
+    arch = _tiny(vocab_size=48, hidden_size=64, intermediate_size=320, num_hidden_layers=3, num_attention_heads=8,
+                 num_key_value_heads=2)
+    engine = _live_engine(world, arch, bf16=False, distributed=False)
+    _train_once(engine, arch.vocab_size, samples=6, prompt=7, response=5, micro_batch_size=6)
+    keep = it.chain(param_tensors(engine.module), grad_buffer_tensors(engine.model),
+                    optimizer_state_tensors(engine.optimizer))
+    with ActivationMeter({t.untyped_storage()._cdata for t in keep}) as meter:
+        _train_once(engine, arch.vocab_size, samples=6, prompt=7, response=5, micro_batch_size=6)
+    predicted = activation_bytes(PlanInputs(arch=arch, world_size=1, micro_batch_size=6, mini_batch_samples=6,
+                                            seq_length=12), 0)
+    assert abs(predicted - meter.peak_bytes) / meter.peak_bytes < 0.1, (predicted, meter.peak_bytes)
+
+
+# -- the CLI --------------------------------------------------------------------------------------------------
+def _plan_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "cli/plan.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_on_the_7b_recipe_gives_a_verdict_and_a_suggestion_that_fits():
+    done = _plan_cli("--config-name", "grpo_qwen25_7b_A3", "--device-memory", "64GiB")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "Qwen2ForCausalLM, 7.62B parameters" in out and "layout: 16 devices" in out
+    assert "train TP2 x PP2 x DP4" in out and "infer TP1 x DP16" in out
+    for row in ("train params", "train grads", "optimizer", "reference params", "inference weights", "KV cache",
+                "activations", "total"):
+        assert any(line.startswith(row) for line in out.splitlines()), row
+    verdicts = [line for line in out.splitlines() if line.startswith("device memory 64.00 GiB: ")]
+    assert len(verdicts) == 1 and ("FITS" in verdicts[0] or "DOES NOT FIT" in verdicts[0])
+    assert "switch train -> infer (the resharding plan" in out
+    if "DOES NOT FIT" in verdicts[0]:
+        lines = out.splitlines()
+        first = lines[lines.index(next(l for l in lines if l.startswith("would fit with"))) + 1]
+        overrides = first.split("->")[0].split()
+        again = _plan_cli("--config-name", "grpo_qwen25_7b_A3", "--device-memory", "64GiB", *overrides)
+        assert again.returncode == 0, again.stderr
+        assert "device memory 64.00 GiB: FITS" in again.stdout, (overrides, again.stdout[-3000:])
+
+
+def test_cli_json_and_bad_input():
+    done = _plan_cli("--config-name", "grpo_tiny_cpu_tp2_infer_dp2", "--json", "-")
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    assert document["layout"]["tp"] == 2 and document["layout"]["infer_dp"] == 2 and document["fits"] is None
+    assert document["phases"]["generate"]["kv_cache"] == 128 << 20  # cpu_kvcache_space_gb 0.125
+    assert [r["received_bytes"] for r in document["switch"]["ranks"]] == [599040, 599040]  # the other TP half
+    bad = _plan_cli("--config-name", "grpo_tiny_cpu", "--device-memory", "lots")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.splitlines() == ["config error: --device-memory: 'lots' is not a size like 64GiB, 80GB or 1.5TiB"]
