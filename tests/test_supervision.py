@@ -88,12 +88,29 @@ def test_a_dead_worker_is_described_as_died(local_ray):
 
 
 def test_a_placement_that_cannot_be_satisfied_names_the_missing_resource(local_ray):
-    from ray.util.placement_group import placement_group
+    from mindspeed_rl.workers.placement import place_ranks
 
-    from mindspeed_rl.workers.group import _wait_for_placement
-
-    bundles = [{"CPU": 1.0}] * 3
     started = time.monotonic()
     with pytest.raises(ConfigError, match=r"could not place 3 rank\(s\) within 2 s .*CPU: 3 needed, 2 in the cluster"):
-        _wait_for_placement(placement_group(bundles), bundles, timeout_seconds=2)
+        place_ranks(3, device="cpu", cpus_per_slot=1.0, num_gpus_per_node=None, timeout_seconds=2)
     assert time.monotonic() - started < 10
+
+
+def test_ranks_are_cut_into_nodes_of_num_gpus_per_node():
+    from mindspeed_rl.workers.placement import node_slices
+
+    assert node_slices(16, 8) == [range(0, 8), range(8, 16)]
+    assert node_slices(4, None) == [range(0, 4)]
+    assert node_slices(6, 4) == [range(0, 4), range(4, 6)]
+
+
+def test_each_node_is_one_strict_pack_group_and_rank_r_sits_on_node_r_div_per_node(local_ray):
+    from mindspeed_rl.workers.placement import place_ranks
+
+    placement = place_ranks(2, device="cpu", cpus_per_slot=0.5, num_gpus_per_node=1, timeout_seconds=30)
+    try:
+        assert len(placement.groups) == 2
+        assert placement.slots == [(0, 0), (1, 0)]
+        assert all(group.bundle_specs == [{"CPU": 0.5}] for group in placement.groups)
+    finally:
+        placement.remove()

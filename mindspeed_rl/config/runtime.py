@@ -41,6 +41,9 @@ class RuntimeConfig:
     collective_timeout_seconds: float = 1800.0
     # Ray must place every rank within this time, else the run says which resource is missing.
     placement_timeout_seconds: float = 60.0
+    # null: a Ray instance of this process on this machine. "auto" or "HEAD_IP:6379": join the cluster
+    # started by `ray start` on each node (multi-node; see README "Resources").
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         require_choice(self.SECTION_KEY, self, "device", DEVICES)

@@ -249,19 +249,42 @@ def start_ray(config: GRPOConfig, device: str, threads_per_rank: int, *, attempt
     # Ray 2.54 warns on every start that it will stop overriding CUDA_VISIBLE_DEVICES for CPU-only
     # actors; opting in now changes nothing for the ranks (each asks for its device) and ends the warning.
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    common = dict(log_to_driver=True, configure_logging=False, runtime_env={"env_vars": {"PYTHONWARNINGS": "ignore"}})
+    if config.runtime.ray_address:
+        # A cluster started with `ray start --head` / `ray start --address=HEAD:6379` on each node.
+        _check_reachable(config.runtime.ray_address)
+        try:
+            ray.init(address=config.runtime.ray_address, **common)
+        except (ConnectionError, RuntimeError) as error:
+            raise ConfigError("runtime.ray_address", f"cannot join the Ray cluster at "
+                                                     f"{config.runtime.ray_address}: {str(error).splitlines()[0]}") from None
+        return
     for attempt in range(1, attempts + 1):
         try:
             # Logical CPUs: one per rank at least, whatever the host has (ranks are mostly idle
             # while another role runs; threads are capped separately).
-            ray.init(num_cpus=max(config.world_size, os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=True, configure_logging=False,
-                     runtime_env={"env_vars": {"PYTHONWARNINGS": "ignore"}})
+            ray.init(num_cpus=max(config.world_size, os.cpu_count() or 1), include_dashboard=False, **common)
             return
         except Exception as error:  # Ray raises a bare Exception for a failed node start
             ray.shutdown()
             if attempt == attempts:
                 raise
             print(f"[ray] start failed ({error}); retrying", flush=True)
+
+
+def _check_reachable(address: str, timeout_seconds: float = 10.0) -> None:
+    """Ray retries an unreachable head for minutes; a wrong address is said in seconds instead."""
+    import socket
+
+    if address == "auto" or ":" not in address:
+        return  # Ray finds the local cluster (or says there is none) by itself
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_seconds):
+            return
+    except (OSError, ValueError) as error:
+        raise ConfigError("runtime.ray_address", f"no Ray head answers at {address} ({error}); start one with "
+                                                 "`ray start --head` and give its address (or auto)") from None
 
 
 def threads_per_rank(config: GRPOConfig) -> int:

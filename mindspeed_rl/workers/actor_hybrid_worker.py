@@ -65,6 +65,10 @@ class ActorHybridWorkerBase:
 
         return this_worker_address(self.rank_info.rank)
 
+    def set_master_addr(self, master_addr: str) -> None:
+        """Ranks on several nodes meet at rank 0's node (one node: the loopback address)."""
+        os.environ["MASTER_ADDR"] = master_addr
+
     def shm_segments(self) -> list[str]:
         """The /dev/shm segments this process maps (vLLM's broadcast and all-reduce buffers): the
         driver unlinks them once the ranks are gone, since a killed process never does."""

@@ -15,12 +15,10 @@ import uuid
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mindspeed_rl import interrupts
-from mindspeed_rl.config import ConfigError
 from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorker, RankInfo, Shard
+from mindspeed_rl.workers.placement import place_ranks
 from mindspeed_rl.workers.fault_injection import FAULT_ENV_VAR, FAULT_LOG_ENV_VAR, worker_class_with_faults
 from mindspeed_rl.workers.supervision import (Deadlines, WorkerAddress, WorkerFailure, describe_worker_error,
                                               silent_ranks)
@@ -35,14 +33,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _bundle(device: str, cpus_per_rank: float) -> dict[str, float]:
-    if device == "cuda":
-        return {"GPU": 1, "CPU": cpus_per_rank}
-    if device == "npu":
-        return {"NPU": 1, "CPU": cpus_per_rank}
-    return {"CPU": cpus_per_rank}
 
 
 class RayActorGroup:
@@ -60,10 +50,9 @@ class RayActorGroup:
         self.addresses: list[WorkerAddress] = []
         self.shm_segments: set[str] = set()
         self.workers: list = []
-        bundles = [_bundle(device, cpus_per_rank)] * world_size
-        with interrupts.shielded():
-            self.placement_group = placement_group(bundles, strategy="PACK")
-        _wait_for_placement(self.placement_group, bundles, timeout_seconds=runtime.placement_timeout_seconds)
+        self.placement = place_ranks(world_size, device=device, cpus_per_slot=cpus_per_rank,
+                                     num_gpus_per_node=config.resource_plan.num_gpus_per_node,
+                                     timeout_seconds=runtime.placement_timeout_seconds)
         for name in (FAULT_ENV_VAR, FAULT_LOG_ENV_VAR):
             if os.environ.get(name):
                 env_vars = {**env_vars, name: os.environ[name]}
@@ -74,6 +63,8 @@ class RayActorGroup:
                                                device)
         self.addresses = [WorkerAddress(rank=rank, host="?", pid=0) for rank in range(world_size)]
         self.addresses = self.call("address")
+        if len({a.host for a in self.addresses}) > 1:  # across nodes: rendezvous at rank 0's node
+            self.call("set_master_addr", self.addresses[0].ip)
 
     def _start_workers(self, worker_class, config, env_vars, model_dir, ref_model_dir, cpus_per_rank, device):
         world_size = config.world_size
@@ -82,7 +73,7 @@ class RayActorGroup:
                 num_cpus=cpus_per_rank,
                 num_gpus=1 if device == "cuda" else 0,
                 resources={"NPU": 1} if device == "npu" else None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank),
+                scheduling_strategy=self.placement.strategy_for(rank),
                 runtime_env={"env_vars": env_vars},
                 max_restarts=0,
             ).remote(config, RankInfo(rank=rank, world_size=world_size, master_addr="127.0.0.1",
@@ -180,37 +171,12 @@ class RayActorGroup:
         # Ray's kill lets a process exit on its own first; a stopped or hung one never does.
         _sigkill_ray_workers(local_pids)
         _wait_for_exit(local_pids, timeout_seconds=_EXIT_WAIT_SECONDS)
-        with contextlib.suppress(Exception):
-            remove_placement_group(self.placement_group)
+        self.placement.remove()
         remove_shm_segments(self.shm_segments, master_port=self.master_port)
 
     def _local_pids(self) -> list[int]:
         host = socket.gethostname()
         return [a.pid for a in self.addresses if a.pid and a.host == host]
-
-
-def _wait_for_placement(group, bundles: list[dict[str, float]], *, timeout_seconds: float) -> None:
-    """Ray waits forever for resources that never come; a run says which is missing instead."""
-    needed: dict[str, float] = {}
-    for bundle in bundles:
-        for resource, amount in bundle.items():
-            needed[resource] = needed.get(resource, 0.0) + amount
-    end = time.monotonic() + timeout_seconds
-    ready_ref = group.ready()
-    while time.monotonic() < end:
-        with interrupts.shielded():
-            ready, _ = ray.wait([ready_ref], timeout=_WAIT_SLICE_SECONDS)
-        if ready:
-            return
-    available = ray.cluster_resources()
-    missing = {r: f"{amount:g} needed, {available.get(r, 0):g} in the cluster" for r, amount in needed.items()
-               if available.get(r, 0) < amount}
-    remove_placement_group(group)
-    detail = "; ".join(f"{r}: {text}" for r, text in missing.items()) or \
-        f"the cluster has {dict(available)} but no node fits a bundle of {bundles[0]}"
-    raise ConfigError("rl_config.actor_resource.num_npus",
-                      f"Ray could not place {len(bundles)} rank(s) within {timeout_seconds:.0f} s "
-                      f"(runtime.placement_timeout_seconds): {detail}")
 
 
 def _wait_for_exit(pids: list[int], *, timeout_seconds: float) -> None:

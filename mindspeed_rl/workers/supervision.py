@@ -26,6 +26,7 @@ class WorkerAddress:
     rank: int
     host: str
     pid: int
+    ip: str = "127.0.0.1"  # the node's address (Ray's view): where rank 0 listens when ranks span nodes
 
     def describe(self) -> str:
         return f"rank {self.rank} (host {self.host}, pid {self.pid})"
@@ -34,7 +35,9 @@ class WorkerAddress:
 def this_worker_address(rank: int) -> WorkerAddress:
     import os
 
-    return WorkerAddress(rank=rank, host=socket.gethostname(), pid=os.getpid())
+    import ray
+
+    return WorkerAddress(rank=rank, host=socket.gethostname(), pid=os.getpid(), ip=ray.util.get_node_ip_address())
 
 
 class Deadlines:
