@@ -252,3 +252,18 @@ def _data_end(path: Path) -> int:
     with open(path, "rb") as handle:
         header = json.loads(handle.read(8 + _header_len(path))[8:])
     return max(entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__")
+
+
+def test_a_ray_address_where_no_head_answers_is_a_config_error_in_seconds():
+    import socket
+    import time
+
+    from mindspeed_rl.trainer.setup import _check_reachable
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"runtime.ray_address: no Ray head answers at 127.0.0.1:{port}"):
+        _check_reachable(f"127.0.0.1:{port}")
+    assert time.monotonic() - started < 10

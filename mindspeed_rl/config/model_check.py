@@ -82,11 +82,19 @@ def _pairs(arch: ModelArchConfig, hf: dict) -> list[_Pair]:
     ]
 
 
+# The expert count's names: the published Qwen3-MoE configs, transformers 5's save_pretrained, DeepSeek-V3.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def expert_count_key(hf: dict) -> str | None:
+    """The key under which an HF config.json states its routed experts, or None (a dense model)."""
+    return next((key for key in EXPERT_COUNT_KEYS if hf.get(key)), None)
+
+
 def _experts(arch: ModelArchConfig, hf: dict) -> _Pair:
-    if hf.get("num_experts"):
-        return _direct("num_experts", arch.num_experts, hf, "num_experts")
-    if hf.get("n_routed_experts"):  # DeepSeek-V3's name
-        return _direct("num_experts", arch.num_experts, hf, "n_routed_experts")
+    key = expert_count_key(hf)
+    if key:
+        return _direct("num_experts", arch.num_experts, hf, key)
     # A dense checkpoint states no experts: a MoE block for it disagrees.
     return _Pair("num_experts", arch.num_experts, 0, "no num_experts (a dense model)")
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mindspeed_rl.config.model_check import expert_count_key
+
 TRAINABLE_TYPES = ("qwen2", "qwen3_moe")
 PLANNED_TYPES = ("qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
@@ -197,7 +199,8 @@ def from_hf_config(config: dict, *, where: str = "config.json") -> Architecture:
             raise ArchitectureError(f"{where}: Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step) "
                                     "is not supported")
         return Architecture(**common, qkv_bias=bool(config.get("attention_bias", False)), qk_norm=True,
-                            num_experts=int(get("num_experts")), moe_intermediate_size=int(get("moe_intermediate_size")),
+                            num_experts=int(get(expert_count_key(config) or "num_experts")),
+                            moe_intermediate_size=int(get("moe_intermediate_size")),
                             moe_topk=int(get("num_experts_per_tok")),
                             norm_topk_prob=bool(config.get("norm_topk_prob", True)))
     # deepseek_v3

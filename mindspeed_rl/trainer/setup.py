@@ -158,7 +158,7 @@ def check_against_checkpoint(config: GRPOConfig, hf_config: dict, model_dir: str
     model is reported in one line; the parallel layout is then re-checked against the checkpoint's
     real architecture, so a layout that cannot shard it fails here and not inside a worker."""
     from mindspeed_rl.config.model_arch import ModelArchConfig
-    from mindspeed_rl.config.model_check import check_model_block_against_hf
+    from mindspeed_rl.config.model_check import check_model_block_against_hf, expert_count_key
 
     name = config.actor_config.model
     arch = config.selected_model
@@ -173,7 +173,8 @@ def check_against_checkpoint(config: GRPOConfig, hf_config: dict, model_dir: str
         ffn_hidden_size=hf_config["intermediate_size"], num_attention_heads=hf_config["num_attention_heads"],
         group_query_attention=True,
         num_query_groups=hf_config.get("num_key_value_heads", hf_config["num_attention_heads"]),
-        kv_channels=hf_config.get("head_dim"), num_experts=hf_config.get("num_experts") or None,
+        kv_channels=hf_config.get("head_dim"),
+        num_experts=hf_config.get(expert_count_key(hf_config) or "num_experts") or None,
         max_position_embeddings=hf_config.get("max_position_embeddings"),
     )
     # Every layout and length check again (max_model_len against max_position_embeddings too), now on the
