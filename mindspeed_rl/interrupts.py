@@ -13,6 +13,8 @@ import contextlib
 import signal
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# How long one shielded wait on Ray may block: a stop signal is acted on within this.
+RAY_WAIT_SLICE_SECONDS = 0.5
 
 
 class RunInterrupted(BaseException):

@@ -23,8 +23,6 @@ from mindspeed_rl.workers.fault_injection import FAULT_ENV_VAR, FAULT_LOG_ENV_VA
 from mindspeed_rl.workers.supervision import (Deadlines, WorkerAddress, WorkerFailure, describe_worker_error,
                                               silent_ranks)
 
-# Waiting on Ray in slices keeps the driver's signal handlers running (Ctrl-C, SIGTERM).
-_WAIT_SLICE_SECONDS = 0.5
 _GRACEFUL_SHUTDOWN_SECONDS = 30.0
 _EXIT_WAIT_SECONDS = 10.0
 
@@ -105,7 +103,7 @@ class RayActorGroup:
         results: list[Any] = [None] * len(refs)
         while pending:
             with interrupts.shielded():
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=_WAIT_SLICE_SECONDS)
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=interrupts.RAY_WAIT_SLICE_SECONDS)
             for ref in ready:
                 rank = pending.pop(ref)
                 try:

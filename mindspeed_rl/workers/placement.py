@@ -17,7 +17,6 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from mindspeed_rl import interrupts
 from mindspeed_rl.config import ConfigError
 
-_WAIT_SLICE_SECONDS = 0.5
 
 
 def slot_bundle(device: str, cpus_per_slot: float) -> dict[str, float]:
@@ -80,7 +79,7 @@ def _wait_until_ready(placement: Placement, world_size: int, device: str, cpus_p
     pending = [group.ready() for group in placement.groups]
     while pending and time.monotonic() < end:
         with interrupts.shielded():
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_WAIT_SLICE_SECONDS)
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=interrupts.RAY_WAIT_SLICE_SECONDS)
     if not pending:
         return
     needed = {resource: amount * world_size for resource, amount in slot_bundle(device, cpus_per_slot).items()}
