@@ -12,10 +12,11 @@ the sender finds that dtype by name in its own inference parameters.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Mapping
 
 import torch
-import torch.distributed as dist
 
+from mindspeed_rl.resharding.bridge import p2p_exchange
 from mindspeed_rl.resharding.layouts import tensor_view
 from mindspeed_rl.resharding.plan import Copy, Plan
 from mindspeed_rl.resharding.transfer import parameter_name
@@ -47,8 +48,12 @@ def range_fingerprint(tensor: torch.Tensor, dim: int, start: int, length: int, d
 
 
 def verify_transfer(plan: Plan, rank: int, sources: dict[str, torch.Tensor], destinations: dict[str, torch.Tensor],
-                    group=None) -> int:
-    """Raise WeightMismatchError if any landed range differs from its source; returns ranges checked."""
+                    group=None, dtypes: Mapping[str, torch.dtype] | None = None) -> int:
+    """Raise WeightMismatchError if any landed range differs from its source; returns ranges checked.
+    `dtypes`: the inference parameters' dtypes by name, where this rank holds none (a disaggregated
+    training rank); by default those of `destinations`."""
+    if dtypes is None:
+        dtypes = {name: tensor.dtype for name, tensor in destinations.items()}
     outgoing: dict[int, list[Copy]] = defaultdict(list)
     incoming: dict[int, list[Copy]] = defaultdict(list)
     for copy in plan.copies:
@@ -59,19 +64,11 @@ def verify_transfer(plan: Plan, rank: int, sources: dict[str, torch.Tensor], des
 
     def source_prints(copies: list[Copy]) -> torch.Tensor:
         return torch.stack([range_fingerprint(tensor_view(sources, c.src_tensor), c.dim, c.src_start, c.length,
-                                              destinations[parameter_name(c.dst_tensor)].dtype) for c in copies])
+                                              dtypes[parameter_name(c.dst_tensor)]) for c in copies])
 
-    ops, received = [], {}
-    for peer in sorted(outgoing):
-        if peer != rank:
-            ops.append(dist.P2POp(dist.isend, source_prints(outgoing[peer]), peer, group=group))
-    for peer in sorted(incoming):
-        if peer != rank:
-            received[peer] = torch.empty(len(incoming[peer]), 2, dtype=torch.int64)
-            ops.append(dist.P2POp(dist.irecv, received[peer], peer, group=group))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+    sends = [(source_prints(outgoing[peer]), peer) for peer in sorted(outgoing) if peer != rank]
+    received = {peer: torch.empty(len(incoming[peer]), 2, dtype=torch.int64) for peer in sorted(incoming) if peer != rank}
+    p2p_exchange(sends, [(tensor, peer) for peer, tensor in received.items()], group)
     if rank in incoming:
         received[rank] = source_prints(incoming[rank])
     checked = 0

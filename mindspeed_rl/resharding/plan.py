@@ -66,11 +66,14 @@ class Copy:
 
 @dataclass
 class Plan:
-    world_size: int
+    world_size: int  # every rank the plan addresses: train and infer ranks (disaggregated), or the shared ones
     copies: list[Copy]
     train_tensors: dict[int, dict[str, LocalTensor]]
     infer_tensors: dict[int, dict[str, LocalTensor]]
     stats: dict[int, dict[str, int]] = field(default_factory=dict)  # per rank, in elements
+    # Disaggregated: infer ranks follow the train ranks (bridge numbering); colocated: the same ranks.
+    train_ranks: range = range(0)
+    infer_ranks: range = range(0)
 
     def copies_to(self, rank: int) -> list[Copy]:
         return [c for c in self.copies if c.dst_rank == rank]
@@ -82,11 +85,17 @@ class Plan:
         return sum(c.numel for c in self.copies if c.dst_rank == rank and c.src_rank != rank)
 
 
-def build_plan(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_size: int) -> Plan:
-    _check_sizes(spec, train, infer, world_size)
+def build_plan(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_size: int, *,
+               infer_world_size: int | None = None) -> Plan:
+    """`world_size` training ranks; with `infer_world_size` (disaggregated) that many inference ranks
+    numbered after them, which hold nothing of the training layout, so every copy crosses the wire and
+    each inference rank receives exactly its shard. Without it, the same ranks play both parts."""
+    train_ranks = range(world_size)
+    infer_ranks = range(world_size) if infer_world_size is None else range(world_size, world_size + infer_world_size)
+    _check_sizes(spec, train, infer, world_size, len(infer_ranks))
     shapes = hf_shapes(spec)
     train_tensors, holders = {}, defaultdict(list)
-    for rank in range(world_size):
+    for rank in train_ranks:
         tp_rank, pp_rank = train.coordinates(rank, world_size)
         tensors = megatron_layout(spec, tp=train.tp, tp_rank=tp_rank, pp=train.pp, pp_rank=pp_rank, ep=train.ep,
                                   ep_rank=train.ep_rank(rank))
@@ -96,16 +105,18 @@ def build_plan(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_si
                 holders[seg.hf_name].append((rank, tensor, seg))
     infer_tensors, copies = {}, []
     sent = defaultdict(int)  # load balancing among equivalent holders
-    for rank in range(world_size):
-        tensors = vllm_layout(spec, tp=infer.tp, tp_rank=infer.tp_rank(rank), dp=world_size // infer.tp,
-                              dp_rank=infer.dp_rank(rank), expert_parallel=infer.expert_parallel)
+    for rank in infer_ranks:
+        local = rank - infer_ranks.start  # the rank in the inference world
+        tensors = vllm_layout(spec, tp=infer.tp, tp_rank=infer.tp_rank(local), dp=len(infer_ranks) // infer.tp,
+                              dp_rank=infer.dp_rank(local), expert_parallel=infer.expert_parallel)
         infer_tensors[rank] = {t.key: t for t in tensors}
         for tensor in tensors:
             for seg in tensor.segments:
                 unit = math.prod(shapes[seg.hf_name]) // shapes[seg.hf_name][tensor.dim]
                 copies += _cover(rank, tensor, seg, holders[seg.hf_name], unit, sent)
-    plan = Plan(world_size=world_size, copies=copies, train_tensors=train_tensors, infer_tensors=infer_tensors)
-    for rank in range(world_size):
+    plan = Plan(world_size=infer_ranks.stop, copies=copies, train_tensors=train_tensors, infer_tensors=infer_tensors,
+                train_ranks=train_ranks, infer_ranks=infer_ranks)
+    for rank in range(plan.world_size):
         plan.stats[rank] = {
             "received_numel": plan.received_numel(rank),
             "sent_numel": sum(c.numel for c in copies if c.src_rank == rank and c.dst_rank != rank),
@@ -139,11 +150,12 @@ def _cover(rank: int, dst: LocalTensor, seg, holders, unit: int, sent: dict[int,
     return copies
 
 
-def _check_sizes(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_size: int) -> None:
+def _check_sizes(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_size: int,
+                 infer_world_size: int) -> None:
     if world_size % (train.tp * train.pp):
         raise ValueError(f"train TP*PP={train.tp * train.pp} must divide the world size {world_size}")
-    if world_size % infer.tp:
-        raise ValueError(f"infer TP={infer.tp} must divide the world size {world_size}")
+    if infer_world_size % infer.tp:
+        raise ValueError(f"infer TP={infer.tp} must divide the inference world size {infer_world_size}")
     if spec.num_query_groups % train.tp:
         raise ValueError(f"train TP={train.tp} must divide num_key_value_heads={spec.num_query_groups}")
     if spec.vocab_size % train.tp or (not spec.is_moe and spec.ffn_hidden_size % train.tp):

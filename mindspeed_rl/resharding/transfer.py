@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 import torch
-import torch.distributed as dist
 
+from mindspeed_rl.resharding.bridge import p2p_exchange
 from mindspeed_rl.resharding.layouts import tensor_view
 from mindspeed_rl.resharding.plan import Copy, Plan
 
@@ -147,7 +147,8 @@ class Transfer:
             target = _view(destinations, copy.dst_tensor, copy, copy.dst_start)
             target.copy_(_view(sources, copy.src_tensor, copy, copy.src_start))
             stats.bytes_local += copy.numel * target.element_size()
-        device = next(iter(sources.values())).device
+        # A disaggregated inference rank has no sources, a training rank no destinations.
+        device = next(iter(sources.values() if sources else destinations.values())).device
         send_bytes = torch.empty(self.send_capacity_bytes, dtype=torch.uint8, device=device)
         recv_bytes = torch.empty(self.recv_capacity_bytes, dtype=torch.uint8, device=device)
         stats.peak_extra_bytes = self.send_capacity_bytes + self.recv_capacity_bytes
@@ -168,7 +169,7 @@ class Transfer:
                 outgoing[copy.dst_rank].append(copy)
             if copy.dst_rank == self.rank:
                 incoming[copy.src_rank].append(copy)
-        ops, offset = [], 0
+        sends, recvs, offset = [], [], 0
         for peer in sorted(outgoing):
             start = offset
             for copy in outgoing[peer]:
@@ -176,7 +177,7 @@ class Transfer:
                 send_buffer[offset:offset + copy.numel].view(view.shape).copy_(view)  # casts to the wire dtype
                 offset += copy.numel
             # Bytes on the wire: every backend moves uint8, whatever the dtype.
-            ops.append(dist.P2POp(dist.isend, send_bytes[start * size:offset * size], peer, group=self.group))
+            sends.append((send_bytes[start * size:offset * size], peer))
         stats.bytes_sent += offset * size
         landing, offset = [], 0
         for peer in sorted(incoming):
@@ -184,11 +185,9 @@ class Transfer:
             for copy in incoming[peer]:
                 landing.append((copy, offset))
                 offset += copy.numel
-            ops.append(dist.P2POp(dist.irecv, recv_bytes[start * size:offset * size], peer, group=self.group))
+            recvs.append((recv_bytes[start * size:offset * size], peer))
         stats.bytes_received += offset * size
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+        p2p_exchange(sends, recvs, self.group)
         for copy, start in landing:
             target = _view(destinations, copy.dst_tensor, copy, copy.dst_start)
             target.copy_(recv_buffer[start:start + copy.numel].view(target.shape))
