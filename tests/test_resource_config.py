@@ -214,17 +214,30 @@ def test_seed_disaggregated_example_zero_to_four_and_four_to_eight() -> None:
     assert disaggregated.device_roles()[0] == ["actor_train", "reference"]
     assert disaggregated.device_roles()[4] == ["actor_infer"]
     assert "disaggregated: actor_train on device(s) 0-3, actor_infer on device(s) 4-7" in disaggregated.table()
-    # Parsed and checked, then refused: the engine runs train and infer on the same devices in turn.
+    check_supported(disaggregated, {})  # what the engine runs: training ranks first, inference ranks after
+
+
+def test_the_disaggregated_example_yaml_loads_with_two_rank_sets() -> None:
+    config = load("examples/grpo_qwen25_7b_disaggregated")
+    assert config.disaggregated and config.world_size == 4 and config.infer_world_size == 4
+    assert config.num_rank_processes == 8 and config.infer_data_parallel_size == 4
+
+
+def test_disaggregated_inference_devices_must_follow_the_training_devices() -> None:
+    gap = plan(train="list(range(0,4))", infer="list(range(5,9))", reference="list(range(0,4))", integrated=False)
     with pytest.raises(ConfigError) as info:
-        check_supported(disaggregated, {})
+        check_supported(gap, {})
     assert info.value.key == "actor_infer.device_mapping"
-    assert "disaggregated roles (actor_train on 0-3, actor_infer on 4-7) are not supported yet" in info.value.message
+    assert info.value.message.startswith("must be the devices after actor_train's, list(range(4,8)), got 5-8")
 
 
-def test_the_disaggregated_example_yaml_is_a_clear_error() -> None:
-    assert config_error("examples/grpo_qwen25_7b_disaggregated").startswith(
-        "actor_infer.device_mapping: disaggregated roles (actor_train on 0-3, actor_infer on 4-7) are not "
-        "supported yet: the engine runs training and generation on the same devices in turn")
+def test_disaggregated_reference_must_be_on_the_training_devices() -> None:
+    on_infer = plan(train="list(range(0,2))", infer="list(range(2,4))", reference="list(range(2,4))",
+                    integrated=False)
+    with pytest.raises(ConfigError) as info:
+        check_supported(on_infer, {})
+    assert info.value.key == "reference.device_mapping"
+    assert "must be actor_train's devices (0,1) today, got 2,3" in info.value.message
 
 
 # --- the seed's errors -------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from mindspeed_rl.config.model_arch import ModelArchConfig
 from mindspeed_rl.config.resources import (
     ActorInferResources,
     ActorTrainResources,
+    DISAGGREGATED,
     ReferenceResources,
     ResourcePlan,
     RewardResources,
@@ -75,9 +76,25 @@ class GRPOConfig:
         return self.world_size // (actor.tensor_model_parallel_size * actor.pipeline_model_parallel_size)
 
     @property
+    def disaggregated(self) -> bool:
+        """actor_train and actor_infer on disjoint devices (their own ranks), not taking turns."""
+        return self.resource_plan.mode == DISAGGREGATED
+
+    @property
+    def infer_world_size(self) -> int:
+        """The ranks vLLM runs on: the actor's (colocated), or actor_infer's devices (disaggregated)."""
+        plan = self.resource_plan
+        return len(plan.role("actor_infer").devices) if plan.mode == DISAGGREGATED else self.world_size
+
+    @property
+    def num_rank_processes(self) -> int:
+        """Device ranks the run starts: the shared ones, or the training ranks plus the inference ranks."""
+        return self.world_size + (self.infer_world_size if self.disaggregated else 0)
+
+    @property
     def infer_data_parallel_size(self) -> int:
         generate = self.generate_config
-        return self.world_size // (generate.infer_tensor_parallel_size * generate.infer_pipeline_parallel_size)
+        return self.infer_world_size // (generate.infer_tensor_parallel_size * generate.infer_pipeline_parallel_size)
 
     @property
     def selected_model(self) -> Optional[ModelArchConfig]:
@@ -157,9 +174,9 @@ class GRPOConfig:
             )
 
     def _check_infer_layout(self) -> None:
-        generate, world = self.generate_config, self.world_size
+        generate, world = self.generate_config, self.infer_world_size
         tp, ep = generate.infer_tensor_parallel_size, generate.infer_expert_parallel_size
-        world_desc = f"{WORLD_DESC_KEY}={world}"
+        world_desc = (f"the {world} actor_infer devices" if self.disaggregated else f"{WORLD_DESC_KEY}={world}")
         require_divides("generate_config.infer_tensor_parallel_size", tp, world, world_desc)
         if world % (tp * ep) != 0:
             raise ConfigError(

@@ -518,28 +518,32 @@ def build_resource_plan(*, actor_train: Optional[RoleResourceConfig], actor_infe
 
 
 def check_supported(plan: ResourcePlan, rewards: Mapping[str, RewardResources]) -> None:
-    """What the engine runs today: actor_train, actor_infer and reference colocated on the same devices
-    0..N-1 (N the actor's world size), rule rewards in the driver or on CPU workers. Anything else
-    was parsed and checked by build_resource_plan and is refused here, naming the key."""
+    """What the engine runs today: actor_train and reference on devices 0..N-1 (N the actor's world size);
+    actor_infer on the same devices (colocated) or on the next ones, N..N+M-1 (disaggregated); rule rewards
+    in the driver or on CPU workers. Anything else was parsed and checked by build_resource_plan and is
+    refused here, naming the key."""
     train, infer = plan.role("actor_train"), plan.role(INFER_ROLE)
-    if plan.mode == DISAGGREGATED:
-        raise ConfigError(infer.source,
-                          f"disaggregated roles (actor_train on {format_devices(train.devices)}, actor_infer on "
-                          f"{format_devices(infer.devices)}) are not supported yet: the engine runs training and "
-                          "generation on the same devices in turn; give actor_infer actor_train's device_mapping")
     expected = tuple(range(plan.world_size))
     if train.devices != expected:
         raise ConfigError(train.source,
                           f"must be list(range(0,{plan.world_size})) today, got {format_devices(train.devices)}: the "
                           f"engine starts its {plan.world_size} ranks on the devices Ray gives it; choosing which "
                           "devices is not supported yet")
-    for key in ("actor_infer", "reference"):
+    if plan.mode == DISAGGREGATED:
+        following = tuple(range(plan.world_size, plan.world_size + len(infer.devices)))
+        if infer.devices != following:
+            raise ConfigError(infer.source,
+                              f"must be the devices after actor_train's, list(range({following[0]},{following[-1] + 1})), "
+                              f"got {format_devices(infer.devices)}: disaggregated ranks are started training ranks "
+                              "first, then inference ranks, on the devices Ray gives them")
+    shared_roles = ("reference",) if plan.mode == DISAGGREGATED else ("actor_infer", "reference")
+    for key in shared_roles:
         role = plan.role(key)
         if role.devices != train.devices:
             raise ConfigError(role.source,
                               f"must be actor_train's devices ({format_devices(train.devices)}) today, got "
                               f"{format_devices(role.devices)}: roles that share only some devices are not "
-                              "supported yet (the hybrid engine switches every rank between the roles)")
+                              "supported yet (the reference runs on the training ranks)")
     for name, section in rewards.items():
         key = f"rewards.{name}"
         if section.model_path is not None:

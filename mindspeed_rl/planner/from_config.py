@@ -97,6 +97,10 @@ def plan_config(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
                 link_bytes_per_second: float = 50e9, with_switch: bool = True, seq_length: int | None = None,
                 device: str | None = None) -> tuple[MemoryPlan, SwitchPlan | None]:
     """The memory plan of a config (and the switch's bytes from the resharding plan)."""
+    if config.disaggregated:
+        # Its phases and the switch assume one device holds every role's states in turn.
+        raise ConfigError("actor_infer.device_mapping", "disaggregated roles: the planner models colocated roles "
+                                                        "only (every state on one set of devices, taking turns)")
     inputs = plan_inputs(config, arch, device_memory=device_memory, seq_length=seq_length, device=device)
     switch = plan_switch(inputs, link_bytes_per_second=link_bytes_per_second) if with_switch else None
     staging = {r.rank: r.staging for r in switch.ranks} if switch else None

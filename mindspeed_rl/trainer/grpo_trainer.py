@@ -85,14 +85,13 @@ def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]
         config.resource_plan.check_ray_cluster(device)
         reward_group = RewardWorkerGroup.from_config(config)  # rewards.<name>.world_size CPU workers, or None
         progress.phase = "initialize"
-        print(f"[init] starting {config.world_size} rank(s) on {device}: checkpoint load, Megatron build, vLLM start",
-              flush=True)
-        actor = RayActorGroup(config=config, device=device, env_vars=default_env_vars(threads),
-                              model_dir=model_dir, ref_model_dir=ref_dir)
+        print(f"[init] starting {config.num_rank_processes} rank(s) on {device}: checkpoint load, Megatron build, "
+              "vLLM start", flush=True)
+        actor = _actor_group(config, device, default_env_vars(threads), model_dir, ref_dir)
         for address in actor.addresses:
             print(f"[init] {address.describe()}", flush=True)
         init_metrics = merge_metrics(actor.initialize())
-        print(f"[init] ranks={config.world_size} device={device} {init_metrics['timing/initialize']:.1f}s", flush=True)
+        print(f"[init] ranks={config.num_rank_processes} device={device} {init_metrics['timing/initialize']:.1f}s", flush=True)
         if resume is not None:
             progress.phase = "checkpoint load"
             resume_actor(actor, resume, finetune=ac.finetune, no_load_optim=ac.no_load_optim,
@@ -123,6 +122,17 @@ def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]
             if not completed:
                 discard_unfinished_saves(config.actor_config.save)
             ray.shutdown()
+
+
+def _actor_group(config: GRPOConfig, device: str, env_vars: dict[str, str], model_dir: str, ref_dir: str):
+    """The actor's ranks: one group switching between roles (colocated), or a training group and an
+    inference group behind the same interface (disaggregated)."""
+    if config.disaggregated:
+        from mindspeed_rl.workers.disaggregated import DisaggregatedActor
+
+        return DisaggregatedActor(config=config, device=device, env_vars=env_vars, model_dir=model_dir,
+                                  ref_model_dir=ref_dir)
+    return RayActorGroup(config=config, device=device, env_vars=env_vars, model_dir=model_dir, ref_model_dir=ref_dir)
 
 
 def _sampler(config: GRPOConfig, dataset: PromptDataset) -> PromptSampler:
@@ -205,7 +215,8 @@ def memory_prediction(config: GRPOConfig, hf_config: dict, device: str | None = 
     try:
         plan = predict_run(config, hf_config, device=device)
     except (ConfigError, ValueError) as error:
-        print(f"[plan] no memory prediction: {error}", flush=True)
+        if not quiet:
+            print(f"[plan] no memory prediction: {error}", flush=True)
         return None
     if not quiet:
         table, totals = plan.table(LEDGER_PHASES), plan.totals(LEDGER_PHASES)
@@ -224,7 +235,7 @@ def iteration_metrics(config: GRPOConfig, batch: RolloutBatch, phase_metrics: di
     metrics |= rollout_mismatch(batch.columns["rollout_logprobs"], batch.columns["old_logprobs"], batch.response_mask)
     metrics |= phase_timings(phase_metrics)
     metrics |= throughput(prompt_lengths=prompt_lengths, response_lengths=response_lengths,
-                          world_size=config.world_size, seconds_all=phase_metrics["timing/all"],
+                          world_size=config.num_rank_processes, seconds_all=phase_metrics["timing/all"],
                           seconds_rollout=phase_metrics.get("timing/rollout", 0.0),
                           seconds_update=metrics["timing/update"],
                           use_max_lengths=config.rl_config.log_max_throughput)

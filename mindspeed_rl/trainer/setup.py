@@ -203,10 +203,10 @@ def check_host_capacity(config: GRPOConfig, device: str, cpu_count: int) -> None
     if device != "cpu":
         return
     limit = config.runtime.max_ranks_per_cpu_core * cpu_count
-    if config.world_size > limit:
+    if config.num_rank_processes > limit:
         raise ConfigError(
             "rl_config.actor_resource.num_npus",
-            f"{config.world_size} ranks on runtime.device=cpu, but this host has {cpu_count} CPU cores and "
+            f"{config.num_rank_processes} ranks on runtime.device=cpu, but this host has {cpu_count} CPU cores and "
             f"runtime.max_ranks_per_cpu_core={config.runtime.max_ranks_per_cpu_core} allows {limit}: lower "
             "num_npus (and the parallel sizes with it) or run on the accelerators the config was written for",
         )
@@ -264,7 +264,7 @@ def start_ray(config: GRPOConfig, device: str, threads_per_rank: int, *, attempt
         try:
             # Logical CPUs: one per rank at least, whatever the host has (ranks are mostly idle
             # while another role runs; threads are capped separately).
-            ray.init(num_cpus=max(config.world_size, os.cpu_count() or 1), include_dashboard=False, **common)
+            ray.init(num_cpus=max(config.num_rank_processes, os.cpu_count() or 1), include_dashboard=False, **common)
             return
         except Exception as error:  # Ray raises a bare Exception for a failed node start
             ray.shutdown()
@@ -291,7 +291,7 @@ def _check_reachable(address: str, timeout_seconds: float = 10.0) -> None:
 def threads_per_rank(config: GRPOConfig) -> int:
     if config.runtime.num_threads_per_rank > 0:
         return config.runtime.num_threads_per_rank
-    return max(1, (os.cpu_count() or 1) // config.world_size)
+    return max(1, (os.cpu_count() or 1) // config.num_rank_processes)
 
 
 def check_run_dir_metrics(metrics_path: Path, *, resume_iteration: int) -> None:

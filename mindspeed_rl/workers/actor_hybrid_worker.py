@@ -43,6 +43,10 @@ class Shard:
 
 
 class ActorHybridWorkerBase:
+    # Named in failure messages beside the rank; the disaggregated workers are actor_train / actor_infer.
+    ROLE = ""
+    inference_model = None
+
     def __init__(self, config: GRPOConfig, rank_info: RankInfo, *, model_dir: str, ref_model_dir: str):
         self.config = config
         self.rank_info = rank_info
@@ -63,7 +67,7 @@ class ActorHybridWorkerBase:
         """Where this rank runs (host, pid): named in every failure message."""
         from mindspeed_rl.workers.supervision import this_worker_address
 
-        return this_worker_address(self.rank_info.rank)
+        return this_worker_address(self.rank_info.rank, role=self.ROLE)
 
     def set_master_addr(self, master_addr: str) -> None:
         """Ranks on several nodes meet at rank 0's node (one node: the loopback address)."""
@@ -129,24 +133,33 @@ class ActorHybridWorkerBase:
         return actor, reference
 
     def _build_sharding_manager(self, gen, actor_config):
-        from mindspeed_rl.memory.residency import ResidencyPolicy
-        from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
         from mindspeed_rl.workers.sharding_manager import ShardingManager, SwitchSettings
 
+        train, infer = self._switch_layouts()
         return ShardingManager(
-            actor=self.actor, rollout=self.inference_model, offloader=self.offloader,
-            policy=ResidencyPolicy(offload_train_param=gen.offload_train_param,
-                                   offload_train_grad=gen.offload_train_grad,
-                                   offload_train_optimizer=gen.offload_train_optimizer),
+            actor=self.actor, rollout=self.inference_model, offloader=self.offloader, policy=self._residency_policy(),
             switch=SwitchSettings(
-                train=TrainLayout(tp=actor_config.tensor_model_parallel_size,
-                                  pp=actor_config.pipeline_model_parallel_size,
-                                  ep=actor_config.expert_model_parallel_size),
-                infer=InferLayout(tp=gen.infer_tensor_parallel_size, expert_parallel=gen.infer_expert_parallel_size > 1),
-                rank=self.rank_info.rank, world_size=self.rank_info.world_size,
+                train=train, infer=infer, rank=self.rank_info.rank, world_size=self.rank_info.world_size,
                 bucket_bytes=int(gen.resharding_bucket_mb * 2**20), check_weights=gen.check_weights_after_switch,
             ),
         )
+
+    def _residency_policy(self):
+        from mindspeed_rl.memory.residency import ResidencyPolicy
+
+        gen = self.config.generate_config
+        return ResidencyPolicy(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
+                               offload_train_optimizer=gen.offload_train_optimizer)
+
+    def _switch_layouts(self):
+        """The training layout the switch reads and the inference layout it writes."""
+        from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
+
+        actor_config, gen = self.config.actor_config, self.config.generate_config
+        train = TrainLayout(tp=actor_config.tensor_model_parallel_size, pp=actor_config.pipeline_model_parallel_size,
+                            ep=actor_config.expert_model_parallel_size)
+        infer = InferLayout(tp=gen.infer_tensor_parallel_size, expert_parallel=gen.infer_expert_parallel_size > 1)
+        return train, infer
 
     def _progress(self, step: str, started: float) -> None:
         """One line per long start-up step (rank 0 speaks for all), so a slow start shows where it is."""
@@ -174,7 +187,8 @@ class ActorHybridWorkerBase:
         from mindspeed_rl.memory.roles import build_roles
         from mindspeed_rl.memory.vllm_states import register_inference_states
 
-        register_inference_states(self.offloader, self.inference_model, self.accelerator)
+        if self.inference_model is not None:  # a disaggregated training rank has none
+            register_inference_states(self.offloader, self.inference_model, self.accelerator)
         self.roles = build_roles(self.offloader, self.sharding_manager.policy)
         self.ledger = MemoryLedger(self.offloader.resident_bytes, self.accelerator)
         register_memory_source(self.offloader.resident_bytes, self.accelerator)
@@ -219,7 +233,13 @@ class ActorHybridWorkerBase:
     @offloaded_rpc("generate", ACTOR_INFER)
     def generate_sequences(self, prompt_token_ids: list[list[int]],
                            iteration: int | None = None) -> tuple[Shard, dict[str, float]]:
-        """Each inference-DP group samples its slice of the prompts; one rank per group reports it.
+        """Each inference-DP group samples its slice of the prompts; one rank per group reports it."""
+        with self.sharding_manager.infer_mode():
+            shard, metrics = self._sample(prompt_token_ids, iteration)
+        return shard, {**metrics, **self.sharding_manager.pop_timings()}
+
+    def _sample(self, prompt_token_ids: list[list[int]], iteration: int | None) -> tuple[Shard, dict[str, float]]:
+        """This rank's inference-DP slice of the prompts, sampled with vLLM (weights and KV cache resident).
 
         With `iteration`, the sampling RNG is reseeded from f(megatron_training.seed, iteration, DP rank)
         first, so an iteration samples the same whatever came before (exact resume); without, it
@@ -231,20 +251,18 @@ class ActorHybridWorkerBase:
         dp_rank, tp_rank = divmod(self.rank_info.rank, gen.infer_tensor_parallel_size)
         per_rank = len(prompt_token_ids) // dp_size
         start, stop = dp_rank * per_rank, (dp_rank + 1) * per_rank
-        with self.sharding_manager.infer_mode():
-            in_phase = self.ledger.record("generate")
-            if iteration is not None:
-                torch.manual_seed(sampling_seed(self.config.megatron_training.seed, iteration, dp_rank))
-            t0 = time.perf_counter()
-            generations = self.inference_model.generate(
-                prompt_token_ids[start:stop], n=self.config.rl_config.n_samples_per_prompt,
-                max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                top_k=sampling.top_k, min_p=sampling.min_p, logprobs=sampling.logprobs,
-                seed=None,
-                detokenize=sampling.detokenize,
-            )
-            seconds = time.perf_counter() - t0
-        metrics = {"timing/rollout": seconds, **self.sharding_manager.pop_timings(), **in_phase.metrics()}
+        in_phase = self.ledger.record("generate")
+        if iteration is not None:
+            torch.manual_seed(sampling_seed(self.config.megatron_training.seed, iteration, dp_rank))
+        t0 = time.perf_counter()
+        generations = self.inference_model.generate(
+            prompt_token_ids[start:stop], n=self.config.rl_config.n_samples_per_prompt,
+            max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k, min_p=sampling.min_p, logprobs=sampling.logprobs,
+            seed=None,
+            detokenize=sampling.detokenize,
+        )
+        metrics = {"timing/rollout": time.perf_counter() - t0, **in_phase.metrics()}
         value = [(start + g.prompt_index, g.token_ids, g.logprobs) for g in generations] if tp_rank == 0 else None
         return Shard(start=start, stop=stop, value=value), metrics
 

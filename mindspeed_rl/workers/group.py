@@ -23,7 +23,7 @@ from mindspeed_rl.workers.fault_injection import FAULT_ENV_VAR, FAULT_LOG_ENV_VA
 from mindspeed_rl.workers.supervision import (Deadlines, WorkerAddress, WorkerFailure, describe_worker_error,
                                               silent_ranks)
 
-_GRACEFUL_SHUTDOWN_SECONDS = 30.0
+GRACEFUL_SHUTDOWN_SECONDS = 30.0
 _EXIT_WAIT_SECONDS = 10.0
 
 
@@ -34,12 +34,13 @@ def _free_port() -> int:
 
 
 class RayActorGroup:
-    """`world_size` ActorHybridWorker ranks packed on one set of devices (colocated roles)."""
+    """`world_size` ActorHybridWorker ranks packed on one set of devices (colocated roles), or one side
+    of a disaggregated actor (`worker_class` and `world_size` of that side, workers/disaggregated.py)."""
 
     def __init__(self, *, config, device: str, env_vars: dict[str, str], model_dir: str, ref_model_dir: str,
-                 worker_class=None):
+                 worker_class=None, world_size: int | None = None):
         runtime = config.runtime
-        world_size = config.world_size
+        world_size = world_size or config.world_size
         cpus_per_rank = 1.0
         self.run_key = f"run-{uuid.uuid4().hex[:12]}"
         self.deadlines = Deadlines(rpc_timeout_seconds=runtime.rpc_timeout_seconds,
@@ -58,14 +59,15 @@ class RayActorGroup:
         worker_class = worker_class or worker_class_with_faults(os.environ.get(FAULT_ENV_VAR)) or ActorHybridWorker
         with interrupts.shielded():
             self.workers = self._start_workers(worker_class, config, env_vars, model_dir, ref_model_dir, cpus_per_rank,
-                                               device)
-        self.addresses = [WorkerAddress(rank=rank, host="?", pid=0) for rank in range(world_size)]
+                                               device, world_size)
+        self.addresses = [WorkerAddress(rank=rank, host="?", pid=0, role=worker_class_role(worker_class))
+                          for rank in range(world_size)]
         self.addresses = self.call("address")
         if len({a.host for a in self.addresses}) > 1:  # across nodes: rendezvous at rank 0's node
             self.call("set_master_addr", self.addresses[0].ip)
 
-    def _start_workers(self, worker_class, config, env_vars, model_dir, ref_model_dir, cpus_per_rank, device):
-        world_size = config.world_size
+    def _start_workers(self, worker_class, config, env_vars, model_dir, ref_model_dir, cpus_per_rank, device,
+                       world_size):
         return [
             worker_class.options(
                 num_cpus=cpus_per_rank,
@@ -97,24 +99,7 @@ class RayActorGroup:
 
     def wait(self, method: str, refs: list) -> list[Any]:
         """Every rank's result, in rank order; the first rank that fails or the deadline ends the wait."""
-        deadline_seconds = self.deadlines.seconds(method)
-        started = time.monotonic()
-        pending = {ref: rank for rank, ref in enumerate(refs)}
-        results: list[Any] = [None] * len(refs)
-        while pending:
-            with interrupts.shielded():
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=interrupts.RAY_WAIT_SLICE_SECONDS)
-            for ref in ready:
-                rank = pending.pop(ref)
-                try:
-                    with interrupts.shielded():
-                        results[rank] = ray.get(ref)
-                except ray.exceptions.RayError as error:
-                    raise WorkerFailure(self._failure_message(rank, method, error, sorted(pending.values()))) from None
-            if pending and time.monotonic() - started > deadline_seconds:
-                raise WorkerFailure(self._hang_message(method, sorted(pending.values()), deadline_seconds))
-        self.deadlines.observe(method, time.monotonic() - started)
-        return results
+        return wait_all([(self, method, refs)])[0]
 
     def _failure_message(self, rank: int, method: str, error: BaseException, waiting: list[int]) -> str:
         message = f"{self.addresses[rank].describe()} failed in {method}: {describe_worker_error(error)}"
@@ -148,7 +133,7 @@ class RayActorGroup:
     def shutdown(self) -> None:
         """After a successful run: let every rank close its engines, then end the processes."""
         try:
-            self.deadlines.base["shutdown"] = _GRACEFUL_SHUTDOWN_SECONDS
+            self.deadlines.base["shutdown"] = GRACEFUL_SHUTDOWN_SECONDS
             self.call("shutdown")
         except WorkerFailure as failure:
             print(f"[shutdown] {failure}; killing the workers", flush=True)
@@ -175,6 +160,43 @@ class RayActorGroup:
     def _local_pids(self) -> list[int]:
         host = socket.gethostname()
         return [a.pid for a in self.addresses if a.pid and a.host == host]
+
+
+def wait_all(calls: list[tuple["RayActorGroup", str, list]]) -> list[list[Any]]:
+    """Results of calls running at once on several groups (a disaggregated push: the training ranks
+    send while the inference ranks receive), each in rank order. The first rank of any group that
+    fails ends the wait, so a receiver that died is named, not the senders left waiting for it."""
+    started = time.monotonic()
+    pending = {ref: (index, rank) for index, (_, _, refs) in enumerate(calls) for rank, ref in enumerate(refs)}
+    results: list[list[Any]] = [[None] * len(refs) for _, _, refs in calls]
+    deadline_seconds = max(group.deadlines.seconds(method) for group, method, _ in calls)
+    while pending:
+        with interrupts.shielded():
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=interrupts.RAY_WAIT_SLICE_SECONDS)
+        for ref in ready:
+            index, rank = pending.pop(ref)
+            group, method, _ = calls[index]
+            try:
+                with interrupts.shielded():
+                    results[index][rank] = ray.get(ref)
+            except ray.exceptions.RayError as error:
+                waiting = sorted(r for i, r in pending.values() if i == index)
+                raise WorkerFailure(group._failure_message(rank, method, error, waiting)) from None
+        if pending and time.monotonic() - started > deadline_seconds:
+            waiting = {index: sorted(r for i, r in pending.values() if i == index) for index, _ in pending.values()}
+            # The group with a silent rank is the culprit; the other group's ranks are waiting for it.
+            index = next((i for i in sorted(waiting) if silent_ranks(calls[i][0].run_key, waiting[i])), min(waiting))
+            group, method, _ = calls[index]
+            raise WorkerFailure(group._hang_message(method, waiting[index], deadline_seconds))
+    for group, method, _ in calls:
+        group.deadlines.observe(method, time.monotonic() - started)
+    return results
+
+
+def worker_class_role(worker_class) -> str:
+    """The ROLE a (Ray-wrapped) worker class names its ranks with."""
+    cls = getattr(worker_class, "__ray_actor_class__", worker_class)
+    return getattr(cls, "ROLE", "")
 
 
 def _wait_for_exit(pids: list[int], *, timeout_seconds: float) -> None:

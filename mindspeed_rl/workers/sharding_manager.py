@@ -34,35 +34,14 @@ class SwitchSettings:
     check_weights: bool
 
 
-class ShardingManager:
-    def __init__(self, *, actor: MegatronEngine, rollout: VLLMEngine, offloader: Offloader, policy: ResidencyPolicy,
-                 switch: SwitchSettings):
-        self.actor = actor
-        self.rollout = rollout
+class ResidencyManager:
+    """The phases' state moves, on any rank; a disaggregated training rank has only these (no inference
+    engine beside it, but the actor and the reference still take turns on its device)."""
+
+    def __init__(self, *, offloader: Offloader, policy: ResidencyPolicy):
         self.offloader = offloader
         self.policy = policy
-        self.switch = switch
-        self.plan = build_plan(actor.spec, switch.train, switch.infer, switch.world_size)
-        # Megatron's shards mix dtypes (fp32 norms in a bf16 model); the wire carries each range in
-        # its vLLM parameter's dtype, which every rank knows (same inference model everywhere).
-        self.transfer = Transfer(self.plan, rank=switch.rank, bucket_bytes=switch.bucket_bytes,
-                                 dtype=destination_dtypes(rollout.named_weights()))
-        self._check_and_clear_padding()
         self.timings: dict[str, float] = {}
-
-    def _check_and_clear_padding(self) -> None:
-        """The live vLLM shapes must be the layout's; padding rows never receive data, so zero them once."""
-        destinations = self.rollout.named_weights()
-        for key, local in self.plan.infer_tensors[self.switch.rank].items():
-            try:
-                target = tensor_view(destinations, key)
-            except (KeyError, IndexError):
-                raise ValueError(f"vLLM has no parameter {key} that the resharding layout expects") from None
-            if tuple(target.shape) != local.shape:
-                raise ValueError(f"vLLM parameter {key}: live shape {tuple(target.shape)}, "
-                                 f"resharding layout expects {local.shape}")
-            for start, length in uncovered_ranges(local):
-                target.narrow(local.dim, start, length).zero_()
 
     def _timed(self, key: str):
         @contextlib.contextmanager
@@ -85,6 +64,47 @@ class ShardingManager:
 
     def _registered(self) -> list[str]:
         return [name for name in STATE_GROUPS if name in self.offloader.states]
+
+    # -- infer -> train --------------------------------------------------------------------------
+    def enter_forward_mode(self) -> None:
+        with self._timed("timing/onload_forward"):
+            self.enter("old_logprob")
+
+    def enter_train_mode(self) -> None:
+        with self._timed("timing/onload_train"):
+            self.enter("update")
+
+    def exit_train_mode(self) -> None:
+        """States stay resident: the next enter_infer_mode pushes weights from them first."""
+
+    @contextlib.contextmanager
+    def train_mode(self):
+        self.enter_train_mode()
+        try:
+            yield
+        finally:
+            self.exit_train_mode()
+
+    def pop_timings(self) -> dict[str, float]:
+        timings, self.timings = self.timings, {}
+        return timings
+
+
+class ShardingManager(ResidencyManager):
+    """The colocated switch: the same ranks hold the training shards and vLLM's live parameters."""
+
+    def __init__(self, *, actor: MegatronEngine, rollout: VLLMEngine, offloader: Offloader, policy: ResidencyPolicy,
+                 switch: SwitchSettings):
+        super().__init__(offloader=offloader, policy=policy)
+        self.actor = actor
+        self.rollout = rollout
+        self.switch = switch
+        self.plan = build_plan(actor.spec, switch.train, switch.infer, switch.world_size)
+        # Megatron's shards mix dtypes (fp32 norms in a bf16 model); the wire carries each range in
+        # its vLLM parameter's dtype, which every rank knows (same inference model everywhere).
+        self.transfer = Transfer(self.plan, rank=switch.rank, bucket_bytes=switch.bucket_bytes,
+                                 dtype=destination_dtypes(rollout.named_weights()))
+        check_and_clear_padding(self.plan, switch.rank, rollout.named_weights())
 
     # -- train -> infer --------------------------------------------------------------------------
     def enter_infer_mode(self) -> None:
@@ -115,18 +135,6 @@ class ShardingManager:
             self.timings[key] = self.timings.get(key, 0.0) + value
         return metrics
 
-    # -- infer -> train --------------------------------------------------------------------------
-    def enter_forward_mode(self) -> None:
-        with self._timed("timing/onload_forward"):
-            self.enter("old_logprob")
-
-    def enter_train_mode(self) -> None:
-        with self._timed("timing/onload_train"):
-            self.enter("update")
-
-    def exit_train_mode(self) -> None:
-        """States stay resident: the next enter_infer_mode pushes weights from them first."""
-
     @contextlib.contextmanager
     def infer_mode(self):
         self.enter_infer_mode()
@@ -135,14 +143,16 @@ class ShardingManager:
         finally:
             self.exit_infer_mode()
 
-    @contextlib.contextmanager
-    def train_mode(self):
-        self.enter_train_mode()
-        try:
-            yield
-        finally:
-            self.exit_train_mode()
 
-    def pop_timings(self) -> dict[str, float]:
-        timings, self.timings = self.timings, {}
-        return timings
+def check_and_clear_padding(plan, rank: int, destinations) -> None:
+    """The live vLLM shapes must be the layout's; padding rows never receive data, so zero them once."""
+    for key, local in plan.infer_tensors[rank].items():
+        try:
+            target = tensor_view(destinations, key)
+        except (KeyError, IndexError):
+            raise ValueError(f"vLLM has no parameter {key} that the resharding layout expects") from None
+        if tuple(target.shape) != local.shape:
+            raise ValueError(f"vLLM parameter {key}: live shape {tuple(target.shape)}, "
+                             f"resharding layout expects {local.shape}")
+        for start, length in uncovered_ranges(local):
+            target.narrow(local.dim, start, length).zero_()

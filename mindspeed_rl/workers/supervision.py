@@ -27,17 +27,19 @@ class WorkerAddress:
     host: str
     pid: int
     ip: str = "127.0.0.1"  # the node's address (Ray's view): where rank 0 listens when ranks span nodes
+    role: str = ""  # disaggregated: actor_train or actor_infer (each numbers its ranks from 0)
 
     def describe(self) -> str:
-        return f"rank {self.rank} (host {self.host}, pid {self.pid})"
+        return f"{self.role + ' ' if self.role else ''}rank {self.rank} (host {self.host}, pid {self.pid})"
 
 
-def this_worker_address(rank: int) -> WorkerAddress:
+def this_worker_address(rank: int, role: str = "") -> WorkerAddress:
     import os
 
     import ray
 
-    return WorkerAddress(rank=rank, host=socket.gethostname(), pid=os.getpid(), ip=ray.util.get_node_ip_address())
+    return WorkerAddress(rank=rank, host=socket.gethostname(), pid=os.getpid(), ip=ray.util.get_node_ip_address(),
+                         role=role)
 
 
 class Deadlines:
