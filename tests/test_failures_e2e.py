@@ -81,6 +81,19 @@ def test_a_stopped_rank_is_named_once_the_rpc_deadline_passes(tmp_path):
     _assert_nothing_left(run, shm_before)
 
 
+def test_a_killed_inference_rank_of_a_disaggregated_run_is_named_and_both_groups_end(tmp_path):
+    """Disaggregated: the inference rank dies while receiving the second push; the training rank,
+    blocked sending to it over the bridge, is not blamed, and nothing of either group is left."""
+    run, code, seconds, shm_before = _run_into_fault(tmp_path, "grpo_tiny_cpu_disaggregated", "receive_weights:0:2:kill",
+                                                     "[fault] rank 0: kill in receive_weights")
+    assert code == 1
+    line = _last_line(run)
+    assert line.startswith("worker failure during iteration 2:"), line
+    assert "actor_infer rank 0 (host " in line and "died" in line, line
+    assert seconds < 60
+    _assert_nothing_left(run, shm_before)
+
+
 PHASES = {
     # phase: (fault that holds a rank there, the line that says it is there)
     "initialize": (None, "[init] rank 0 (host"),

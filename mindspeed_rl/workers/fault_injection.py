@@ -56,16 +56,21 @@ def inject(spec: FaultSpec, rank: int) -> None:
         time.sleep(3600)
 
 
-def worker_class_with_faults(text: str | None):
-    """A Ray actor class whose METHOD injects the fault, or None when no fault is asked for."""
+def worker_class_with_faults(text: str | None, base: type | None = None):
+    """A Ray actor class (a subclass of `base`, by default the hybrid worker) whose METHOD injects the
+    fault; None when no fault is asked for or `base` has no such method (the other group of a
+    disaggregated actor)."""
     if not text:
         return None
     import ray
 
     from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorkerBase
 
+    base = base or ActorHybridWorkerBase
     spec = FaultSpec.parse(text)
-    original = getattr(ActorHybridWorkerBase, spec.method)
+    original = getattr(base, spec.method, None)
+    if original is None:
+        return None
 
     @functools.wraps(original)
     def method(self, *args, **kwargs):
@@ -75,5 +80,5 @@ def worker_class_with_faults(text: str | None):
             inject(spec, self.rank_info.rank)
         return original(self, *args, **kwargs)
 
-    faulty = type("FaultInjectingWorker", (ActorHybridWorkerBase,), {spec.method: method})
+    faulty = type(f"FaultInjecting{base.__name__}", (base,), {spec.method: method})
     return ray.remote(faulty)

@@ -55,8 +55,10 @@ class RayActorGroup:
         for name in (FAULT_ENV_VAR, FAULT_LOG_ENV_VAR):
             if os.environ.get(name):
                 env_vars = {**env_vars, name: os.environ[name]}
-        # A test may bring its own subclass (probes); fault injection wraps the production class.
-        worker_class = worker_class or worker_class_with_faults(os.environ.get(FAULT_ENV_VAR)) or ActorHybridWorker
+        # A test may bring its own subclass (probes); fault injection wraps the class the group runs.
+        worker_class = worker_class or ActorHybridWorker
+        worker_class = worker_class_with_faults(os.environ.get(FAULT_ENV_VAR),
+                                                base=worker_class.__ray_actor_class__) or worker_class
         with interrupts.shielded():
             self.workers = self._start_workers(worker_class, config, env_vars, model_dir, ref_model_dir, cpus_per_rank,
                                                device, world_size)
@@ -181,7 +183,14 @@ def wait_all(calls: list[tuple["RayActorGroup", str, list]]) -> list[list[Any]]:
                     results[index][rank] = ray.get(ref)
             except ray.exceptions.RayError as error:
                 waiting = sorted(r for i, r in pending.values() if i == index)
-                raise WorkerFailure(group._failure_message(rank, method, error, waiting)) from None
+                message = group._failure_message(rank, method, error, waiting)
+                # A sender that failed because its receiver died: name the receiver too.
+                for other in sorted({i for i, _ in pending.values()} - {index}):
+                    other_group = calls[other][0]
+                    silent = silent_ranks(other_group.run_key, sorted(r for i, r in pending.values() if i == other))
+                    if silent:
+                        message += "; not responding: " + ", ".join(other_group.addresses[r].describe() for r in silent)
+                raise WorkerFailure(message) from None
         if pending and time.monotonic() - started > deadline_seconds:
             waiting = {index: sorted(r for i, r in pending.values() if i == index) for index, _ in pending.values()}
             # The group with a silent rank is the culprit; the other group's ranks are waiting for it.
