@@ -3,7 +3,7 @@ entering each phase through the sharding manager's real paths (the weight push i
 and train onloads) leaves exactly the table's row of state groups on the device.
 
 Runs where: in the pytest process (world of 1 rank, gloo): real Megatron actor and reference, real
-vLLM engine, the offloader over all of their states.
+vLLM engine, a Megatron reward model, the offloader over all of their states.
 """
 import itertools
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
-from mindspeed_rl.memory.residency import STATE_GROUPS, ResidencyPolicy
+from mindspeed_rl.data.tiny_reward_model import create_tiny_reward_checkpoint
+from mindspeed_rl.memory.residency import REWARD_PARAMS, STATE_GROUPS, ResidencyPolicy
 
 FLAG_COMBINATIONS = list(itertools.product([True, False], repeat=3))
 
@@ -19,6 +20,7 @@ FLAG_COMBINATIONS = list(itertools.product([True, False], repeat=3))
 @pytest.fixture(scope="module")
 def manager(world, tmp_path_factory):
     from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
+    from mindspeed_rl.engines.reward_model import RewardModelEngine, register_reward_states
     from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
     from mindspeed_rl.memory.megatron_states import register_megatron_states
     from mindspeed_rl.memory.offload import Offloader
@@ -35,12 +37,16 @@ def manager(world, tmp_path_factory):
                              clip_grad=1.0)
     actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=adam)
     reference = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=None)
+    reward_spec, reward_state = load_hf_checkpoint(str(create_tiny_reward_checkpoint(
+        tmp_path_factory.mktemp("residency") / "reward", base_model_dir=checkpoint, seed=4)))
+    reward = RewardModelEngine(spec=reward_spec, hf_state=reward_state, params_dtype=torch.float32, accelerator=world)
     rollout = VLLMEngine(VLLMEngineConfig(
         model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=32, max_num_seqs=8,
         max_num_batched_tokens=256, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
         cpu_kvcache_space_gb=0.03, on_cpu=True))
     offloader = Offloader(world)
     register_megatron_states(offloader, actor, reference)
+    register_reward_states(offloader, reward)
     register_inference_states(offloader, rollout, world)
     return ShardingManager(actor=actor, rollout=rollout, offloader=offloader, policy=ResidencyPolicy(),
                            switch=SwitchSettings(train=TrainLayout(tp=1, pp=1), infer=InferLayout(tp=1), rank=0,
@@ -55,12 +61,13 @@ def _resident(manager) -> set[str]:
 def test_each_phase_leaves_exactly_the_tables_row_on_the_device(manager, flags):
     param, grad, optimizer = flags
     manager.policy = ResidencyPolicy(offload_train_param=param, offload_train_grad=grad,
-                                     offload_train_optimizer=optimizer)
+                                     offload_train_optimizer=optimizer, has_reward_model=True)
     # An iteration's order, entered the way the worker's RPCs enter them.
     entries = [("idle", lambda: manager.enter("idle")), ("generate", manager.enter_infer_mode),
-               ("ref_logprob", lambda: manager.enter("ref_logprob")), ("old_logprob", manager.enter_forward_mode),
+               ("reward", lambda: manager.enter("reward")), ("ref_logprob", lambda: manager.enter("ref_logprob")), ("old_logprob", manager.enter_forward_mode),
                ("update", manager.enter_train_mode), ("idle", lambda: manager.enter("idle"))]
     for phase, enter in entries:
         enter()
         assert _resident(manager) == manager.policy.resident(phase), phase
     assert manager.offloader.resident_bytes()["kv_cache"] == 0
+    assert manager.offloader.resident_bytes()[REWARD_PARAMS] == 0

@@ -146,3 +146,11 @@ class RewardModelEngine(MegatronEngine):
         with self.accelerator.megatron_context():
             outputs = self._run_schedule(micro_batches, collect, forward_only=True, collect_non_loss_data=True)
         return self._from_last_stage(torch.cat(outputs) if outputs else None, (len(batch),))
+
+
+def register_reward_states(offloader, engine: RewardModelEngine) -> None:
+    """The reward model's params: one state group, resident only in the residency table's `reward` phase."""
+    from mindspeed_rl.memory.megatron_states import param_tensors
+    from mindspeed_rl.memory.residency import REWARD_PARAMS
+
+    offloader.register(REWARD_PARAMS, lambda: param_tensors(engine.module))

@@ -19,8 +19,9 @@ import torch
 from mindspeed_rl.accelerator import Accelerator
 
 CATEGORIES = ("train_params", "train_grads", "optimizer_states", "inference_weights", "kv_cache",
-              "reference_params", "activations")
-PHASES = ("generate", "ref_logprob", "old_logprob", "update")
+              "reference_params", "reward_params", "activations")
+# `reward` is recorded only by a run with a reward model (rewards.<name>.model_path).
+PHASES = ("generate", "reward", "ref_logprob", "old_logprob", "update")
 
 logger = logging.getLogger(__name__)
 

@@ -14,15 +14,18 @@ from dataclasses import dataclass
 
 TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER = "train_params", "train_grads", "optimizer_states"
 REF_PARAMS = "reference_params"
+REWARD_PARAMS = "reward_params"  # a reward model's params (rewards.<name>.model_path), colocated
 INFER_WEIGHTS, KV_CACHE = "inference_weights", "kv_cache"
-STATE_GROUPS = (TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS, INFER_WEIGHTS, KV_CACHE)
+STATE_GROUPS = (TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS, INFER_WEIGHTS, KV_CACHE)
 
 # In the order an iteration runs them; `idle` is between RPCs (after initialize, after an iteration).
-PHASES = ("idle", "generate", "ref_logprob", "old_logprob", "update")
+# `reward` scores the responses with the reward model; a run without one never enters it.
+PHASES = ("idle", "generate", "reward", "ref_logprob", "old_logprob", "update")
 
 _NEEDS = {
     "idle": frozenset(),
     "generate": frozenset({INFER_WEIGHTS, KV_CACHE}),
+    "reward": frozenset({REWARD_PARAMS}),
     "ref_logprob": frozenset({REF_PARAMS}),
     "old_logprob": frozenset({TRAIN_PARAMS}),
     "update": frozenset({TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER}),
@@ -35,6 +38,7 @@ class ResidencyPolicy:
     offload_train_grad: bool = True
     offload_train_optimizer: bool = True
     has_reference: bool = True
+    has_reward_model: bool = False
 
     @property
     def pinned(self) -> frozenset[str]:
@@ -47,7 +51,9 @@ class ResidencyPolicy:
         if phase not in _NEEDS:
             raise ValueError(f"unknown phase {phase!r}; phases are {PHASES}")
         states = _NEEDS[phase] | self.pinned
-        return states if self.has_reference else states - {REF_PARAMS}
+        absent = ({REF_PARAMS} if not self.has_reference else set()) | ({REWARD_PARAMS} if not self.has_reward_model
+                                                                        else set())
+        return states - absent
 
     def table(self) -> dict[str, frozenset[str]]:
         return {phase: self.resident(phase) for phase in PHASES}

@@ -17,8 +17,10 @@ from mindspeed_rl.memory.offload import Offloader
 from mindspeed_rl.memory.residency import INFER_WEIGHTS, KV_CACHE, STATE_GROUPS, ResidencyPolicy
 
 ACTOR_INFER, ACTOR_FORWARD, ACTOR_TRAIN, REFERENCE = "actor_infer", "actor_forward", "actor_train", "reference"
+REWARD_MODEL = "reward_model"
 # The phase of the residency table whose states each role holds.
-ROLE_PHASES = {ACTOR_INFER: "generate", ACTOR_FORWARD: "old_logprob", ACTOR_TRAIN: "update", REFERENCE: "ref_logprob"}
+ROLE_PHASES = {ACTOR_INFER: "generate", ACTOR_FORWARD: "old_logprob", ACTOR_TRAIN: "update", REFERENCE: "ref_logprob",
+               REWARD_MODEL: "reward"}
 
 
 def build_roles(offloader: Offloader, policy: ResidencyPolicy) -> dict[str, StateSet]:
@@ -36,6 +38,7 @@ def build_roles(offloader: Offloader, policy: ResidencyPolicy) -> dict[str, Stat
         ACTOR_FORWARD: StateSet(offloader, states(ACTOR_FORWARD)),
         ACTOR_TRAIN: StateSet(offloader, states(ACTOR_TRAIN)),
         REFERENCE: StateSet(offloader, states(REFERENCE)),
+        REWARD_MODEL: StateSet(offloader, states(REWARD_MODEL)),  # empty without a reward model
     }
 
 
