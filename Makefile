@@ -39,3 +39,15 @@ bench: venv
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Ours vs TRL 1.16's GRPOTrainer on the demo's assets (benchmarks/.trl-venv is made on first use), a py-spy
+# profile of the demo per phase, and the savings of candidate changes by config override (docs/overhead.md).
+.PHONY: bench-trl profile ablate
+bench-trl: venv
+	$(PY) benchmarks/bench_vs_trl.py --json bench_vs_trl.json
+
+profile: venv
+	$(PY) benchmarks/profile_demo.py --out outputs/profile
+
+ablate: venv
+	$(PY) benchmarks/ablate_demo.py --json bench_ablate.json
