@@ -165,3 +165,32 @@ def assert_vllm_logprobs_match_megatron(engine, rollout, rank: int, world: int, 
                 expected[row, : len(lps)] = torch.tensor(lps)
             diff = ((got - expected).abs() * batch.response_mask).max().item()
             assert diff < LOGPROB_TOLERANCE[dtype], (rank, dtype, diff)
+
+
+# -- inference pipeline parallelism ---------------------------------------------------------------
+# vLLM 0.32's layer partition (vllm/distributed/utils.py get_pp_indices), written out per case so the
+# oracle does not share code with the layout under test; test_resharding_plan_infer_pp checks the
+# layout's partition against vLLM's own function.
+VLLM_PP_PARTITIONS = {(4, 2): [2, 2], (4, 4): [1, 1, 1, 1], (5, 2): [3, 2], (6, 2): [3, 3], (6, 4): [1, 2, 2, 1],
+                      (8, 4): [2, 2, 2, 2], (2, 2): [1, 1]}
+
+
+def vllm_stage_oracle(shard: dict[str, torch.Tensor], spec: Qwen2Spec, pp: int, pp_rank: int) -> dict[str, torch.Tensor]:
+    """The part of a whole-model vLLM TP shard that pipeline stage `pp_rank` fills: its layers, the
+    embedding on the first stage (and on the last when the head is tied to it: Qwen2ForCausalLM
+    builds embed_tokens there), the final norm and the head on the last."""
+    sizes = VLLM_PP_PARTITIONS[(spec.num_layers, pp)]
+    first_layer = sum(sizes[:pp_rank])
+    mine = set(range(first_layer, first_layer + sizes[pp_rank]))
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    out = {}
+    for name, tensor in shard.items():
+        if name.startswith("model.layers."):
+            keep = int(name.split(".")[2]) in mine
+        elif name == "model.embed_tokens.weight":
+            keep = first or (last and spec.tie_word_embeddings)
+        else:  # model.norm.weight, lm_head.weight
+            keep = last
+        if keep:
+            out[name] = tensor
+    return out

@@ -19,6 +19,7 @@ its `key` ("name[index]") is what plans and transfers refer to.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -201,11 +202,36 @@ def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
 
 
+def vllm_pp_layers(num_layers: int, pp_rank: int, pp: int) -> range:
+    """Global layer indices of vLLM pipeline stage `pp_rank`: vLLM's own partition
+    (vllm.distributed.utils.get_pp_indices, reproduced so the plan stays free of vLLM imports; a test
+    compares the two). Layers that do not divide go one each to the stages before the last, from
+    the second-to-last backwards; VLLM_PP_LAYER_PARTITION overrides, as in vLLM."""
+    override = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    if override is not None:
+        partitions = [int(n) for n in override.split(",")]
+        if len(partitions) != pp or sum(partitions) != num_layers:
+            raise ValueError(f"VLLM_PP_LAYER_PARTITION={override} must list {pp} stages summing to {num_layers} layers")
+    else:
+        partitions = [num_layers // pp] * pp
+        for i in range(2, num_layers % pp + 2):
+            partitions[-i] += 1
+    start = sum(partitions[:pp_rank])
+    return range(start, start + partitions[pp_rank])
+
+
 def vllm_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, dp: int = 1, dp_rank: int = 0,
-                expert_parallel: bool = False) -> list[LocalTensor]:
+                expert_parallel: bool = False, pp: int = 1, pp_rank: int = 0) -> list[LocalTensor]:
     """The parameters of one vLLM rank (Qwen2ForCausalLM / Qwen3MoeForCausalLM), named as
-    `named_parameters()`. Only MoE layers depend on DP: vLLM flattens TP x DP for them."""
+    `named_parameters()`. Only MoE layers depend on DP: vLLM flattens TP x DP (within a stage) for them.
+
+    Pipeline stage `pp_rank` of `pp` holds its layers (`vllm_pp_layers`), the embedding on the first
+    stage and the final norm and head on the last; a tied head is the embedding, which vLLM's Qwen2
+    also builds on the last stage (PPMissingLayer elsewhere). vLLM 0.32's Qwen3-MoE allocates the
+    embedding, norm and head on every stage but reads them only on the first / last, so the plan
+    fills only those (the others keep their dummy values and are never used)."""
     _check_vllm_tp(spec, tp)
+    first, last = pp_rank == 0, pp_rank == pp - 1
     if spec.is_moe:
         _check_vllm_moe(spec, tp * dp, expert_parallel)
     h, hd = spec.hidden_size, spec.head_dim
@@ -223,8 +249,10 @@ def vllm_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, dp: int = 1, dp_rank:
         segments = (Segment(hf_name, vocab_start, real_rows, 0),) if real_rows else ()
         return LocalTensor(name, (vocab_rows, h), 0, segments)
 
-    out = [vocab_shard("model.embed_tokens.weight", "model.embed_tokens.weight")]
-    for layer in range(spec.num_layers):
+    out = []
+    if first or (last and spec.tie_word_embeddings):
+        out.append(vocab_shard("model.embed_tokens.weight", "model.embed_tokens.weight"))
+    for layer in vllm_pp_layers(spec.num_layers, pp_rank, pp):
         p = f"model.layers.{layer}."
         for kind, rest in _qkv_kinds(spec):
             out.append(_stack(f"{p}self_attn.qkv_proj.{kind}", [
@@ -242,9 +270,10 @@ def vllm_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, dp: int = 1, dp_rank:
         out.append(_stack(p + "mlp.gate_up_proj.weight", [(p + "mlp.gate_proj.weight", tp_rank * f_part, f_part),
                                                            (p + "mlp.up_proj.weight", tp_rank * f_part, f_part)], (h,)))
         out.append(_even(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", (h, spec.ffn_hidden_size), 1, tp_rank, tp))
-    out.append(_whole("model.norm.weight", "model.norm.weight", (h,)))
-    if not spec.tie_word_embeddings:
-        out.append(vocab_shard("lm_head.weight", "lm_head.weight"))
+    if last:
+        out.append(_whole("model.norm.weight", "model.norm.weight", (h,)))
+        if not spec.tie_word_embeddings:
+            out.append(vocab_shard("lm_head.weight", "lm_head.weight"))
     return out
 
 

@@ -35,14 +35,20 @@ class TrainLayout:
 
 @dataclass(frozen=True, kw_only=True)
 class InferLayout:
+    """vLLM's rank order (parallel_state.initialize_model_parallel): ExternalDP x DP x PP x TP, TP fastest."""
+
     tp: int = 1
-    expert_parallel: bool = False  # vLLM's enable_expert_parallel: EP = TP x DP, whole experts per rank
+    pp: int = 1  # pipeline stages; vLLM's own layer partition (layouts.vllm_pp_layers)
+    expert_parallel: bool = False  # vLLM's enable_expert_parallel: EP = TP x DP (per stage), whole experts per rank
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp  # vLLM's TP groups are blocks of consecutive ranks
 
+    def pp_rank(self, rank: int) -> int:
+        return rank // self.tp % self.pp
+
     def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
+        return rank // (self.tp * self.pp)
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,8 @@ def build_plan(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_si
     sent = defaultdict(int)  # load balancing among equivalent holders
     for rank in infer_ranks:
         local = rank - infer_ranks.start  # the rank in the inference world
-        tensors = vllm_layout(spec, tp=infer.tp, tp_rank=infer.tp_rank(local), dp=len(infer_ranks) // infer.tp,
+        tensors = vllm_layout(spec, tp=infer.tp, tp_rank=infer.tp_rank(local), pp=infer.pp,
+                              pp_rank=infer.pp_rank(local), dp=len(infer_ranks) // (infer.tp * infer.pp),
                               dp_rank=infer.dp_rank(local), expert_parallel=infer.expert_parallel)
         infer_tensors[rank] = {t.key: t for t in tensors}
         for tensor in tensors:
@@ -156,6 +163,10 @@ def _check_sizes(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_
         raise ValueError(f"train TP*PP={train.tp * train.pp} must divide the world size {world_size}")
     if infer_world_size % infer.tp:
         raise ValueError(f"infer TP={infer.tp} must divide the inference world size {infer_world_size}")
+    if infer_world_size % (infer.tp * infer.pp):
+        raise ValueError(f"infer TP*PP={infer.tp * infer.pp} must divide the inference world size {infer_world_size}")
+    if infer.pp > spec.num_layers:
+        raise ValueError(f"infer PP={infer.pp} must not exceed num_layers={spec.num_layers} (vLLM gives every stage a layer)")
     if spec.num_query_groups % train.tp:
         raise ValueError(f"train TP={train.tp} must divide num_key_value_heads={spec.num_query_groups}")
     if spec.vocab_size % train.tp or (not spec.is_moe and spec.ffn_hidden_size % train.tp):
