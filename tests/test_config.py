@@ -228,10 +228,27 @@ def test_bad_kl_penalty() -> None:
     )
 
 
-def test_infer_pipeline_parallel_must_be_one() -> None:
-    message = config_error(QWEN_7B, "generate_config.infer_pipeline_parallel_size=2")
-    assert message.startswith("generate_config.infer_pipeline_parallel_size: must be 1")
-    assert "vLLM pipeline parallelism is not supported in the hybrid engine, got 2" in message
+def test_infer_pipeline_parallel_sets_the_inference_dp() -> None:
+    config = load(QWEN_7B, "generate_config.infer_pipeline_parallel_size=2", "generate_config.infer_tensor_parallel_size=2")
+    assert config.infer_data_parallel_size == 16 // (2 * 2)
+
+
+def test_infer_pp2_demo_loads() -> None:
+    config = load("grpo_tiny_cpu_infer_pp2")
+    g = config.generate_config
+    assert (config.world_size, config.actor_config.tensor_model_parallel_size) == (2, 2)
+    assert (g.infer_tensor_parallel_size, g.infer_pipeline_parallel_size, config.infer_data_parallel_size) == (1, 2, 1)
+
+
+def test_infer_pipeline_parallel_is_colocated_only() -> None:
+    message = config_error("grpo_tiny_cpu_disaggregated", "generate_config.infer_pipeline_parallel_size=2",
+                           "actor_infer.device_mapping=[1,2]")
+    assert message.startswith("generate_config.infer_pipeline_parallel_size: inference pipeline stages run colocated only")
+
+
+def test_infer_pipeline_parallel_needs_a_layer_per_stage() -> None:
+    message = config_error(QWEN_7B, "generate_config.infer_pipeline_parallel_size=16", "model.qwen25_7b.num_layers=8")
+    assert message.startswith("generate_config.infer_pipeline_parallel_size: must not exceed model.qwen25_7b.num_layers=8")
 
 
 def test_verifier_weights_need_one_per_function() -> None:

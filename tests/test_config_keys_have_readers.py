@@ -47,7 +47,6 @@ VALIDATED_ONLY: dict[str, str] = {
     "rl_config.rule_reward": "true only: rule verifiers are the only reward",
     "rl_config.adv_estimator": "group_norm only: GAE is not implemented",
     "rl_config.kl_ctrl_type": "fixed only: the KL coefficient stays init_kl_coef",
-    "generate_config.infer_pipeline_parallel_size": "1 only: no vLLM pipeline parallelism in the hybrid engine",
     # ROLL's role sections (config/resources.py): parsed, computed and checked; the values other than
     # these are refused at load as not supported yet, so they are listed here although resources.py reads them.
     "actor_train.num_gpus_per_worker": "1 only: a training role has one device per worker (computed)",

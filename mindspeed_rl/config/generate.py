@@ -60,7 +60,8 @@ class GenerateConfig:
     offload_train_grad: bool = False
     offload_train_param: bool = False
     infer_tensor_parallel_size: int = 1
-    # Validated only: must be 1 (vLLM pipeline parallelism does not fit the hybrid engine).
+    # vLLM pipeline stages on the same ranks (vLLM's own layer partition); TP x PP consecutive ranks serve
+    # one inference-DP slice. Colocated actor only.
     infer_pipeline_parallel_size: int = 1
     infer_expert_parallel_size: int = 1
     max_num_seqs: int = 256
@@ -88,6 +89,7 @@ class GenerateConfig:
             prefix,
             self,
             "infer_tensor_parallel_size",
+            "infer_pipeline_parallel_size",
             "infer_expert_parallel_size",
             "max_num_seqs",
             "max_model_len",
@@ -95,11 +97,5 @@ class GenerateConfig:
             "cpu_kvcache_space_gb",
             "resharding_bucket_mb",
         )
-        if self.infer_pipeline_parallel_size != 1:
-            raise ConfigError(
-                f"{prefix}.infer_pipeline_parallel_size",
-                f"must be 1: vLLM pipeline parallelism is not supported in the hybrid engine, "
-                f"got {self.infer_pipeline_parallel_size}",
-            )
         require_choice(prefix, self, "dtype", INFER_DTYPES)
         require_in_range(prefix, self, "gpu_memory_utilization", 0.0, 1.0, low_open=True)

@@ -178,12 +178,28 @@ class GRPOConfig:
         tp, ep = generate.infer_tensor_parallel_size, generate.infer_expert_parallel_size
         world_desc = (f"the {world} actor_infer devices" if self.disaggregated else f"{WORLD_DESC_KEY}={world}")
         require_divides("generate_config.infer_tensor_parallel_size", tp, world, world_desc)
+        self._check_infer_pipeline()
         if world % (tp * ep) != 0:
             raise ConfigError(
                 "generate_config.infer_expert_parallel_size",
                 f"infer_tensor_parallel_size * infer_expert_parallel_size = {tp} * {ep} = {tp * ep} "
                 f"must divide {world_desc}, got infer_expert_parallel_size={ep}",
             )
+
+    def _check_infer_pipeline(self) -> None:
+        """TP x PP dividing the inference devices is checked with the resource plan (actor_infer's workers)."""
+        key, pp = "generate_config.infer_pipeline_parallel_size", self.generate_config.infer_pipeline_parallel_size
+        if pp == 1:
+            return
+        if self.disaggregated:
+            # The disaggregated switch takes vLLM's parameter dtypes from one inference rank, which would
+            # hold one stage's parameters only (workers/disaggregated.py).
+            raise ConfigError(key, f"inference pipeline stages run colocated only (actor_infer on the actor's "
+                                   f"devices), got {pp} with disaggregated actor_infer devices")
+        arch = self.selected_model
+        if arch is not None and pp > arch.num_layers:
+            raise ConfigError(key, f"must not exceed model.{self.actor_config.model}.num_layers={arch.num_layers} "
+                                   f"(vLLM gives every stage at least one layer), got {pp}")
 
     def _check_model_sharding(self) -> None:
         arch = self.selected_model

@@ -158,7 +158,8 @@ class ActorHybridWorkerBase:
         actor_config, gen = self.config.actor_config, self.config.generate_config
         train = TrainLayout(tp=actor_config.tensor_model_parallel_size, pp=actor_config.pipeline_model_parallel_size,
                             ep=actor_config.expert_model_parallel_size)
-        infer = InferLayout(tp=gen.infer_tensor_parallel_size, expert_parallel=gen.infer_expert_parallel_size > 1)
+        infer = InferLayout(tp=gen.infer_tensor_parallel_size, pp=gen.infer_pipeline_parallel_size,
+                            expert_parallel=gen.infer_expert_parallel_size > 1)
         return train, infer
 
     def _progress(self, step: str, started: float) -> None:
@@ -211,6 +212,7 @@ class ActorHybridWorkerBase:
         gen = self.config.generate_config
         return VLLMEngine(VLLMEngineConfig(
             model_dir=self.model_dir, tensor_parallel_size=gen.infer_tensor_parallel_size,
+            pipeline_parallel_size=gen.infer_pipeline_parallel_size,
             data_parallel_size=self.config.infer_data_parallel_size, dtype=gen.dtype,
             max_model_len=gen.max_model_len, max_num_seqs=gen.max_num_seqs,
             max_num_batched_tokens=gen.max_num_batched_tokens or gen.max_model_len * gen.max_num_seqs,
@@ -248,7 +250,9 @@ class ActorHybridWorkerBase:
         gen = self.config.generate_config
         sampling = gen.sampling_config
         dp_size = self.config.infer_data_parallel_size
-        dp_rank, tp_rank = divmod(self.rank_info.rank, gen.infer_tensor_parallel_size)
+        # A TP x PP block of consecutive ranks (vLLM's order) serves one DP slice; all its ranks return the
+        # same samples (vLLM broadcasts the last stage's output), its first rank reports them.
+        dp_rank, block_rank = divmod(self.rank_info.rank, gen.infer_tensor_parallel_size * gen.infer_pipeline_parallel_size)
         per_rank = len(prompt_token_ids) // dp_size
         start, stop = dp_rank * per_rank, (dp_rank + 1) * per_rank
         in_phase = self.ledger.record("generate")
@@ -263,7 +267,7 @@ class ActorHybridWorkerBase:
             detokenize=sampling.detokenize,
         )
         metrics = {"timing/rollout": time.perf_counter() - t0, **in_phase.metrics()}
-        value = [(start + g.prompt_index, g.token_ids, g.logprobs) for g in generations] if tp_rank == 0 else None
+        value = [(start + g.prompt_index, g.token_ids, g.logprobs) for g in generations] if block_rank == 0 else None
         return Shard(start=start, stop=stop, value=value), metrics
 
     @offloaded_rpc("ref_logprob", REFERENCE)
