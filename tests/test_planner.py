@@ -156,13 +156,16 @@ def test_activations_follow_the_pipeline_schedule():
 
 
 # -- the phase table is the residency policy ----------------------------------------------------------------
+@pytest.mark.parametrize("has_reward_model", [False, True], ids=["rule", "reward_model"])
 @pytest.mark.parametrize("flags", list(itertools.product([True, False], repeat=3)))
-def test_the_phase_table_follows_the_residency_policy(flags):
-    policy = ResidencyPolicy(offload_train_param=flags[0], offload_train_grad=flags[1], offload_train_optimizer=flags[2])
+def test_the_phase_table_follows_the_residency_policy(flags, has_reward_model):
+    policy = ResidencyPolicy(offload_train_param=flags[0], offload_train_grad=flags[1], offload_train_optimizer=flags[2],
+                             has_reward_model=has_reward_model)
     plan = plan_memory(PlanInputs(arch=_tiny(), world_size=2, tp=2, policy=policy,
                                   kv=KVCacheSpec(on_cpu=True, cpu_bytes=1 << 22)))
     table = plan.table()
-    for phase in PHASES:
+    assert ("reward" in table) == has_reward_model  # the phase exists only with a reward model
+    for phase in (p for p in PHASES if p in table):
         resident = {c for c, v in table[phase].items() if v}
         expected = set(policy.resident(phase)) | ({ACTIVATIONS} if phase == "update" else set())
         assert resident == expected, (phase, flags)

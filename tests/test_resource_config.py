@@ -394,19 +394,17 @@ def test_a_reference_on_other_devices_is_not_supported_yet() -> None:
     assert message.startswith("reference.device_mapping: must be actor_train's devices (0-15) today, got 16-31")
 
 
-def test_reward_models_are_refused_naming_the_key() -> None:
-    assert config_error(TINY, "+rewards.rm.model_path=/models/rm", "+rewards.rm.world_size=1") == (
-        "rewards.rm.model_path: reward models are not supported yet: a reward role runs the rule verifiers of "
-        "rl_config.verifier_function on CPU workers (world_size); remove model_path")
-    # The arithmetic runs first: a GPU reward role is parsed and checked, then refused.
+def test_a_gpu_reward_role_is_parsed_and_checked_first() -> None:
+    # The arithmetic runs first: a reward role on devices is parsed and checked, then judged (a rule role
+    # is refused there; reward models: tests/test_reward_model_config.py).
     assert config_error(TINY, "+rewards.rm.device_mapping='range(3)'", "+rewards.rm.num_gpus_per_worker=2").startswith(
         "rewards.rm.device_mapping: lists 3 devices, not divisible by num_gpus_per_worker=2")
     assert config_error(TINY, "+rewards.rm.device_mapping=[0]").startswith(
-        "rewards.rm.device_mapping: reward workers on devices (a reward model) are not supported yet")
+        "rewards.rm.device_mapping: rule verifiers run on CPU workers (world_size), not on devices")
 
 
 def test_one_reward_role() -> None:
     assert config_error(TINY, "+rewards.a.world_size=1", "+rewards.b.world_size=1") == (
-        "rewards.b: one reward role is supported yet: the verifiers of rl_config.verifier_function run in rewards.a; "
+        "rewards.b: one rule-reward role is supported yet: the verifiers of rl_config.verifier_function run in rewards.a; "
         "per-role verifiers are not supported")
     assert load(TINY, "+rewards.rule.world_size=0").resource_plan.role("rewards.rule").world_size == 0

@@ -94,3 +94,16 @@ def _worker(rank, port, reward_dir, batch, expected):
 def test_tp2_and_pp2_scores_equal_hf(reward_dir):
     batch = _batch()
     mp.spawn(_worker, args=(free_port(), reward_dir, batch, _hf_scores(reward_dir, batch)), nprocs=2, join=True)
+
+
+def test_the_planner_counts_the_reward_models_bytes_on_a_rank(world, reward_dir):
+    import json
+    from pathlib import Path
+
+    from mindspeed_rl.planner.arch import from_hf_config
+    from mindspeed_rl.planner.params import reward_model_bytes
+
+    engine = _engine(reward_dir, world)
+    measured = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    arch = from_hf_config(json.loads((Path(reward_dir) / "config.json").read_text()), where="test")
+    assert reward_model_bytes(arch, tp=1, pp=1, pp_rank=0, bf16=False) == measured

@@ -15,6 +15,7 @@ from mindspeed_rl.config.resources import (
     ReferenceResources,
     ResourcePlan,
     RewardResources,
+    SYNTHETIC_REWARD_MODEL,
     actor_world_size,
     build_resource_plan,
     check_supported,
@@ -97,6 +98,11 @@ class GRPOConfig:
         return self.infer_world_size // (generate.infer_tensor_parallel_size * generate.infer_pipeline_parallel_size)
 
     @property
+    def reward_model(self) -> Optional[tuple[str, RewardResources]]:
+        """The rewards.<name> section that names a reward model (model_path; at most one), or None."""
+        return next(((name, section) for name, section in self.rewards.items() if section.is_model), None)
+
+    @property
     def selected_model(self) -> Optional[ModelArchConfig]:
         """The architecture block named by actor_config.model, or None if the tree has none."""
         return self.model.get(self.actor_config.model)
@@ -110,6 +116,17 @@ class GRPOConfig:
         self._check_synthetic_data()
         self._check_asset_paths()
         check_supported(self.resource_plan, self.rewards)
+        self._check_reward_model()
+
+    def _check_reward_model(self) -> None:
+        if self.reward_model is None:
+            return
+        name, section = self.reward_model
+        synthetic = self.synthetic_data is not None and self.synthetic_data.enabled
+        if section.model_path == SYNTHETIC_REWARD_MODEL and not synthetic:
+            raise ConfigError(f"rewards.{name}.model_path", f"`{SYNTHETIC_REWARD_MODEL}` is the demo's generated reward model, made "
+                                                            "from the generated actor: it needs synthetic_data.enabled="
+                                                            "true; give an HF Qwen2ForSequenceClassification directory")
 
     def _resolve_world_size(self) -> None:
         """MindSpeed-RL's rl_config.actor_resource.num_npus or ROLL's actor_train.device_mapping: one is

@@ -8,6 +8,7 @@ The sections (all optional, top level, as in ROLL's YAMLs)::
     reference:     {device_mapping: list(range(0,16))}
     rewards:
       code_sandbox: {world_size: 8}                                             # CPU only: 8 Ray actors
+      helpfulness: {model_path: /ckpt/qwen2-rm, weight: 0.5}                    # a reward model, actor's devices
 
 * ``device_mapping`` lists global device indices. ROLL runs ``eval()`` on the string; here it is read by
   :func:`parse_device_mapping` (``ast.parse`` and a whitelist walk; nothing is ever evaluated) and may
@@ -27,8 +28,9 @@ The sections (all optional, top level, as in ROLL's YAMLs)::
 
 :func:`build_resource_plan` runs all of that and gives a :class:`ResourcePlan` (per role its devices and
 world size, the mode, the cluster size, a device -> roles table). :func:`check_supported` then refuses
-what the engine does not run yet: anything but colocated roles on the same devices ``0..N-1``, reward
-models, more than one reward role.
+what the engine does not run yet: anything but colocated roles on the same devices ``0..N-1`` (or
+actor_infer on the next ones), a reward model off the actor's devices, more than one reward model or rule
+role.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ INFER_ROLE = "actor_infer"
 NUM_NPUS_KEY = "rl_config.actor_resource.num_npus"
 INTEGRATED_KEY = "rl_config.use_integrated_worker"
 COLOCATED, DISAGGREGATED = "colocated", "disaggregated"
+# rewards.<name>.model_path naming the demo's generated reward model (data/tiny_reward_model.py).
+SYNTHETIC_REWARD_MODEL = "synthetic"
 
 
 # --- the parser ------------------------------------------------------------------------------------
@@ -307,19 +311,62 @@ class ReferenceResources(RoleResourceConfig):
 
 @dataclass(kw_only=True)
 class RewardResources:
-    """`rewards.<name>`: a reward role. Today: CPU workers running the rule verifiers of
-    `rl_config.verifier_function` (weights `rl_config.verifier_weight`), `world_size` Ray actors."""
+    """`rewards.<name>`: a reward role. Either CPU workers running the rule verifiers of
+    `rl_config.verifier_function` (weights `rl_config.verifier_weight`), `world_size` Ray actors; or, with
+    `model_path`, a reward model (a Qwen2 sequence-classification checkpoint) run with Megatron on the actor's
+    devices and ranks, co-resident and time-shared like the reference, its score added to the rule total
+    times `weight`."""
 
     # CPU-only Ray actors that score a batch in parallel; 0 = in the driver process.
     world_size: Optional[int] = None
-    # A reward model on devices (ROLL). Parsed and checked; refused at load (not supported yet).
+    # A reward model's devices: actor_train's (colocated) or left out, which means the same.
     device_mapping: Any = None
     num_gpus_per_worker: Optional[int] = None
+    # An HF Qwen2ForSequenceClassification directory (num_labels=1), or `synthetic` for the demo's generated
+    # one (needs synthetic_data.enabled). null: a rule-reward role.
     model_path: Optional[str] = None
+    # The reward model's weight: reward = rule verifiers' weighted total + weight * score. Default 1.0.
+    weight: Optional[float] = None
 
-    def resources(self, key: str) -> RoleResources:
+    @property
+    def is_model(self) -> bool:
+        return self.model_path is not None
+
+    @property
+    def model_weight(self) -> float:
+        return 1.0 if self.weight is None else float(self.weight)
+
+    def resources(self, key: str, actor_devices: tuple[int, ...] = (), actor_source: str = "") -> RoleResources:
+        if self.is_model and self.device_mapping is None and self.world_size is None:
+            # A reward model left without devices runs on the actor's, as the reference does.
+            return RoleResources(key=key, devices=actor_devices, num_gpus_per_worker=1, world_size=len(actor_devices),
+                                 source=actor_source or key)
         return role_resources(key, device_mapping=self.device_mapping, num_gpus_per_worker=self.num_gpus_per_worker,
                               world_size=self.world_size, cpu_allowed=True)
+
+
+def check_reward_sections(rewards: Mapping[str, RewardResources]) -> None:
+    """Each rewards.<name> section on its own: a reward model runs on devices and has a path; a weight belongs
+    to a reward model. Raises ConfigError naming the key."""
+    for name, section in rewards.items():
+        key = f"rewards.{name}"
+        if section.is_model:
+            if not isinstance(section.model_path, str) or not section.model_path.strip():
+                raise ConfigError(f"{key}.model_path", f"must name a checkpoint directory (or `synthetic`), got "
+                                                       f"{section.model_path!r}")
+            if section.device_mapping is None and section.world_size is not None:
+                raise ConfigError(f"{key}.world_size",
+                                  f"a reward model (model_path) runs on devices, but world_size={section.world_size} "
+                                  "without device_mapping makes a CPU-only role: remove world_size (the model then "
+                                  "runs on actor_train's devices) or give device_mapping")
+            if section.num_gpus_per_worker not in (None, 1):
+                raise ConfigError(f"{key}.num_gpus_per_worker", "must be 1 (or left out) for a reward model: it is a "
+                                                                f"Megatron role, got {section.num_gpus_per_worker}")
+        elif section.weight is not None:
+            raise ConfigError(f"{key}.weight", "weights a reward model's score, but the section has no model_path; "
+                                               "rule verifiers are weighted by rl_config.verifier_weight")
+        if section.weight is not None and (isinstance(section.weight, bool) or not math.isfinite(section.weight)):
+            raise ConfigError(f"{key}.weight", f"must be a finite number, got {section.weight!r}")
 
 
 # --- the plan --------------------------------------------------------------------------------------
@@ -495,8 +542,9 @@ def build_resource_plan(*, actor_train: Optional[RoleResourceConfig], actor_infe
             role = RoleResources(key=key, devices=role.devices, num_gpus_per_worker=role.num_gpus_per_worker,
                                  world_size=role.world_size, source=world_key)
         roles.append(role)
+    check_reward_sections(rewards)
     for name, section in rewards.items():
-        roles.append(section.resources(f"rewards.{name}"))
+        roles.append(section.resources(f"rewards.{name}", actor_devices=roles[0].devices, actor_source=roles[0].source))
     if num_gpus_per_node:
         for role in roles:
             for index, devices in enumerate(role.worker_devices()):
@@ -544,18 +592,29 @@ def check_supported(plan: ResourcePlan, rewards: Mapping[str, RewardResources]) 
                               f"must be actor_train's devices ({format_devices(train.devices)}) today, got "
                               f"{format_devices(role.devices)}: roles that share only some devices are not "
                               "supported yet (the reference runs on the training ranks)")
-    for name, section in rewards.items():
-        key = f"rewards.{name}"
-        if section.model_path is not None:
-            raise ConfigError(f"{key}.model_path",
-                              "reward models are not supported yet: a reward role runs the rule verifiers of "
-                              "rl_config.verifier_function on CPU workers (world_size); remove model_path")
-        if section.device_mapping is not None:
+    models = [name for name, section in rewards.items() if section.is_model]
+    for name in models:
+        # A reward model is colocated: built on the actor's ranks in its TP/PP layout, time-shared.
+        key, role = f"rewards.{name}", plan.role(f"rewards.{name}")
+        if plan.mode == DISAGGREGATED:
+            raise ConfigError(f"{key}.model_path", "a reward model runs colocated with actor_train, actor_infer and "
+                                                   "the reference; disaggregated roles with a reward model are not "
+                                                   "supported yet")
+        if role.devices != train.devices:
             raise ConfigError(f"{key}.device_mapping",
-                              "reward workers on devices (a reward model) are not supported yet: a reward role "
-                              "runs rule verifiers on CPU workers; give it world_size instead")
-    if len(rewards) > 1:
-        names = list(rewards)
-        raise ConfigError(f"rewards.{names[1]}",
-                          f"one reward role is supported yet: the verifiers of rl_config.verifier_function run in "
-                          f"rewards.{names[0]}; per-role verifiers are not supported")
+                              f"must be actor_train's devices ({format_devices(train.devices)}) or left out, got "
+                              f"{format_devices(role.devices)}: a reward model runs on the actor's ranks in its "
+                              "TP/PP layout, taking turns with the other roles")
+    if len(models) > 1:
+        raise ConfigError(f"rewards.{models[1]}.model_path",
+                          f"one reward model is supported: rewards.{models[0]} has one already")
+    rules = [name for name in rewards if name not in models]
+    for name in rules:
+        if rewards[name].device_mapping is not None:
+            raise ConfigError(f"rewards.{name}.device_mapping",
+                              "rule verifiers run on CPU workers (world_size), not on devices; a reward role on "
+                              "devices is a reward model (model_path)")
+    if len(rules) > 1:
+        raise ConfigError(f"rewards.{rules[1]}",
+                          f"one rule-reward role is supported yet: the verifiers of rl_config.verifier_function run "
+                          f"in rewards.{rules[0]}; per-role verifiers are not supported")

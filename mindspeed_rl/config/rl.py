@@ -65,7 +65,7 @@ class RLConfig:
     entropy_coeff: float = 0.0
     shuffle_mini_batch: bool = False
     n_samples_per_prompt: int = 8
-    # Validated only: rule verifiers are the only reward (there is no reward model).
+    # Validated only: rule verifiers always score (a reward model, rewards.<name>.model_path, adds to them).
     rule_reward: bool = True
     # Names from mindspeed_rl.data.rewards.VERIFIERS, one weight each. Scored in the driver, or by the
     # rewards.<name>.world_size CPU workers when that section is given (workers/reward_workers.py).

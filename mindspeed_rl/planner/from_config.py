@@ -65,6 +65,19 @@ def architecture(source: ModelSource, key: str = "actor_config.model") -> Archit
         raise ConfigError(key, str(error)) from None
 
 
+def reward_architecture(config: GRPOConfig) -> Architecture | None:
+    """The reward model's architecture from its config.json where it is on this machine; None (plan it as the
+    actor's trunk) without a reward model or before the demo's generated one exists."""
+    if config.reward_model is None:
+        return None
+    name, section = config.reward_model
+    path = Path(section.model_path) / "config.json"
+    if not path.is_file():
+        return None
+    key = f"rewards.{name}.model_path"
+    return architecture(ModelSource(_read_json(path, key), f"{path} ({key})"), key)
+
+
 def on_cpu(config: GRPOConfig, device_memory: int | None, device: str | None = None) -> bool:
     """`device` (the run's resolved device) if given; else runtime.device, where auto plans for an accelerator
     when a device size is given and for CPU otherwise."""
@@ -85,7 +98,9 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
         micro_batch_size=ac.micro_batch_size, mini_batch_samples=rl.mini_batch_size_in_samples,
         seq_length=seq_length or rl.max_prompt_length + gen.sampling_config.max_tokens,
         policy=ResidencyPolicy(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
-                               offload_train_optimizer=gen.offload_train_optimizer),
+                               offload_train_optimizer=gen.offload_train_optimizer,
+                               has_reward_model=config.reward_model is not None),
+        reward_arch=reward_architecture(config),
         kv=KVCacheSpec(on_cpu=cpu, cpu_bytes=int(gen.cpu_kvcache_space_gb * GIB),
                        gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
                        max_model_len=gen.max_model_len),

@@ -25,17 +25,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from mindspeed_rl.memory.residency import (INFER_WEIGHTS, KV_CACHE, PHASES, REF_PARAMS, STATE_GROUPS, TRAIN_GRADS,
-                                           TRAIN_OPTIMIZER, TRAIN_PARAMS, ResidencyPolicy)
+from mindspeed_rl.memory.residency import (INFER_WEIGHTS, KV_CACHE, PHASES, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS,
+                                           TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS, ResidencyPolicy)
 from mindspeed_rl.planner.arch import Architecture
-from mindspeed_rl.planner.params import stage_layers, stage_train_bytes, vllm_numel
+from mindspeed_rl.planner.params import reward_model_bytes, stage_layers, stage_train_bytes, vllm_numel
 
 ACTIVATIONS = "activations"
 CATEGORIES = STATE_GROUPS + (ACTIVATIONS,)
 # The ledger's phases (memory/ledger.py), which metrics.jsonl carries; the planner adds idle and the switch.
 LEDGER_PHASES = ("generate", "ref_logprob", "old_logprob", "update")
+REWARD_PHASE = "reward"  # a ledger and table phase only with a reward model (MemoryPlan.ledger_phases)
 SWITCH = "switch"  # the push into vLLM: train params and inference weights at once, plus staging buffers
-TABLE_PHASES = PHASES[:1] + (SWITCH,) + PHASES[1:]
+TABLE_PHASES = tuple(p for p in PHASES[:1] + (SWITCH,) + PHASES[1:] if p != REWARD_PHASE)
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 GIB = 1 << 30
 
@@ -74,6 +75,8 @@ class PlanInputs:
     kv: KVCacheSpec = field(default_factory=lambda: KVCacheSpec(on_cpu=True))
     device_memory: int | None = None
     bucket_bytes: int = 64 << 20  # generate_config.resharding_bucket_mb
+    # The reward model's architecture (rewards.<name>.model_path) when policy.has_reward_model; None: the actor's.
+    reward_arch: Architecture | None = None
 
     def __post_init__(self) -> None:
         if self.world_size % (self.tp * self.pp):
@@ -202,6 +205,9 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
     states = {
         TRAIN_PARAMS: train.params, TRAIN_GRADS: train.grads, TRAIN_OPTIMIZER: train.optimizer,
         REF_PARAMS: train.reference if inputs.policy.has_reference else 0,
+        REWARD_PARAMS: reward_model_bytes(inputs.reward_arch or inputs.arch, tp=inputs.tp, pp=inputs.pp,
+                                          pp_rank=c["pp_rank"], bf16=inputs.bf16)
+        if inputs.policy.has_reward_model else 0,
         INFER_WEIGHTS: infer, KV_CACHE: kv_cache_bytes(inputs, infer),
         ACTIVATIONS: activation_bytes(inputs, c["pp_rank"]),
     }
@@ -217,16 +223,33 @@ class MemoryPlan:
     def rank_phase(self, rank: RankBytes, phase: str) -> dict[str, int]:
         return rank.phase(self.inputs.policy, phase)
 
-    def table(self, phases: tuple[str, ...] = TABLE_PHASES) -> dict[str, dict[str, int]]:
+    @property
+    def ledger_phases(self) -> tuple[str, ...]:
+        """The phases the run's ledger records: LEDGER_PHASES, and `reward` after generate with a reward model."""
+        if not self.inputs.policy.has_reward_model:
+            return LEDGER_PHASES
+        return LEDGER_PHASES[:1] + (REWARD_PHASE,) + LEDGER_PHASES[1:]
+
+    @property
+    def table_phases(self) -> tuple[str, ...]:
+        """TABLE_PHASES, with `reward` after generate when there is a reward model."""
+        if not self.inputs.policy.has_reward_model:
+            return TABLE_PHASES
+        at = TABLE_PHASES.index("generate") + 1
+        return TABLE_PHASES[:at] + (REWARD_PHASE,) + TABLE_PHASES[at:]
+
+    def table(self, phases: tuple[str, ...] | None = None) -> dict[str, dict[str, int]]:
         """phase -> category -> bytes: the largest rank of each category (as the ledger's metrics)."""
+        phases = phases or self.table_phases
         out = {}
         for phase in phases:
             rows = [self.rank_phase(r, phase) for r in self.ranks]
             out[phase] = {c: max(row[c] for row in rows) for c in rows[0]}
         return out
 
-    def totals(self, phases: tuple[str, ...] = TABLE_PHASES) -> dict[str, tuple[int, int]]:
+    def totals(self, phases: tuple[str, ...] | None = None) -> dict[str, tuple[int, int]]:
         """phase -> (rank, bytes) of the rank with the largest total."""
+        phases = phases or self.table_phases
         out = {}
         for phase in phases:
             best = max(self.ranks, key=lambda r: (sum(self.rank_phase(r, phase).values()), -r.rank))
@@ -267,11 +290,14 @@ class MemoryPlan:
         """`memory/<phase>/predicted_bytes` and `memory/<phase>/<category>_predicted_bytes` for the phases the
         ledger records, beside its measured `memory/<phase>/<category>_bytes` in metrics.jsonl."""
         out = {}
-        table, totals = self.table(LEDGER_PHASES), self.totals(LEDGER_PHASES)
-        for phase in LEDGER_PHASES:
+        phases = self.ledger_phases
+        table, totals = self.table(phases), self.totals(phases)
+        for phase in phases:
             for category, value in table[phase].items():
                 if category == ACTIVATIONS and phase != "update":
                     continue
+                if category == REWARD_PARAMS and not self.inputs.policy.has_reward_model:
+                    continue  # the ledger of a run without a reward model has no such category
                 out[f"{prefix}/{phase}/{category}_predicted_bytes"] = float(value)
             out[f"{prefix}/{phase}/predicted_bytes"] = float(totals[phase][1])
         return out

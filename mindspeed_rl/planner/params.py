@@ -225,6 +225,16 @@ def _stage_buffers(arch: Architecture, tp: int, pp: int, pp_rank: int, ep: int, 
                        distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=dp // ep)
 
 
+def reward_model_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, bf16: bool) -> int:
+    """One rank's reward-model params (engines/reward_model.py): the trunk's shard of stage `pp_rank` in the
+    actor's layout, without a language-model head, and on the last stage the replicated hidden -> 1 score
+    row. Norms are fp32 in a bf16 model, as in the actor."""
+    e = 2 if bf16 else 4
+    trunk = sum(p.numel * (4 if p.norm else e) for p in _stage_params(arch, tp, pp, pp_rank, 1)
+                if p.name != "output_layer.weight")
+    return trunk + (arch.hidden_size * e if pp_rank == pp - 1 else 0)
+
+
 # -- inference shards -----------------------------------------------------------------------------------
 VLLM_VOCAB_PADDING = 64
 

@@ -1,11 +1,11 @@
 """The planner's output: a text table and a JSON document of the same figures."""
 from __future__ import annotations
 
-from mindspeed_rl.memory.residency import (INFER_WEIGHTS, KV_CACHE, REF_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER,
-                                           TRAIN_PARAMS)
+from mindspeed_rl.memory.residency import (INFER_WEIGHTS, KV_CACHE, REF_PARAMS, REWARD_PARAMS, TRAIN_GRADS,
+                                           TRAIN_OPTIMIZER, TRAIN_PARAMS)
 from mindspeed_rl.planner.from_config import Suggestion
-from mindspeed_rl.planner.memory import (ACTIVATIONS, DTYPE_BYTES, TABLE_PHASES, MemoryPlan, activation_terms,
-                                         format_bytes, kv_needed_bytes)
+from mindspeed_rl.planner.memory import (ACTIVATIONS, DTYPE_BYTES, MemoryPlan, activation_terms, format_bytes,
+                                         kv_needed_bytes)
 from mindspeed_rl.planner.switch import SwitchPlan, iteration_moves
 
 ROWS = (
@@ -13,7 +13,7 @@ ROWS = (
     (TRAIN_GRADS, "train grads (fp32)"),
     (TRAIN_OPTIMIZER, "optimizer (Adam + fp32 masters)"),
     (REF_PARAMS, "reference params"),
-    ("reward_model", "reward model"),
+    (REWARD_PARAMS, "reward model params"),
     (INFER_WEIGHTS, "inference weights"),
     (KV_CACHE, "KV cache"),
     (ACTIVATIONS, "activations (estimate)"),
@@ -48,7 +48,9 @@ def _layout_line(plan: MemoryPlan) -> list[str]:
             f"{i.micro_batches_per_step} per step per DP rank",
             f"  {infer}, {i.infer_dtype}; {kv}",
             f"  offload_train_param/grad/optimizer: {flags}; reference model: "
-            f"{'yes' if i.policy.has_reference else 'no'}; reward: rule-based (no reward model on the device)"]
+            f"{'yes' if i.policy.has_reference else 'no'}; reward: "
+            + ("rule-based + a reward model (on the device in the reward phase only)" if i.policy.has_reward_model
+               else "rule-based (no reward model on the device)")]
 
 
 def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: SwitchPlan | None,
@@ -63,18 +65,19 @@ def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
     lines += _layout_line(plan)
     table, totals = plan.table(), plan.totals()
     width = max(len(label) for _, label in ROWS) + 2
-    header = "".join(f"{p:>14}" for p in TABLE_PHASES)
+    phases = plan.table_phases
+    header = "".join(f"{p:>14}" for p in phases)
     lines += ["", f"bytes per device (each row: its largest rank; total: the largest rank's sum)",
               f"{'':<{width}}{header}"]
     for key, label in ROWS:
-        values = [table[p].get(key, 0) for p in TABLE_PHASES]
-        if key in ("reward_model", "switch_staging") and not any(values):
-            if key == "reward_model":
-                lines.append(f"{label:<{width}}" + "".join(f"{'-':>14}" for _ in TABLE_PHASES))
+        values = [table[p].get(key, 0) for p in phases]
+        if key in (REWARD_PARAMS, "switch_staging") and not any(values):
+            if key == REWARD_PARAMS:
+                lines.append(f"{label:<{width}}" + "".join(f"{'-':>14}" for _ in phases))
             continue
         lines.append(f"{label:<{width}}" + "".join(f"{format_bytes(v):>14}" for v in values))
-    lines.append(f"{'total':<{width}}" + "".join(f"{format_bytes(totals[p][1]):>14}" for p in TABLE_PHASES))
-    lines.append(f"{'  on rank':<{width}}" + "".join(f"{totals[p][0]:>14}" for p in TABLE_PHASES))
+    lines.append(f"{'total':<{width}}" + "".join(f"{format_bytes(totals[p][1]):>14}" for p in phases))
+    lines.append(f"{'  on rank':<{width}}" + "".join(f"{totals[p][0]:>14}" for p in phases))
     phase, rank, peak = plan.peak()
     lines += ["", f"peak: {phase} on rank {rank}: {format_bytes(peak)} ({peak} bytes)"]
     if i.device_memory is None:
@@ -183,10 +186,11 @@ def json_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
                    "offload_train_param": TRAIN_PARAMS not in i.policy.pinned,
                    "offload_train_grad": TRAIN_GRADS not in i.policy.pinned,
                    "offload_train_optimizer": TRAIN_OPTIMIZER not in i.policy.pinned},
-        "phases": {p: {**{k: v for k, v in row.items()}, "reward_model": 0, "total": totals[p][1],
+        "phases": {p: {**{k: v for k, v in row.items()}, "total": totals[p][1],
                        "total_rank": totals[p][0]} for p, row in plan.table().items()},
         "per_rank": [{"rank": r.rank, **r.states,
-                      "phases": {p: sum(plan.rank_phase(r, p).values()) for p in TABLE_PHASES}} for r in plan.ranks],
+                      "phases": {p: sum(plan.rank_phase(r, p).values()) for p in plan.table_phases}}
+                     for r in plan.ranks],
         "peak": {"phase": phase, "rank": rank, "bytes": peak},
         "device_memory": i.device_memory,
         "fits": plan.fits(),

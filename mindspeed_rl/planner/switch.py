@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mindspeed_rl.memory.residency import REF_PARAMS, TRAIN_OPTIMIZER, TRAIN_PARAMS
+from mindspeed_rl.memory.residency import REF_PARAMS, REWARD_PARAMS, TRAIN_OPTIMIZER, TRAIN_PARAMS
 from mindspeed_rl.planner.memory import DTYPE_BYTES, PlanInputs
 
 # The trainer's order of residency rows in one iteration (grpo_trainer.train + the RPCs' automatic offload).
 ITERATION = ("generate", "idle", "ref_logprob", "idle", "old_logprob", "update", "idle")
-COPIED = (TRAIN_PARAMS, TRAIN_OPTIMIZER, REF_PARAMS)  # groups whose contents cross host <-> device
+COPIED = (TRAIN_PARAMS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS)  # groups whose contents cross host <-> device
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,9 @@ class Move:
 def iteration_moves(inputs: PlanInputs, states: dict[str, int]) -> list[Move]:
     """`states`: one rank's bytes per state group."""
     policy, moves = inputs.policy, []
-    for before, after in zip(ITERATION, ITERATION[1:] + ITERATION[:1]):
+    # A reward model scores the samples right after generate (the trainer's order).
+    iteration = ITERATION[:2] + ("reward", "idle") + ITERATION[2:] if policy.has_reward_model else ITERATION
+    for before, after in zip(iteration, iteration[1:] + iteration[:1]):
         was, will = policy.resident(before), policy.resident(after)
         onload = sum(states[g] for g in COPIED if g in will and g not in was)
         offload = sum(states[g] for g in COPIED if g in was and g not in will)

@@ -17,6 +17,7 @@ from mindspeed_rl.data.dataset import PromptDataset, PromptSampler, check_prompt
 from mindspeed_rl.data.rewards import accuracy, compute_rule_rewards
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.trainer import setup
+from mindspeed_rl.trainer.reward_model import model_score_metrics, resolve_reward_model, with_model_scores
 from mindspeed_rl.trainer.metrics import (length_stats, phase_timings, reward_metrics, rollout_mismatch,
                                           throughput)
 from mindspeed_rl.trainer.sinks import MetricsSinks
@@ -59,6 +60,7 @@ def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]
     setup.check_against_checkpoint(config, hf_config, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.generate_config.trust_remote_code)
     setup.check_tokenizer_fits_model(tokenizer, hf_config, model_dir)
+    resolve_reward_model(config, model_dir, len(tokenizer))  # rewards.<name>.model_path, checked before any worker
     ac = config.actor_config
     # A partial, corrupt or other-model checkpoint stops here, before any worker starts.
     resume = find_resume_point(ac.load, finetune=ac.finetune, hf_config=hf_config)
@@ -166,6 +168,10 @@ def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDa
                                                timeout_seconds=rl.verifier_timeout_seconds)
             else:  # in parallel on the CPU workers; a failed sample scores 0 and is counted
                 rewards, metrics["reward_workers/failed_samples"] = reward_group.score(responses, labels)
+            if config.reward_model is not None:  # on the actor's ranks, in the residency table's `reward` phase
+                scores, model_metrics = forward_logprobs(actor, "compute_reward_scores", batch)
+                rewards = with_model_scores(rewards, scores, config.reward_model[1].model_weight)
+                metrics.update(model_metrics | model_score_metrics(scores))
             batch.columns["advantages"] = group_normalized_advantages(rewards.total, rl.n_samples_per_prompt)
             batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor, "compute_ref_log_prob", batch)
             # ROLL's manual control: the update right after needs the train params again, so they stay.
@@ -209,7 +215,7 @@ def memory_prediction(config: GRPOConfig, hf_config: dict, device: str | None = 
     from mindspeed_rl.accelerator import detect_device
     from mindspeed_rl.config import ConfigError
     from mindspeed_rl.planner.from_config import predict_run
-    from mindspeed_rl.planner.memory import LEDGER_PHASES, format_bytes
+    from mindspeed_rl.planner.memory import format_bytes
 
     device = device or (detect_device() if config.runtime.device == "auto" else config.runtime.device)
     try:
@@ -219,8 +225,8 @@ def memory_prediction(config: GRPOConfig, hf_config: dict, device: str | None = 
             print(f"[plan] no memory prediction: {error}", flush=True)
         return None
     if not quiet:
-        table, totals = plan.table(LEDGER_PHASES), plan.totals(LEDGER_PHASES)
-        for phase in LEDGER_PHASES:
+        table, totals = plan.table(plan.ledger_phases), plan.totals(plan.ledger_phases)
+        for phase in plan.ledger_phases:
             parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in table[phase].items() if v)
             where = f" at {plan.inputs.padded_seq_length} tokens per sequence" if phase == "update" else ""
             print(f"[plan] {phase}: {format_bytes(totals[phase][1])} per device predicted{where} ({parts})", flush=True)
@@ -297,7 +303,8 @@ def format_line(m: dict) -> str:
     seconds = " ".join(f"{p}={m.get('timing/' + p, 0.0):.2f}s" for p in phases)
     # ROLL's automatic mode moves states around every call; its cost summed over the phases.
     for stage in ("onload", "offload"):
-        spent = sum(m.get(f"timing/{p}/{stage}", 0.0) for p in ("generate", "ref_logprob", "old_logprob", "update"))
+        spent = sum(m.get(f"timing/{p}/{stage}", 0.0) for p in ("generate", "reward", "ref_logprob", "old_logprob",
+                                                                  "update"))
         seconds += f" {stage}={spent:.2f}s"
     memory = " ".join(f"{p}={m.get(f'memory/{p}/total_bytes', 0) / 2**20:.0f}MiB"
                       for p in ("generate", "ref_logprob", "old_logprob", "update"))

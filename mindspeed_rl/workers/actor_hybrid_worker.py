@@ -16,8 +16,8 @@ import torch
 from mindspeed_rl.algorithms.grpo import GRPOLossConfig
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
-from mindspeed_rl.memory.residency import REF_PARAMS
-from mindspeed_rl.memory.roles import ACTOR_FORWARD, ACTOR_INFER, ACTOR_TRAIN, REFERENCE, offloaded_rpc
+from mindspeed_rl.memory.residency import REF_PARAMS, REWARD_PARAMS
+from mindspeed_rl.memory.roles import ACTOR_FORWARD, ACTOR_INFER, ACTOR_TRAIN, REFERENCE, REWARD_MODEL, offloaded_rpc
 from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, optimizer_settings, sampling_seed, train_dp_slice,
                                               train_on_mini_batch)
 from mindspeed_rl.protocol import RolloutBatch
@@ -46,6 +46,7 @@ class ActorHybridWorkerBase:
     # Named in failure messages beside the rank; the disaggregated workers are actor_train / actor_infer.
     ROLE = ""
     inference_model = None
+    reward_model = None  # rewards.<name>.model_path: a Megatron reward model on these ranks
 
     def __init__(self, config: GRPOConfig, rank_info: RankInfo, *, model_dir: str, ref_model_dir: str):
         self.config = config
@@ -93,8 +94,14 @@ class ActorHybridWorkerBase:
         self._init_distributed(cfg.runtime, cfg.actor_config)
         self.accelerator.seed_model_parallel_rng(cfg.megatron_training.seed)
         self.actor, self.reference = self._build_megatron_engines(cfg.megatron_training, started)
+        self.reward_model = self._build_reward_model(cfg.megatron_training, started)
         self.offloader = self._build_offloader(Offloader(self.accelerator))
         self.offloader.offload(REF_PARAMS)  # before vLLM allocates: the two never peak together
+        if self.reward_model is not None:
+            from mindspeed_rl.engines.reward_model import register_reward_states
+
+            register_reward_states(self.offloader, self.reward_model)
+            self.offloader.offload(REWARD_PARAMS)  # likewise: on the device only in the reward phase
         self.inference_model = self._build_rollout()
         self.inference_model.release_kv_cache()
         self._progress("vLLM started", started)
@@ -132,6 +139,21 @@ class ActorHybridWorkerBase:
         self._progress("Megatron actor and reference built", started)
         return actor, reference
 
+    def _build_reward_model(self, megatron_training, started: float):
+        """The reward model of rewards.<name>.model_path (the driver resolved the path), in the actor's
+        TP/PP layout and dtype; None without one."""
+        if self.config.reward_model is None:
+            return None
+        from mindspeed_rl.engines.reward_model import RewardModelEngine
+
+        model_dir = self.config.reward_model[1].model_path
+        spec, state = load_hf_checkpoint(model_dir)
+        engine = RewardModelEngine(spec=spec, hf_state=state, accelerator=self.accelerator, model_dir=model_dir,
+                                   params_dtype=torch.bfloat16 if megatron_training.bf16 else torch.float32,
+                                   options=self._model_options(self.accelerator))
+        self._progress("Megatron reward model built", started)
+        return engine
+
     def _build_sharding_manager(self, gen, actor_config):
         from mindspeed_rl.workers.sharding_manager import ShardingManager, SwitchSettings
 
@@ -149,7 +171,8 @@ class ActorHybridWorkerBase:
 
         gen = self.config.generate_config
         return ResidencyPolicy(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
-                               offload_train_optimizer=gen.offload_train_optimizer)
+                               offload_train_optimizer=gen.offload_train_optimizer,
+                               has_reward_model=self.reward_model is not None)
 
     def _switch_layouts(self):
         """The training layout the switch reads and the inference layout it writes."""
@@ -276,6 +299,18 @@ class ActorHybridWorkerBase:
         in_phase = self.ledger.record("ref_logprob")
         micro_batch_size = self.config.rl_config.ref_forward_micro_batch_size or self.config.actor_config.micro_batch_size
         shard = self._forward_logprobs(self.reference, batch, micro_batch_size)
+        return shard, in_phase.metrics()
+
+    @offloaded_rpc("reward", REWARD_MODEL)
+    def compute_reward_scores(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
+        """The reward model's score of each sample of this rank's train-DP slice (the last real token's head
+        output); the reward params are resident only during this call."""
+        self.sharding_manager.enter("reward")
+        in_phase = self.ledger.record("reward")
+        start, stop = self._train_dp_slice(len(batch))
+        micro_batch_size = self.config.rl_config.ref_forward_micro_batch_size or self.config.actor_config.micro_batch_size
+        scores = self.reward_model.compute_scores(batch.select(slice(start, stop)), micro_batch_size=micro_batch_size)
+        shard = Shard(start=start, stop=stop, value=scores if self._reports_train_results() else None)
         return shard, in_phase.metrics()
 
     @offloaded_rpc("old_logprob", ACTOR_FORWARD)

@@ -198,7 +198,7 @@ class RewardWorkerGroup:
         driver). The config allows one reward role (config/resources.py)."""
         rl = config.rl_config
         for name, section in config.rewards.items():
-            if section.world_size:
+            if section.world_size and not section.is_model:  # a reward model's ranks are the actor's
                 return cls(name=name, num_workers=section.world_size, verifier_functions=rl.verifier_function,
                            verifier_weights=rl.verifier_weight, timeout_seconds=rl.verifier_timeout_seconds)
         return None

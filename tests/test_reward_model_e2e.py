@@ -1,0 +1,80 @@
+"""End to end through the CLI: configs/grpo_tiny_cpu_reward_model.yaml, every role colocated on 2 device slots
+(2 ranks, Megatron TP2) with a reward model as the fifth role, 2 GRPO iterations.
+
+Oracles: the reward-phase ledger holds exactly one rank's share of the reward model's parameters, counted
+from the checkpoint file (TP2 halves every tensor but the replicated norms and score row), and nothing
+else; the planner predicted the same bytes; every other phase holds none of them; reward/mean is the rule
+total plus weight x reward/model_score (the combination rule, on means).
+
+Runs where: subprocesses (Ray, 2 ranks); ~1 min on 2 cores.
+"""
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from cli_runner import run_cli
+
+ITERATIONS = 2
+WEIGHT = 0.5  # rewards.rm.weight in the config
+OTHER_PHASES = ("generate", "ref_logprob", "old_logprob", "update")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("reward_model")
+    done = run_cli(tmp_path, "grpo_tiny_cpu_reward_model", f"megatron_training.train_iters={ITERATIONS}",
+                   f"synthetic_data.data_dir={tmp_path / 'assets'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    reward_dir = next((tmp_path / "assets").glob("reward_model-*"))
+    return done, metrics, reward_dir
+
+
+def _per_rank_bytes_at_tp2(reward_dir) -> int:
+    state = load_file(str(reward_dir / "model.safetensors"))
+    replicated = sum(t.numel() * 4 for name, t in state.items() if "norm" in name or name.startswith("score"))
+    split = sum(t.numel() * 4 for t in state.values()) - replicated
+    return split // 2 + replicated
+
+
+def test_every_iteration_completes_and_logs_the_model_score(run):
+    _, metrics, _ = run
+    assert [m["iteration"] for m in metrics] == list(range(1, ITERATIONS + 1))
+    assert all(m["reward/model_score"] != 0.0 for m in metrics)
+
+
+def test_the_start_table_puts_the_reward_model_on_the_actors_devices(run):
+    done, _, _ = run
+    assert "  0,1     actor_train, actor_infer, reference, rewards.rm" in done.stdout
+    assert "[plan] reward:" in done.stdout
+
+
+def test_the_reward_phase_holds_exactly_one_ranks_share_of_the_reward_model(run):
+    _, metrics, reward_dir = run
+    expected = _per_rank_bytes_at_tp2(reward_dir)
+    for m in metrics:
+        assert m["memory/reward/reward_params_bytes"] == expected
+        assert m["memory/reward/total_bytes"] == expected
+        assert m["memory/after_reward/reward_params_bytes"] == 0
+
+
+def test_the_planner_predicted_the_reward_phase(run):
+    _, metrics, reward_dir = run
+    for m in metrics:
+        assert m["memory/reward/reward_params_predicted_bytes"] == _per_rank_bytes_at_tp2(reward_dir)
+        assert m["memory/reward/predicted_bytes"] == m["memory/reward/total_bytes"]
+
+
+def test_no_other_phase_holds_the_reward_model(run):
+    _, metrics, _ = run
+    for m in metrics:
+        for phase in OTHER_PHASES:
+            assert m[f"memory/{phase}/reward_params_bytes"] == 0, phase
+
+
+def test_the_reward_is_the_rule_total_plus_the_weighted_model_score(run):
+    _, metrics, _ = run
+    for m in metrics:
+        rule = m["arith_acc_rewards/mean"] * 1.0  # rl_config.verifier_weight
+        assert m["reward/mean"] == pytest.approx(rule + WEIGHT * m["reward/model_score"], abs=1e-5)
