@@ -73,6 +73,16 @@ def test_no_other_phase_holds_the_reward_model(run):
             assert m[f"memory/{phase}/reward_params_bytes"] == 0, phase
 
 
+def test_the_memory_timeline_draws_the_reward_phase(run):
+    from mindspeed_rl.memory.timeline import build_timeline
+
+    _, metrics, _ = run
+    timeline = build_timeline(metrics, last_iterations=ITERATIONS)
+    rewards = [i for i, label in enumerate(timeline.labels) if label.endswith("\nreward")]
+    assert len(rewards) == ITERATIONS
+    assert all(timeline.bytes_by_category["reward_params"][i] > 0 for i in rewards)
+
+
 def test_the_reward_is_the_rule_total_plus_the_weighted_model_score(run):
     _, metrics, _ = run
     for m in metrics:

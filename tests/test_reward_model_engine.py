@@ -46,12 +46,12 @@ def _hf_scores(reward_dir: str, batch: RolloutBatch) -> torch.Tensor:
         return hf(batch.input_ids, attention_mask=(batch.input_ids != PAD).long()).logits[:, 0]
 
 
-def _engine(reward_dir: str, accelerator):
+def _engine(reward_dir: str, accelerator, dtype=torch.float32):
     from mindspeed_rl.engines.reward_model import RewardModelEngine
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 
     spec, state = load_hf_checkpoint(reward_dir)
-    return RewardModelEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator)
+    return RewardModelEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=accelerator)
 
 
 def test_single_rank_scores_equal_hf_sequence_classification(world, reward_dir):
@@ -96,14 +96,15 @@ def test_tp2_and_pp2_scores_equal_hf(reward_dir):
     mp.spawn(_worker, args=(free_port(), reward_dir, batch, _hf_scores(reward_dir, batch)), nprocs=2, join=True)
 
 
-def test_the_planner_counts_the_reward_models_bytes_on_a_rank(world, reward_dir):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_planner_counts_the_reward_models_bytes_on_a_rank(world, reward_dir, dtype):
     import json
     from pathlib import Path
 
     from mindspeed_rl.planner.arch import from_hf_config
     from mindspeed_rl.planner.params import reward_model_bytes
 
-    engine = _engine(reward_dir, world)
+    engine = _engine(reward_dir, world, dtype)
     measured = sum(p.numel() * p.element_size() for p in engine.module.parameters())
     arch = from_hf_config(json.loads((Path(reward_dir) / "config.json").read_text()), where="test")
-    assert reward_model_bytes(arch, tp=1, pp=1, pp_rank=0, bf16=False) == measured
+    assert reward_model_bytes(arch, tp=1, pp=1, pp_rank=0, bf16=dtype == torch.bfloat16) == measured
