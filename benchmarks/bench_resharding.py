@@ -20,11 +20,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PAIRS = [  # (name, world size, train tp, train pp, infer tp)
-    ("TP2->TP1", 2, 2, 1, 1),
-    ("TP2->TP2", 2, 2, 1, 2),
-    ("TP4->TP2", 4, 4, 1, 2),
-    ("PP2->TP2", 2, 1, 2, 2),
+PAIRS = [  # (name, world size, train tp, train pp, infer tp, infer pp)
+    ("TP2->TP1", 2, 2, 1, 1, 1),
+    ("TP2->TP2", 2, 2, 1, 2, 1),
+    ("TP4->TP2", 4, 4, 1, 2, 1),
+    ("PP2->TP2", 2, 1, 2, 2, 1),
+    # Inference pipeline stages (issue 14): a stage receives only its layers (and the embedding / head).
+    ("TP2->PP2", 2, 2, 1, 1, 2),
+    ("PP2->PP2", 2, 1, 2, 1, 2),
+    ("PP2->TP2xPP2", 4, 1, 2, 2, 2),
+    ("TP4->PP4", 4, 4, 1, 1, 4),
 ]
 
 
@@ -60,9 +65,9 @@ def _rank_main(rank, world, port, pair, bucket_mb, repeats, out_path):
     from mindspeed_rl.resharding.layouts import hf_shapes, vllm_layout
     from mindspeed_rl.resharding.naive import gather_full_hf, load_full_hf, materialize
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
-    from mindspeed_rl.resharding.transfer import Transfer
+    from mindspeed_rl.resharding.transfer import Transfer, parameter_name
 
-    name, _, tp, pp, infer_tp = pair
+    name, _, tp, pp, infer_tp, infer_pp = pair
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     spec = bench_spec()
     train = TrainLayout(tp=tp, pp=pp)
@@ -70,7 +75,9 @@ def _rank_main(rank, world, port, pair, bucket_mb, repeats, out_path):
     full = {n: torch.randn(shape, generator=g) * 0.02 for n, shape in hf_shapes(spec).items()}
     tp_rank, pp_rank = train.coordinates(rank, world)
     sources = megatron_shard_from_hf(full, spec, tp_rank=tp_rank, tp=tp, pp_rank=pp_rank, pp=pp)
-    layout = vllm_layout(spec, tp=infer_tp, tp_rank=rank % infer_tp)
+    infer = InferLayout(tp=infer_tp, pp=infer_pp)
+    stage = {"pp": infer_pp, "pp_rank": infer.pp_rank(rank)}
+    layout = vllm_layout(spec, tp=infer_tp, tp_rank=infer.tp_rank(rank), **stage)
     oracle = {t.name: materialize(t, full, torch.float32) for t in layout}
     largest_param_bytes = max(t.numel() for t in full.values()) * 4
     del full
@@ -79,7 +86,7 @@ def _rank_main(rank, world, port, pair, bucket_mb, repeats, out_path):
     def max_abs_diff() -> float:
         return max((destinations[n] - oracle[n]).abs().max().item() for n in oracle)
 
-    plan = build_plan(spec, train, InferLayout(tp=infer_tp), world)
+    plan = build_plan(spec, train, infer, world)
     transfer = Transfer(plan, rank=rank, bucket_bytes=int(bucket_mb * 2**20), dtype=torch.float32)
     ours, naive = [], []
     for _ in range(repeats):  # interleaved, so machine noise hits both alike
@@ -95,19 +102,21 @@ def _rank_main(rank, world, port, pair, bucket_mb, repeats, out_path):
         dist.barrier()
         started = time.perf_counter()
         gathered, naive_received = gather_full_hf(sources, spec)
-        load_full_hf(destinations, gathered, spec, tp=infer_tp, tp_rank=rank % infer_tp)
+        load_full_hf(destinations, gathered, spec, tp=infer_tp, tp_rank=infer.tp_rank(rank), **stage)
         naive.append(_max(time.perf_counter() - started))
         naive_peak = sum(t.numel() * t.element_size() for t in gathered.values())
         del gathered
         diff_naive = max_abs_diff()
     started = time.perf_counter()
     transfer.run(sources, destinations)
-    verify_transfer(plan, rank, sources, destinations)
+    # Every stage's parameter names (a rank sends ranges of other stages' parameters).
+    dtypes = {parameter_name(key): torch.float32 for tensors in plan.infer_tensors.values() for key in tensors}
+    verify_transfer(plan, rank, sources, destinations, dtypes=dtypes)
     fingerprint_seconds = _max(time.perf_counter() - started) - min(ours)
     row = {
         "pair": name,
         "train_layout": {"tp": tp, "pp": pp, "world_size": world},
-        "infer_layout": {"tp": infer_tp, "dp": world // infer_tp},
+        "infer_layout": {"tp": infer_tp, "pp": infer_pp, "dp": world // (infer_tp * infer_pp)},
         "params": sum(t.numel() for t in hf_shapes_numel(spec)),
         "bytes_received_per_rank_max": _max(stats.bytes_received),
         "bytes_minimum_per_rank_max": max(plan.received_numel(r) for r in range(world)) * 4,
@@ -148,7 +157,7 @@ def main(argv=None) -> int:
             rows.append(json.load(f))
         os.remove(out_path)
         r = rows[-1]
-        print(f"{r['pair']:>9}: received {r['bytes_received_per_rank_max'] / 2**20:7.1f} MiB "
+        print(f"{r['pair']:>12}: received {r['bytes_received_per_rank_max'] / 2**20:7.1f} MiB "
               f"(minimum {r['bytes_minimum_per_rank_max'] / 2**20:7.1f}, naive {r['bytes_naive_per_rank_max'] / 2**20:7.1f}) "
               f"time {r['seconds']:.3f}s vs naive {r['seconds_naive']:.3f}s "
               f"({r['seconds'] / r['seconds_naive']:.2f}x) peak extra {r['peak_extra_bytes'] / 2**20:.0f} MiB "
