@@ -81,6 +81,7 @@ class Launched:
         except psutil.NoSuchProcess:
             return
         rss = pss = 0
+        rss_by_pid = {}
         for p in procs:
             try:
                 if with_pss:
@@ -88,7 +89,9 @@ class Launched:
                     rss += info.rss
                     pss += info.pss
                 else:
-                    rss += p.memory_info().rss
+                    info = p.memory_info()
+                    rss += info.rss
+                rss_by_pid[p.pid] = info.rss
                 times = p.cpu_times()
                 self._cpu_by_pid[p.pid] = times.user + times.system
                 if with_pss or p.pid not in self._names:  # Ray renames a worker once it hosts an actor
@@ -99,7 +102,8 @@ class Launched:
                 continue
         self.samples.append(dict(t=time.time(), rss=rss, pss=pss if with_pss else None, procs=len(procs),
                                  load1=os.getloadavg()[0], busy=_system_busy_seconds(),
-                                 tree_cpu=sum(self._cpu_by_pid.values()), per_pid=dict(self._cpu_by_pid)))
+                                 tree_cpu=sum(self._cpu_by_pid.values()), per_pid=dict(self._cpu_by_pid),
+                                 rss_by_pid=rss_by_pid))
 
     def wait(self, timeout: float | None = None) -> int:
         try:
@@ -126,7 +130,12 @@ class Launched:
         rss = max(self.samples, key=lambda s: s["rss"])
         pss_samples = [s for s in self.samples if s["pss"] is not None]
         pss = max(pss_samples, key=lambda s: s["pss"]) if pss_samples else None
+        by_name: dict[str, float] = {}
+        for pid, nbytes in rss.get("rss_by_pid", {}).items():
+            name = self._names.get(pid, str(pid))
+            by_name[name] = by_name.get(name, 0.0) + nbytes / 2**20
         return {"peak_rss_sum_mib": rss["rss"] / 2**20, "processes_at_peak_rss": rss["procs"],
+                "rss_mib_by_process_at_peak": {k: round(v) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])},
                 "peak_pss_sum_mib": pss["pss"] / 2**20 if pss else None,
                 "max_processes": max(s["procs"] for s in self.samples)}
 

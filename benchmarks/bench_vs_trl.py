@@ -437,7 +437,7 @@ def main(argv=None) -> int:
             run = run_trl(spec, args.iterations, args.warmup, workdir, python, args.echo)
         run["loadavg_before"] = load_before
         run["code"] = code_state()
-        run["started_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        run["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         runs.append(run)
         lw = run["load_measured_window"]
         print(f"[bench] {side}: median {run['median_iteration_s']:.3f}s/iter, start->iter1 "
@@ -451,7 +451,7 @@ def main(argv=None) -> int:
         "trl_version": trl_runs[0]["versions"]["trl"] if trl_runs else None,
         "spec": spec, "runs": runs, "summary": summarize(runs),
         "differences": differences(spec, trl_runs[0] if trl_runs else None),
-        "loaded_runs": [f"{r['side']}@{r['started_utc']}" for r in runs
+        "loaded_runs": [f"{r['side']}@{r['finished_utc']}" for r in runs
                         if (r["load_measured_window"].get("foreign_cores_busy") or 0) >= LOADED_FOREIGN_CORES],
     }
     text = report(result)

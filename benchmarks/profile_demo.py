@@ -57,6 +57,9 @@ def _args(argv):
     parser.add_argument("--rate", type=int, default=100, help="samples per second (default 100)")
     parser.add_argument("--top", type=int, default=8, help="functions listed per phase (default 8)")
     parser.add_argument("--raw", type=Path, help="summarise this raw file instead of running (needs --iterations)")
+    parser.add_argument("--startup", action="store_true",
+                        help="profile from launch to the end of iteration 1 instead: where start-up time goes, "
+                             "per process, imports by top-level module")
     return parser.parse_args(argv)
 
 
@@ -108,17 +111,23 @@ def classify(frames: list[str]) -> tuple[str, str]:
     return role, "outside the loop (start-up/shutdown)"
 
 
+def _stacks(raw_path: Path):
+    """(frames, count) per raw line; a process title holding newlines (python -c "...") spans several lines."""
+    pending = ""
+    for line in raw_path.read_text().splitlines():
+        pending = f"{pending}\\n{line}" if pending else line
+        stack, _, count = pending.rpartition(" ")
+        if count.isdigit() and stack:
+            yield stack.split(";"), int(count)
+            pending = ""
+
+
 def summarise(raw_path: Path, iterations: int, rate: int, top: int) -> dict:
     phases: dict[tuple[str, str], int] = collections.Counter()
     self_time: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
     ours_time: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
     total = idle = 0
-    for line in raw_path.read_text().splitlines():
-        if not line.strip():
-            continue
-        stack, _, count = line.rpartition(" ")
-        count = int(count)
-        frames = stack.split(";")
+    for frames, count in _stacks(raw_path):
         leaf_func, leaf_file, _ = parse_frame(frames[-1])
         if (leaf_func, leaf_file) in IDLE_LEAVES:
             idle += count
@@ -151,7 +160,10 @@ def render(summary: dict, meta: dict) -> str:
              f"total: {summary['cpu_seconds_per_iteration']:.3f} s/iteration of samples in Python-running threads "
              f"({summary['idle_samples_left_out']} samples waiting in Ray's main loop / selectors left out)",
              "CPU seconds per iteration by process (psutil, the same window): "
-             + ", ".join(f"{k} {v:.3f}" for k, v in (meta.get("cpu_s_per_iteration_by_process") or {}).items()), ""]
+             + ", ".join(f"{k} {v:.3f}" for k, v in (meta.get("cpu_s_per_iteration_by_process") or {}).items()),
+             "RSS (MiB) by process at the peak of the summed RSS: "
+             + ", ".join(f"{k} {v}" for k, v in ((meta.get("memory") or {}).get("rss_mib_by_process_at_peak") or {}).items()),
+             ""]
     for p in summary["phases"]:
         if p["cpu_seconds_per_iteration"] < 0.002:
             continue
@@ -162,6 +174,93 @@ def render(summary: dict, meta: dict) -> str:
             lines.append("    innermost mindspeed_rl frame:")
             lines.extend(f"      {s:.4f}  {name}" for name, s in p["top_ours"])
     return "\n".join(lines)
+
+
+def _import_target(frames: list[str]) -> str | None:
+    """The top-level module of the outermost import in a stack (what a lazy import would defer), else None."""
+    for f in frames:
+        func, file, _ = parse_frame(f)
+        if func == "_find_and_load" and "importlib" in file:
+            return "import"
+    return None
+
+
+def summarise_startup(raw_path: Path, rate: int, top: int) -> dict:
+    """Per process: seconds in imports (by the module the first non-import frame of ours/the library imports)
+    and outside them, by the function under the process's entry point."""
+    per_process: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    importers: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for frames, count in _stacks(raw_path):
+        leaf_func, leaf_file, _ = parse_frame(frames[-1])
+        if (leaf_func, leaf_file) in IDLE_LEAVES:
+            continue
+        procs = [f for f in frames if f.startswith("process ")]
+        name = re.sub(r"^process \d+:", "", procs[-1]).strip('"') if procs else "?"
+        if "train_grpo.py" in name:
+            proc = "driver"
+        elif name.startswith("ray::"):
+            proc = name.split(".")[0]
+        else:
+            proc = os.path.basename(name.split()[0]) if name else "?"
+            for part in name.split()[:3]:
+                if part.endswith(".py"):
+                    proc = os.path.basename(part)
+        code = [f for f in frames if not f.startswith("process ")]
+        parsed = [parse_frame(f) for f in code]
+        if _import_target(code):
+            # the last frame before the first _find_and_load: who imports; the module: first "<module>" after it
+            first = next(i for i, (fn, fl, _) in enumerate(parsed) if fn == "_find_and_load")
+            importer = parsed[first - 1] if first else ("?", "?", "")
+            module = next((fl for fn, fl, _ in parsed[first:] if fn == "<module>"), "?")
+            top_pkg = module.split("/")[0] if "/" in module else module
+            per_process[proc]["imports"] += count
+            importers[proc][f"{top_pkg} (imported from {importer[0]} in {importer[1]})"] += count
+        else:
+            # the deepest frame of ours, else the leaf's package
+            ours = [p for p in parsed if p[1].startswith("mindspeed_rl/")]
+            where = f"{ours[-1][0]} ({ours[-1][1]})" if ours else f"{leaf_func} ({leaf_file.split('/')[0]})"
+            per_process[proc][where] += count
+    sec = lambda n: n / rate  # noqa: E731
+    return {proc: {"seconds": sec(sum(c.values())), "imports_s": sec(c["imports"]),
+                   "top": [(k, sec(v)) for k, v in c.most_common(top)],
+                   "imports_by_module": [(k, sec(v)) for k, v in importers[proc].most_common(top)]}
+            for proc, c in sorted(per_process.items(), key=lambda kv: -sum(kv[1].values()))}
+
+
+def run_startup(args) -> dict:
+    ensure_bench_venv()
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_dir = args.out / "run-startup"
+    if (run_dir / "metrics.jsonl").exists():
+        (run_dir / "metrics.jsonl").unlink()
+    raw = args.out / "raw-startup.txt"
+    argv = [str(py_spy()), "record", "--subprocesses", "--nonblocking", "--format", "raw", "--rate", str(args.rate),
+            "--output", str(raw), "--", sys.executable, "cli/train_grpo.py", "--config-name", "grpo_tiny_cpu",
+            "megatron_training.train_iters=1", f"hydra.run.dir={run_dir}", "runtime.memory_timeline=false"]
+    demo = Launched(argv, cwd=str(REPO), log_path=str(args.out / "demo-startup.log"))
+    code = demo.wait(timeout=600)
+    if code != 0:
+        raise RuntimeError(f"py-spy/demo exited {code}; see {args.out / 'demo-startup.log'}")
+    load = demo.load()
+    summary = summarise_startup(raw, args.rate, args.top)
+    lines = [f"py-spy from launch to the end of iteration 1 (and shutdown), {args.rate} Hz, non-blocking; wall "
+             f"{demo.samples[-1]['t'] - demo.launched_at:.1f}s (profiled); load {load.get('load1_min', 0):.2f}-"
+             f"{load.get('load1_max', 0):.2f}, foreign cores {load.get('foreign_cores_busy', 0):.2f}",
+             "seconds of samples in Python-running threads, per process (imports = inside importlib):"]
+    for proc, x in summary.items():
+        if x["seconds"] < 0.05:
+            continue
+        lines.append(f"[{proc}] {x['seconds']:.2f}s, of which imports {x['imports_s']:.2f}s")
+        lines.extend(f"      {v:6.2f}  {k}" for k, v in x["top"] if k != "imports")
+        if x["imports_by_module"]:
+            lines.append("    imports by top-level module:")
+            lines.extend(f"      {v:6.2f}  {k}" for k, v in x["imports_by_module"])
+    text = "\n".join(lines)
+    (args.out / "startup.txt").write_text(text + "\n")
+    (args.out / "startup.json").write_text(json.dumps({"load": load, "per_process": summary}, indent=2))
+    print(text)
+    print(f"\n[profile] {args.out / 'startup.txt'}, {raw}")
+    return summary
 
 
 def run(args) -> dict:
@@ -199,6 +298,7 @@ def run(args) -> dict:
             "cpu_s_per_iteration_by_process": {k: round(v / len(profiled), 4) for k, v in
                                                load.get("cpu_seconds_by_process", {}).items() if v / len(profiled) >= 0.0005},
             "py_spy_stderr_tail": spy.stderr[-500:],
+            "memory": demo.peak_memory(),
             "phase_timings_median_s": {k: sorted(r[k] for r in profiled)[len(profiled) // 2]
                                        for k in ("timing/generate/total", "timing/resharding_to_infer",
                                                  "timing/rollout", "timing/ref_logprob/total",
@@ -207,6 +307,9 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = _args(argv)
+    if args.startup:
+        run_startup(args)
+        return 0
     if args.raw:
         meta, raw = {"warmup": args.warmup}, args.raw
     else:
