@@ -148,8 +148,11 @@ def test_layer_partition_is_vllms(layers, pp, monkeypatch):
 
 
 def test_layer_partition_override_is_vllms(monkeypatch):
+    import vllm.envs
     from vllm.distributed.utils import get_pp_indices
 
+    # An engine built earlier in this process froze vLLM's env cache; read the variable afresh.
+    vllm.envs.disable_envs_cache()
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,3,2")
     assert [vllm_pp_layers(6, r, 3) for r in range(3)] == [range(*get_pp_indices(6, r, 3)) for r in range(3)]
 
