@@ -10,6 +10,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,11 @@ import torch
 
 from mindspeed_rl.memory.residency import PHASES, ResidencyPolicy
 from mindspeed_rl.planner.arch import from_hf_config
-from mindspeed_rl.planner.memory import (ACTIVATIONS, KVCacheSpec, PlanInputs, activation_bytes, parse_bytes,
-                                         plan_memory)
+from mindspeed_rl.planner.memory import (ACTIVATIONS, KVCacheSpec, PlanInputs, activation_bytes, kv_needed_bytes,
+                                         parse_bytes, plan_memory)
 from mindspeed_rl.planner.params import megatron_params, train_state_bytes, vllm_numel
+from mindspeed_rl.resharding.layouts import parameter_shapes, vllm_layout, vllm_pp_layers
+from mindspeed_rl.resharding.plan import InferLayout
 from mindspeed_rl.planner.switch import plan_switch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,6 +204,11 @@ def test_parse_bytes():
     dict(arch="dense", world_size=2, pp=2, infer_tp=2),
     dict(arch="dense", world_size=4, tp=2, pp=2, infer_tp=1, infer_dtype="bfloat16"),
     dict(arch="moe", world_size=2, ep=2, infer_tp=2, infer_expert_parallel=True),
+    dict(arch="dense", world_size=2, tp=2, infer_pp=2),  # each stage receives its layers' other TP half
+    dict(arch="dense", world_size=4, pp=2, infer_tp=2, infer_pp=2),  # train PP2 x DP2 -> infer TP2 x PP2
+    dict(arch="dense", world_size=4, tp=2, infer_pp=4, infer_dtype="bfloat16"),  # one layer per stage
+    dict(arch="dense", world_size=8, tp=2, pp=2, infer_tp=2, infer_pp=2),  # infer DP2
+    dict(arch="moe", world_size=4, ep=2, infer_pp=2, infer_expert_parallel=True),  # infer PP2 x DP2, EP2 per stage
 ])
 def test_switch_bytes_are_the_resharding_plans(layout):
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
@@ -210,7 +218,8 @@ def test_switch_bytes_are_the_resharding_plans(layout):
     inputs = PlanInputs(arch=arch, bucket_bytes=1 << 16, **layout)
     switch = plan_switch(inputs, link_bytes_per_second=1e9)
     plan = build_plan(arch.to_spec(), TrainLayout(tp=inputs.tp, pp=inputs.pp, ep=inputs.ep),
-                      InferLayout(tp=inputs.infer_tp, expert_parallel=inputs.infer_expert_parallel), inputs.world_size)
+                      InferLayout(tp=inputs.infer_tp, pp=inputs.infer_pp, expert_parallel=inputs.infer_expert_parallel),
+                      inputs.world_size)
     size = 2 if inputs.infer_dtype == "bfloat16" else 4
     for rank in switch.ranks:
         stats = plan.stats[rank.rank]
@@ -218,6 +227,147 @@ def test_switch_bytes_are_the_resharding_plans(layout):
                                                           size * stats["local_numel"])
         assert rank.staging == min(rank.received, 1 << 16) + min(rank.sent, 1 << 16)
     assert switch.seconds == max(max(r.received, r.sent) for r in switch.ranks) / 1e9
+
+
+# -- inference pipeline parallelism -------------------------------------------------------------------------
+@pytest.fixture
+def vllm_partition(monkeypatch):
+    """vLLM's default layer partition (an override in the environment would change every stage)."""
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+
+
+def _vllm_stage_bytes(arch, infer: InferLayout, world: int, rank: int, dtype_bytes: int) -> int:
+    """The oracle: the bytes of `vllm_layout` of `rank`'s (tp, pp, dp) coordinates."""
+    layout = vllm_layout(arch.to_spec(), tp=infer.tp, tp_rank=infer.tp_rank(rank), dp=world // (infer.tp * infer.pp),
+                         dp_rank=infer.dp_rank(rank), expert_parallel=infer.expert_parallel, pp=infer.pp,
+                         pp_rank=infer.pp_rank(rank))
+    return dtype_bytes * sum(math.prod(shape) for shape in parameter_shapes(layout).values())
+
+
+def test_infer_pp_coordinates_are_vllms_and_the_world_must_split():
+    inputs = PlanInputs(arch=_tiny(), world_size=8, tp=2, infer_tp=2, infer_pp=2)
+    assert inputs.infer_dp == 2
+    infer = InferLayout(tp=2, pp=2)
+    for rank in range(8):
+        c = inputs.rank_coordinates(rank)
+        assert (c["infer_tp_rank"], c["infer_pp_rank"], c["infer_dp_rank"]) == (
+            infer.tp_rank(rank), infer.pp_rank(rank), infer.dp_rank(rank))
+    # DP x PP x TP, TP fastest: rank 6 = DP 1, PP 1, TP 0.
+    assert [inputs.rank_coordinates(r)["infer_pp_rank"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert inputs.rank_coordinates(6)["infer_dp_rank"] == 1
+    with pytest.raises(ValueError, match=r"infer TP\*PP=2\*2=4 must divide the world size 6"):
+        PlanInputs(arch=_tiny(), world_size=6, infer_tp=2, infer_pp=2)
+    with pytest.raises(ValueError, match=r"infer TP\*PP=1\*4=4 must divide the world size 2"):
+        PlanInputs(arch=_tiny(), world_size=2, infer_pp=4)
+
+
+@pytest.mark.parametrize("layout", [  # (layers, tied, world, infer tp, infer pp, dtype)
+    (4, False, 2, 1, 2, "float32"),
+    (4, True, 2, 1, 2, "float32"),  # vLLM's Qwen2 builds the tied head's embedding on the last stage too
+    (4, False, 4, 1, 4, "bfloat16"),
+    (6, False, 4, 1, 4, "float32"),  # vLLM splits 6 layers [1, 2, 2, 1]
+    (5, True, 8, 2, 2, "float32"),  # [3, 2], infer TP2 x PP2 x DP2
+], ids=lambda layout: "-".join(map(str, layout)))
+def test_infer_pp_weights_are_each_stages_vllm_layout(layout, vllm_partition):
+    layers, tied, world, tp, pp, dtype = layout
+    arch = _tiny(num_hidden_layers=layers, tie_word_embeddings=tied)
+    size = {"float32": 4, "bfloat16": 2}[dtype]
+    plan = plan_memory(PlanInputs(arch=arch, world_size=world, infer_tp=tp, infer_pp=pp, infer_dtype=dtype))
+    infer = InferLayout(tp=tp, pp=pp)
+    for rank in plan.ranks:
+        assert rank.states["inference_weights"] == _vllm_stage_bytes(arch, infer, world, rank.rank, size), rank.rank
+    # Stages partition an untied model: they add up to the PP1 shard (tied: the last stage's extra embedding).
+    whole = size * vllm_numel(arch, tp=tp, tp_rank=0, dp=1, dp_rank=0, expert_parallel=False)
+    stages = sum(plan.ranks[stage * tp].states["inference_weights"] for stage in range(pp))
+    assert stages == whole + (size * arch.hidden_size * 64 // tp if tied else 0)  # the 16-row vocabulary padded to 64
+
+
+@pytest.mark.parametrize("infer_pp, world, expert_parallel", [(2, 2, False), (2, 4, True)])
+def test_infer_pp_moe_weights_add_what_vllms_qwen3_moe_allocates_on_every_stage(infer_pp, world, expert_parallel,
+                                                                                vllm_partition):
+    arch = _tiny_moe()  # untied, 2 layers, h64, vocabulary 16 padded to 64
+    plan = plan_memory(PlanInputs(arch=arch, world_size=world, infer_pp=infer_pp,
+                                  infer_expert_parallel=expert_parallel))
+    infer = InferLayout(pp=infer_pp, expert_parallel=expert_parallel)
+    h, rows = 64, 64
+    for rank in plan.ranks:
+        stage = infer.pp_rank(rank.rank)
+        # vLLM 0.32's Qwen3MoeForCausalLM builds embed_tokens, norm and lm_head whatever the stage; the layout (what
+        # the switch fills) has them on the first / last stage only.
+        unread = rows * h if stage > 0 else h + rows * h
+        assert rank.states["inference_weights"] == _vllm_stage_bytes(arch, infer, world, rank.rank, 4) + 4 * unread
+
+
+def test_infer_pp_kv_cache_holds_the_stages_layers(vllm_partition):
+    arch = _tiny(num_hidden_layers=5)  # vLLM: stage 0 layers 0-2, stage 1 layers 3-4
+    assert [len(vllm_pp_layers(5, stage, 2)) for stage in (0, 1)] == [3, 2]
+    gpu = KVCacheSpec(on_cpu=False, max_num_seqs=8, max_model_len=64)
+    inputs = PlanInputs(arch=arch, world_size=4, infer_tp=2, infer_pp=2, kv=gpu)
+    per_layer = 2 * (2 // 2) * 32 * 4  # K and V of 1 of the 2 KV heads per TP rank, head_dim 32, fp32
+    plan = plan_memory(inputs)
+    assert [r.states["kv_cache"] for r in plan.ranks] == [8 * 64 * per_layer * n for n in (3, 3, 2, 2)]
+    assert kv_needed_bytes(inputs) == kv_needed_bytes(inputs, 0) == 8 * 64 * per_layer * 3  # the largest stage
+    assert kv_needed_bytes(inputs, 1) == 8 * 64 * per_layer * 2
+    # A device size: vLLM's share minus the stage's own weights, per rank.
+    sized = plan_memory(replace(inputs, device_memory=1 << 30))
+    for rank in sized.ranks:
+        assert rank.states["kv_cache"] + rank.states["inference_weights"] == (1 << 30) // 2
+    # On CPU the cache is the configured size whatever the stage.
+    cpu = plan_memory(replace(inputs, kv=KVCacheSpec(on_cpu=True, cpu_bytes=3 << 20)))
+    assert {r.states["kv_cache"] for r in cpu.ranks} == {3 << 20}
+    # MLA (DeepSeek-V3, 61 layers -> vLLM PP2 [31, 30]): the latent and the rope key of the stage's layers.
+    deepseek = PlanInputs(arch=_arch("deepseek_v3"), world_size=2, infer_pp=2, infer_dtype="bfloat16",
+                          kv=KVCacheSpec(on_cpu=False, max_num_seqs=1, max_model_len=1))
+    assert [kv_needed_bytes(deepseek, stage) for stage in (0, 1)] == [n * (512 + 64) * 2 for n in (31, 30)]
+
+
+def test_infer_pp_deepseek_stages_add_up_to_the_whole_model():
+    arch = _arch("deepseek_v3")  # untied: the embedding on the first stage, norm and head on the last
+    whole = vllm_numel(arch, tp=8, tp_rank=0, dp=1, dp_rank=0, expert_parallel=True)
+    stages = [vllm_numel(arch, tp=8, tp_rank=0, dp=1, dp_rank=0, expert_parallel=True, pp=4, pp_rank=p)
+              for p in range(4)]
+    assert sum(stages) == whole
+    vocab_rows = -(-arch.vocab_size // 64) * 64 // 8
+    # vLLM splits 61 layers [15, 15, 16, 15]: stages 1 and 3 hold 15 MoE layers, the last also the norm and head.
+    assert [len(vllm_pp_layers(61, p, 4)) for p in range(4)] == [15, 15, 16, 15]
+    assert stages[3] == stages[1] + arch.hidden_size + vocab_rows * arch.hidden_size
+
+
+def _predict(config_name: str, device: str = "cpu"):
+    from hydra import compose, initialize_config_dir
+
+    from mindspeed_rl.config import load_config
+    from mindspeed_rl.planner.from_config import predict_run, resolve_hf_config
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        config = load_config(compose(config_name=config_name))
+    return predict_run(config, resolve_hf_config(config).hf_config, device=device)
+
+
+def test_the_infer_pp2_demo_predicts_each_stages_weights_and_kv(vllm_partition):
+    from mindspeed_rl.planner.report import json_report, text_report
+
+    plan = _predict("grpo_tiny_cpu_infer_pp2")  # train TP2, infer PP2 on 2 ranks: a layer per stage
+    dp2 = _predict("grpo_tiny_cpu_tp2_infer_dp2")  # the same model and ranks, infer TP1 x DP2: the whole model
+    assert (plan.inputs.infer_tp, plan.inputs.infer_pp, plan.inputs.infer_dp) == (1, 2, 1)
+    arch, infer = plan.inputs.arch, InferLayout(pp=2)
+    weights = [r.states["inference_weights"] for r in plan.ranks]
+    assert weights == [_vllm_stage_bytes(arch, infer, 2, rank, 4) for rank in (0, 1)]
+    whole = dp2.ranks[0].states["inference_weights"]
+    assert sum(weights) == whole  # untied: the stages partition the model
+    assert all(abs(w - whole / 2) <= 4 * arch.hidden_size for w in weights)  # about half: they differ by the norm
+    # On an accelerator (no device size) a stage's KV cache is max_num_seqs x max_model_len tokens of its one layer.
+    accelerator = _predict("grpo_tiny_cpu_infer_pp2", device="cuda")
+    per_layer = 2 * 2 * 32 * 4  # K and V, 2 KV heads of 32, fp32
+    assert [r.states["kv_cache"] for r in accelerator.ranks] == [128 * 32 * per_layer] * 2
+    whole_model_kv = _predict("grpo_tiny_cpu_tp2_infer_dp2", device="cuda").ranks[0].states["kv_cache"]
+    assert whole_model_kv == 128 * 32 * per_layer * 2
+    report = dict(model_name="tiny_qwen2", source="the model block", switch=None, suggestions=None,
+                  h2d_bytes_per_second=1e9, link_bytes_per_second=1e9)
+    assert "  infer TP1 x PP2 x DP1, float32; " in text_report(plan, **report)
+    assert "  infer TP1 x DP2, float32; " in text_report(dp2, **report)
+    layout = json_report(plan, **report)["layout"]
+    assert (layout["infer_tp"], layout["infer_pp"], layout["infer_dp"]) == (1, 2, 1)
 
 
 # -- against a live Megatron engine (1 rank) ----------------------------------------------------------------

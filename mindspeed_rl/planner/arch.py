@@ -89,14 +89,15 @@ class Architecture:
     def shared_expert_size(self) -> int:
         return self.num_shared_experts * self.moe_intermediate_size
 
-    def kv_bytes_per_token(self, infer_tp: int, dtype_bytes: int) -> int:
+    def kv_bytes_per_token(self, infer_tp: int, dtype_bytes: int, layers: int | None = None) -> int:
         """KV-cache bytes one token takes on one vLLM rank: K and V of the rank's KV heads (replicated
-        when infer TP exceeds them) in every layer; with MLA the compressed latent and the rope key,
-        which every TP rank holds whole."""
+        when infer TP exceeds them) in each of `layers` layers (default all; a pipeline stage caches only
+        its own); with MLA the compressed latent and the rope key, which every TP rank holds whole."""
+        layers = self.num_layers if layers is None else layers
         if self.is_mla:
-            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
+            return layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
         kv_heads = max(self.num_kv_heads // infer_tp, 1)
-        return 2 * self.num_layers * kv_heads * self.head_dim * dtype_bytes
+        return 2 * layers * kv_heads * self.head_dim * dtype_bytes
 
     # -- counts ----------------------------------------------------------------------------------------
     def attention_parameters(self) -> int:

@@ -92,7 +92,8 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
     return PlanInputs(
         arch=arch, world_size=config.world_size, tp=ac.tensor_model_parallel_size,
         pp=ac.pipeline_model_parallel_size, ep=ac.expert_model_parallel_size,
-        infer_tp=gen.infer_tensor_parallel_size, infer_expert_parallel=gen.infer_expert_parallel_size > 1,
+        infer_tp=gen.infer_tensor_parallel_size, infer_pp=gen.infer_pipeline_parallel_size,
+        infer_expert_parallel=gen.infer_expert_parallel_size > 1,
         bf16=mt.bf16, infer_dtype=gen.dtype, distributed_optimizer=mt.use_distributed_optimizer,
         sequence_parallel=mt.sequence_parallel, flash_attention=mt.use_flash_attn and not cpu,
         micro_batch_size=ac.micro_batch_size, mini_batch_samples=rl.mini_batch_size_in_samples,

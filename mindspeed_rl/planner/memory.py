@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from mindspeed_rl.memory.residency import (INFER_WEIGHTS, KV_CACHE, PHASES, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS,
                                            TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS, ResidencyPolicy)
 from mindspeed_rl.planner.arch import Architecture
-from mindspeed_rl.planner.params import reward_model_bytes, stage_layers, stage_train_bytes, vllm_numel
+from mindspeed_rl.planner.params import (reward_model_bytes, stage_layers, stage_train_bytes, vllm_numel,
+                                         vllm_stage_layers)
+
+if TYPE_CHECKING:
+    from mindspeed_rl.resharding.plan import InferLayout
 
 ACTIVATIONS = "activations"
 CATEGORIES = STATE_GROUPS + (ACTIVATIONS,)
@@ -62,6 +67,7 @@ class PlanInputs:
     pp: int = 1
     ep: int = 1
     infer_tp: int = 1
+    infer_pp: int = 1  # vLLM pipeline stages (generate_config.infer_pipeline_parallel_size)
     infer_expert_parallel: bool = False
     bf16: bool = False
     infer_dtype: str = "float32"
@@ -81,8 +87,9 @@ class PlanInputs:
     def __post_init__(self) -> None:
         if self.world_size % (self.tp * self.pp):
             raise ValueError(f"train TP*PP={self.tp * self.pp} must divide the world size {self.world_size}")
-        if self.world_size % self.infer_tp:
-            raise ValueError(f"infer TP={self.infer_tp} must divide the world size {self.world_size}")
+        if self.world_size % (self.infer_tp * self.infer_pp):
+            raise ValueError(f"infer TP*PP={self.infer_tp}*{self.infer_pp}={self.infer_tp * self.infer_pp} must "
+                             f"divide the world size {self.world_size}")
         if self.dp % self.ep:
             raise ValueError(f"EP={self.ep} must divide the data-parallel size {self.dp}")
 
@@ -92,7 +99,14 @@ class PlanInputs:
 
     @property
     def infer_dp(self) -> int:
-        return self.world_size // self.infer_tp
+        return self.world_size // (self.infer_tp * self.infer_pp)
+
+    @property
+    def infer_layout(self) -> "InferLayout":
+        """The engine's own inference layout: its rank order is the one the planner's coordinates follow."""
+        from mindspeed_rl.resharding.plan import InferLayout
+
+        return InferLayout(tp=self.infer_tp, pp=self.infer_pp, expert_parallel=self.infer_expert_parallel)
 
     @property
     def sequence_parallel_effective(self) -> bool:
@@ -108,13 +122,14 @@ class PlanInputs:
         return -(-self.seq_length // multiple) * multiple
 
     def rank_coordinates(self, rank: int) -> dict[str, int]:
-        """Megatron's order tp-cp-ep-dp-pp (the engine's TrainLayout) and vLLM's TP blocks."""
+        """Megatron's order tp-cp-ep-dp-pp (the engine's TrainLayout) and vLLM's DP x PP x TP (InferLayout)."""
         tp_rank, pp_rank = rank % self.tp, rank // (self.tp * self.dp)
         dp_rank = (rank // self.tp) % self.dp
         ep_rank = dp_rank % self.ep
+        infer = self.infer_layout
         return dict(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, ep_rank=ep_rank,
-                    expert_dp_rank=dp_rank // self.ep, infer_tp_rank=rank % self.infer_tp,
-                    infer_dp_rank=rank // self.infer_tp)
+                    expert_dp_rank=dp_rank // self.ep, infer_tp_rank=infer.tp_rank(rank),
+                    infer_pp_rank=infer.pp_rank(rank), infer_dp_rank=infer.dp_rank(rank))
 
 
 # -- activations ----------------------------------------------------------------------------------------
@@ -179,18 +194,21 @@ class RankBytes:
         return out
 
 
-def kv_cache_bytes(inputs: PlanInputs, inference_weight_bytes: int) -> int:
+def kv_cache_bytes(inputs: PlanInputs, inference_weight_bytes: int, infer_pp_rank: int = 0) -> int:
     kv = inputs.kv
     if kv.on_cpu:
         return max(kv.cpu_bytes, 1 << 20)  # engines/vllm_engine.py: kv_cache_memory_bytes
     if inputs.device_memory is not None:
         return max(0, int(kv.gpu_memory_utilization * inputs.device_memory) - inference_weight_bytes)
-    return kv_needed_bytes(inputs)
+    return kv_needed_bytes(inputs, infer_pp_rank)
 
 
-def kv_needed_bytes(inputs: PlanInputs) -> int:
-    """What max_num_seqs sequences of max_model_len tokens need on one vLLM rank."""
-    per_token = inputs.arch.kv_bytes_per_token(inputs.infer_tp, DTYPE_BYTES[inputs.infer_dtype])
+def kv_needed_bytes(inputs: PlanInputs, infer_pp_rank: int | None = None) -> int:
+    """What max_num_seqs sequences of max_model_len tokens need on one vLLM rank of stage `infer_pp_rank`
+    (a stage caches its own layers only); None: the stage with the most layers."""
+    stages = range(inputs.infer_pp) if infer_pp_rank is None else (infer_pp_rank,)
+    layers = max(len(vllm_stage_layers(inputs.arch, stage, inputs.infer_pp)) for stage in stages)
+    per_token = inputs.arch.kv_bytes_per_token(inputs.infer_tp, DTYPE_BYTES[inputs.infer_dtype], layers)
     return inputs.kv.max_num_seqs * inputs.kv.max_model_len * per_token
 
 
@@ -199,16 +217,16 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
     train = stage_train_bytes(inputs.arch, tp=inputs.tp, pp=inputs.pp, pp_rank=c["pp_rank"], ep=inputs.ep,
                               dp=inputs.dp, bf16=inputs.bf16, distributed_optimizer=inputs.distributed_optimizer,
                               dp_rank=c["dp_rank"])
-    infer = vllm_numel(inputs.arch, tp=inputs.infer_tp, tp_rank=c["infer_tp_rank"],
-                       dp=inputs.infer_dp, dp_rank=c["infer_dp_rank"],
-                       expert_parallel=inputs.infer_expert_parallel) * DTYPE_BYTES[inputs.infer_dtype]
+    infer = vllm_numel(inputs.arch, tp=inputs.infer_tp, tp_rank=c["infer_tp_rank"], dp=inputs.infer_dp,
+                       dp_rank=c["infer_dp_rank"], expert_parallel=inputs.infer_expert_parallel,
+                       pp=inputs.infer_pp, pp_rank=c["infer_pp_rank"]) * DTYPE_BYTES[inputs.infer_dtype]
     states = {
         TRAIN_PARAMS: train.params, TRAIN_GRADS: train.grads, TRAIN_OPTIMIZER: train.optimizer,
         REF_PARAMS: train.reference if inputs.policy.has_reference else 0,
         REWARD_PARAMS: reward_model_bytes(inputs.reward_arch or inputs.arch, tp=inputs.tp, pp=inputs.pp,
                                           pp_rank=c["pp_rank"], bf16=inputs.bf16)
         if inputs.policy.has_reward_model else 0,
-        INFER_WEIGHTS: infer, KV_CACHE: kv_cache_bytes(inputs, infer),
+        INFER_WEIGHTS: infer, KV_CACHE: kv_cache_bytes(inputs, infer, c["infer_pp_rank"]),
         ACTIVATIONS: activation_bytes(inputs, c["pp_rank"]),
     }
     return RankBytes(rank, states, switch_staging)
@@ -308,8 +326,9 @@ def plan_memory(inputs: PlanInputs, *, switch_staging: dict[int, int] | None = N
     ranks, by_key = [], {}
     for rank in range(inputs.world_size):
         c = inputs.rank_coordinates(rank)
-        # TP and EP ranks of a stage hold equal shapes; only the stage and the optimizer's DP shards differ.
-        key = (c["pp_rank"], c["dp_rank"], c["expert_dp_rank"])
+        # TP and EP ranks of a stage hold equal shapes; only the stage (train and vLLM's) and the optimizer's DP
+        # shards differ.
+        key = (c["pp_rank"], c["dp_rank"], c["expert_dp_rank"], c["infer_pp_rank"])
         if key not in by_key:
             by_key[key] = rank_bytes(inputs, rank)
         ranks.append(RankBytes(rank, by_key[key].states, staging.get(rank, 0)))

@@ -239,28 +239,51 @@ def reward_model_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, bf
 VLLM_VOCAB_PADDING = 64
 
 
-def vllm_numel(arch: Architecture, *, tp: int, tp_rank: int, dp: int, dp_rank: int, expert_parallel: bool) -> int:
-    """Elements of one vLLM rank's parameters (`named_parameters()`, the vocabulary padded to a multiple of 64).
-    Every rank's shapes are the same (even splits; KV heads replicated by whole heads; padding rows count)."""
-    return _vllm_numel(arch, tp, dp, expert_parallel)
+def vllm_stage_layers(arch: Architecture, pp_rank: int, pp: int) -> range:
+    """Global layers of vLLM pipeline stage `pp_rank`: vLLM's own partition (uneven where PP does not divide)."""
+    from mindspeed_rl.resharding.layouts import vllm_pp_layers
+
+    return vllm_pp_layers(arch.num_layers, pp_rank, pp)
+
+
+def vllm_numel(arch: Architecture, *, tp: int, tp_rank: int, dp: int, dp_rank: int, expert_parallel: bool,
+               pp: int = 1, pp_rank: int = 0) -> int:
+    """Elements of one vLLM rank's parameters (`named_parameters()`, the vocabulary padded to a multiple of 64):
+    its pipeline stage's (`vllm_layout` with `pp`, `pp_rank`). Every TP/DP rank of a stage has the same shapes
+    (even splits; KV heads replicated by whole heads; padding rows count)."""
+    # The stage's layers are part of the cache key: VLLM_PP_LAYER_PARTITION may change between calls.
+    return _vllm_numel(arch, tp, dp, expert_parallel, pp, pp_rank, vllm_stage_layers(arch, pp_rank, pp))
 
 
 @lru_cache(maxsize=1024)
-def _vllm_numel(arch: Architecture, tp: int, dp: int, expert_parallel: bool) -> int:
+def _vllm_numel(arch: Architecture, tp: int, dp: int, expert_parallel: bool, pp: int, pp_rank: int,
+                layers: range) -> int:
     tp_rank = dp_rank = 0
     spec = arch.to_spec()
-    if spec is not None:
-        from mindspeed_rl.resharding.layouts import parameter_shapes, vllm_layout
+    if spec is None:
+        return _deepseek_vllm_numel(arch, tp, dp, expert_parallel, pp, pp_rank, layers)
+    from mindspeed_rl.resharding.layouts import parameter_shapes, vllm_layout
 
-        layout = vllm_layout(spec, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank, expert_parallel=expert_parallel)
-        return sum(math.prod(shape) for shape in parameter_shapes(layout).values())
-    return _deepseek_vllm_numel(arch, tp, dp, expert_parallel)
+    shapes = parameter_shapes(vllm_layout(spec, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank,
+                                          expert_parallel=expert_parallel, pp=pp, pp_rank=pp_rank))
+    if spec.is_moe and pp > 1:
+        # vLLM 0.32's Qwen3-MoE allocates the embedding, final norm and head on every stage (it reads them on the
+        # first / last only, so the layout leaves them out elsewhere); they take memory all the same.
+        whole = parameter_shapes(vllm_layout(spec, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank,
+                                             expert_parallel=expert_parallel))
+        shapes.update({name: shape for name, shape in whole.items() if not name.startswith("model.layers.")})
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
-def _deepseek_vllm_numel(arch: Architecture, tp: int, dp: int, expert_parallel: bool) -> int:
+def _deepseek_vllm_numel(arch: Architecture, tp: int, dp: int, expert_parallel: bool, pp: int, pp_rank: int,
+                         layers: range) -> int:
+    """vLLM's DeepSeek-V2/V3 under PP: `layers`, the embedding on the first stage, the norm and head on the last."""
     h, a = arch.hidden_size, arch.num_attention_heads // tp
     vocab = -(-arch.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // tp
-    total = vocab * h * (1 if arch.tie_word_embeddings else 2) + h
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    total = vocab * h if first else 0
+    if last:
+        total += h + (vocab * h if not (arch.tie_word_embeddings and first) else 0)  # a tied head is the embedding
     q_head = arch.qk_nope_head_dim + arch.qk_rope_head_dim
     attention = (arch.kv_lora_rank + arch.qk_rope_head_dim) * h + arch.kv_lora_rank  # kv_a_proj + norm: whole
     attention += a * (arch.qk_nope_head_dim + arch.v_head_dim) * arch.kv_lora_rank + h * a * arch.v_head_dim
@@ -269,7 +292,7 @@ def _deepseek_vllm_numel(arch: Architecture, tp: int, dp: int, expert_parallel: 
     else:
         attention += a * q_head * h
     moe_ranks = tp * dp
-    for layer in range(arch.num_layers):
+    for layer in layers:
         total += 2 * h + attention
         if not arch.is_moe_layer(layer):
             total += 3 * h * arch.intermediate_size // tp

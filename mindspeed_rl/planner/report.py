@@ -35,7 +35,8 @@ def _layout_line(plan: MemoryPlan) -> list[str]:
         extras.append("sequence parallel")
     if i.flash_attention:
         extras.append("flash attention")
-    infer = f"infer TP{i.infer_tp} x DP{i.infer_dp}" + (" (expert parallel)" if i.infer_expert_parallel else "")
+    stages = f" x PP{i.infer_pp}" if i.infer_pp > 1 else ""
+    infer = f"infer TP{i.infer_tp}{stages} x DP{i.infer_dp}" + (" (expert parallel)" if i.infer_expert_parallel else "")
     if i.kv.on_cpu:
         kv = f"KV cache {format_bytes(i.kv.cpu_bytes)} (cpu_kvcache_space_gb)"
     elif i.device_memory is not None:
@@ -154,10 +155,12 @@ def formulas(plan: MemoryPlan) -> list[str]:
         "optimizer: (exp_avg + exp_avg_sq) 8 B + fp32 master 4 B (bf16 params) per optimized element; the "
         "distributed optimizer optimizes 1/DP of each buffer (expert buffers: 1/(DP/EP))",
         "reference params: the train shard's elements, unpadded (no DDP)",
-        f"inference weights: the vLLM shard's elements (vocabulary padded to 64) x {DTYPE_BYTES[i.infer_dtype]}",
+        f"inference weights: the vLLM shard's elements (vocabulary padded to 64; with infer PP its stage's layers, "
+        f"the embedding on the first stage, the norm and head on the last, on every stage for Qwen3-MoE as vLLM "
+        f"allocates them) x {DTYPE_BYTES[i.infer_dtype]}",
         "KV cache: cpu_kvcache_space_gb on CPU; gpu_memory_utilization x device memory - inference weights on an "
-        "accelerator (vLLM's own activation reserve not subtracted); per token 2 x layers x KV heads per rank x "
-        "head_dim x dtype (MLA: layers x (kv_lora_rank + rope dim) x dtype)",
+        "accelerator (vLLM's own activation reserve not subtracted); per token 2 x layers (of the rank's vLLM stage) "
+        "x KV heads per rank x head_dim x dtype (MLA: layers x (kv_lora_rank + rope dim) x dtype)",
         f"activations (update, per micro-batch token, e={e}): per layer (16+2e)h[/t with SP] + 4e q/t + 5e f/t "
         f"+ c a s/t = {terms.dense_layer:.0f} B{moe}; first stage +8 B; last stage "
         f"+(8+e)h + 4V/t + 8V = {terms.last_stage:.0f} B; x micro_batch_size x seq x min(PP - stage, "
@@ -178,7 +181,8 @@ def json_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
                   "parameters": arch.parameter_count(), "active_parameters": arch.active_parameter_count(),
                   "mtp_layers_excluded": arch.mtp_layers, "trainable": arch.trainable, "support": arch.support},
         "layout": {"world_size": i.world_size, "tp": i.tp, "pp": i.pp, "dp": i.dp, "ep": i.ep,
-                   "infer_tp": i.infer_tp, "infer_dp": i.infer_dp, "infer_expert_parallel": i.infer_expert_parallel,
+                   "infer_tp": i.infer_tp, "infer_pp": i.infer_pp, "infer_dp": i.infer_dp,
+                   "infer_expert_parallel": i.infer_expert_parallel,
                    "bf16": i.bf16, "infer_dtype": i.infer_dtype, "distributed_optimizer": i.distributed_optimizer,
                    "sequence_parallel": i.sequence_parallel_effective, "flash_attention": i.flash_attention,
                    "micro_batch_size": i.micro_batch_size, "seq_length": i.padded_seq_length,

@@ -57,10 +57,11 @@ def plan_switch(inputs: PlanInputs, *, link_bytes_per_second: float) -> SwitchPl
     spec = inputs.arch.to_spec()
     if spec is None:
         return None
-    from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
+    from mindspeed_rl.resharding.plan import TrainLayout, build_plan
 
-    plan = build_plan(spec, TrainLayout(tp=inputs.tp, pp=inputs.pp, ep=inputs.ep),
-                      InferLayout(tp=inputs.infer_tp, expert_parallel=inputs.infer_expert_parallel), inputs.world_size)
+    # inputs.infer_layout is InferLayout(tp, pp, expert_parallel): each rank receives only its stage's parameters.
+    plan = build_plan(spec, TrainLayout(tp=inputs.tp, pp=inputs.pp, ep=inputs.ep), inputs.infer_layout,
+                      inputs.world_size)
     size = DTYPE_BYTES[inputs.infer_dtype]
     ranks = []
     for rank in range(inputs.world_size):
