@@ -223,6 +223,23 @@ def test_the_disaggregated_example_yaml_loads_with_two_rank_sets() -> None:
     assert config.num_rank_processes == 8 and config.infer_data_parallel_size == 4
 
 
+def test_one_step_off_policy_runs_disaggregated() -> None:
+    assert load("grpo_tiny_cpu_disaggregated", "async_generation_ratio=1").rollout_staleness == 1
+    assert load("examples/grpo_qwen25_7b_disaggregated").rollout_staleness == 1
+    assert load("grpo_tiny_cpu_disaggregated").rollout_staleness == 0
+
+
+def test_one_step_off_policy_is_refused_colocated() -> None:
+    message = config_error("grpo_tiny_cpu", "+async_generation_ratio=1")
+    assert message.startswith("async_generation_ratio: 1 overlaps the rollout with the update on other devices")
+
+
+def test_only_one_step_off_policy_is_supported() -> None:
+    message = config_error("grpo_tiny_cpu_disaggregated", "async_generation_ratio=2")
+    assert message == ("async_generation_ratio: must be 0 (synchronous) or 1 (one-step off-policy: the next rollout "
+                       "overlaps this update), got 2.0")
+
+
 def test_disaggregated_inference_devices_must_follow_the_training_devices() -> None:
     gap = plan(train="list(range(0,4))", infer="list(range(5,9))", reference="list(range(0,4))", integrated=False)
     with pytest.raises(ConfigError) as info:

@@ -28,7 +28,8 @@ def run(tmp_path_factory):
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     reward_dir = next((tmp_path / "assets").glob("reward_model-*"))
-    return done, metrics, reward_dir
+    actor_file = next(p for p in (tmp_path / "assets").rglob("*.safetensors") if reward_dir not in p.parents)
+    return done, metrics, reward_dir, actor_file
 
 
 def _per_rank_bytes_at_tp2(reward_dir) -> int:
@@ -39,19 +40,19 @@ def _per_rank_bytes_at_tp2(reward_dir) -> int:
 
 
 def test_every_iteration_completes_and_logs_the_model_score(run):
-    _, metrics, _ = run
+    _, metrics, _, _ = run
     assert [m["iteration"] for m in metrics] == list(range(1, ITERATIONS + 1))
     assert all(m["reward/model_score"] != 0.0 for m in metrics)
 
 
 def test_the_start_table_puts_the_reward_model_on_the_actors_devices(run):
-    done, _, _ = run
+    done, _, _, _ = run
     assert "  0,1     actor_train, actor_infer, reference, rewards.rm" in done.stdout
     assert "[plan] reward:" in done.stdout
 
 
 def test_the_reward_phase_holds_exactly_one_ranks_share_of_the_reward_model(run):
-    _, metrics, reward_dir = run
+    _, metrics, reward_dir, _ = run
     expected = _per_rank_bytes_at_tp2(reward_dir)
     for m in metrics:
         assert m["memory/reward/reward_params_bytes"] == expected
@@ -60,14 +61,14 @@ def test_the_reward_phase_holds_exactly_one_ranks_share_of_the_reward_model(run)
 
 
 def test_the_planner_predicted_the_reward_phase(run):
-    _, metrics, reward_dir = run
+    _, metrics, reward_dir, _ = run
     for m in metrics:
         assert m["memory/reward/reward_params_predicted_bytes"] == _per_rank_bytes_at_tp2(reward_dir)
         assert m["memory/reward/predicted_bytes"] == m["memory/reward/total_bytes"]
 
 
 def test_no_other_phase_holds_the_reward_model(run):
-    _, metrics, _ = run
+    _, metrics, _, _ = run
     for m in metrics:
         for phase in OTHER_PHASES:
             assert m[f"memory/{phase}/reward_params_bytes"] == 0, phase
@@ -76,7 +77,7 @@ def test_no_other_phase_holds_the_reward_model(run):
 def test_the_memory_timeline_draws_the_reward_phase(run):
     from mindspeed_rl.memory.timeline import build_timeline
 
-    _, metrics, _ = run
+    _, metrics, _, _ = run
     timeline = build_timeline(metrics, last_iterations=ITERATIONS)
     rewards = [i for i, label in enumerate(timeline.labels) if label.endswith("\nreward")]
     assert len(rewards) == ITERATIONS
@@ -84,7 +85,20 @@ def test_the_memory_timeline_draws_the_reward_phase(run):
 
 
 def test_the_reward_is_the_rule_total_plus_the_weighted_model_score(run):
-    _, metrics, _ = run
+    _, metrics, _, _ = run
     for m in metrics:
         rule = m["arith_acc_rewards/mean"] * 1.0  # rl_config.verifier_weight
         assert m["reward/mean"] == pytest.approx(rule + WEIGHT * m["reward/model_score"], abs=1e-5)
+
+
+def test_every_switch_moves_the_minimum_and_the_weights_arrive_exact(run):
+    """Train TP2 -> infer TP1 x DP2 beside the reward model: a rank holds half of every tensor Megatron splits
+    over TP and receives exactly the other half (the replicated norms stay local); vLLM's log-probs then
+    equal Megatron's, which holds only if the inference weights are the training weights."""
+    _, metrics, _, actor_file = run
+    state = load_file(str(actor_file))
+    split = sum(t.numel() * 4 for name, t in state.items() if "norm" not in name)
+    for m in metrics:
+        assert m["resharding/bytes_received"] == split // 2
+        assert m["resharding/ranges_verified"] > 0
+        assert m["rollout/logprob_max_abs_diff"] < 1e-4

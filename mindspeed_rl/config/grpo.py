@@ -51,6 +51,10 @@ class GRPOConfig:
     actor_infer: Optional[ActorInferResources] = None
     reference: Optional[ReferenceResources] = None
     rewards: dict[str, RewardResources] = field(default_factory=dict)
+    # ROLL's top-level key. 0: synchronous (a rollout uses the weights of the update just before it). 1:
+    # one-step off-policy, disaggregated only: the rollout of iteration k+1 runs on the inference devices
+    # while iteration k updates on the training devices, so it samples from weights one update old.
+    async_generation_ratio: float = 0
 
     @property
     def world_size(self) -> int:
@@ -117,6 +121,22 @@ class GRPOConfig:
         self._check_asset_paths()
         check_supported(self.resource_plan, self.rewards)
         self._check_reward_model()
+        self._check_async_generation()
+
+    @property
+    def rollout_staleness(self) -> int:
+        """Updates between the weights a rollout samples from and the weights it trains (0 or 1)."""
+        return int(self.async_generation_ratio)
+
+    def _check_async_generation(self) -> None:
+        ratio = self.async_generation_ratio
+        if ratio not in (0, 1):
+            raise ConfigError("async_generation_ratio", f"must be 0 (synchronous) or 1 (one-step off-policy: the next "
+                                                        f"rollout overlaps this update), got {ratio}")
+        if ratio and not self.disaggregated:
+            raise ConfigError("async_generation_ratio", "1 overlaps the rollout with the update on other devices: it "
+                                                        "needs disaggregated actor_train/actor_infer device_mapping "
+                                                        "(colocated roles take turns on the same devices); set 0")
 
     def _check_reward_model(self) -> None:
         if self.reward_model is None:

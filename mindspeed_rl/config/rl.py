@@ -44,9 +44,8 @@ class RLConfig:
 
     SECTION_KEY: ClassVar[str] = "rl_config"
 
-    # true: the roles share the actor's devices (colocated, the only layout the engine runs). false declares
-    # disaggregated roles, which need actor_train/actor_infer device_mapping (config/resources.py) and are
-    # refused at load as not supported yet.
+    # true: the roles share the actor's devices (colocated). false declares disaggregated roles, which need
+    # disjoint actor_train/actor_infer device_mapping (config/resources.py, workers/disaggregated.py).
     use_integrated_worker: bool = True
     # Forward-only micro-batch sizes in samples; None = actor_config.micro_batch_size.
     actor_forward_micro_batch_size: Optional[int] = None
@@ -122,7 +121,8 @@ class RLConfig:
         if not self.rule_reward:
             raise ConfigError(
                 f"{prefix}.rule_reward",
-                "must be true: the integrated worker has no reward model, rule verifiers are the only reward",
+                "must be true: rule verifiers always score (a reward model, rewards.<name>.model_path, adds its "
+                "weighted score to theirs)",
             )
         if not self.verifier_function:
             raise ConfigError(f"{prefix}.verifier_function", "must name at least one verifier when rule_reward is true")

@@ -198,6 +198,7 @@ class DisaggregatedActor:
             raise
         self.addresses = self.train.addresses + self.infer.addresses
         self._weights_stale = True
+        self._pending = None  # (each inference rank's generate_sequences ref, the push's metrics)
 
     def initialize(self) -> list[dict[str, float]]:
         """Both groups build their engines at once, then join the bridge and plan the push."""
@@ -224,14 +225,31 @@ class DisaggregatedActor:
             if method in _CHANGES_WEIGHTS:
                 self._weights_stale = True
             return results
+        self.start_generate(*args, **kwargs)
+        return self.finish_generate()
+
+    def start_generate(self, *args: Any, **kwargs: Any) -> None:
+        """generate_sequences on the inference ranks, not waited for: the training ranks stay free, so the
+        next rollout can run during this update (async_generation_ratio: 1). Pushes first if the weights
+        changed; finish_generate collects it."""
+        assert self._pending is None, "a rollout is already running; finish_generate first"
         pushed = self.sync_weights() if self._weights_stale else {}
-        results = self.infer.call(method, *args, **kwargs)
+        self._pending = (self.infer.call("generate_sequences", *args, blocking=False, **kwargs), pushed)
+
+    def finish_generate(self) -> list[Any]:
+        """The started rollout's results (each inference rank's), with the push's and the wait's metrics."""
+        assert self._pending is not None, "no rollout was started"
+        (refs, pushed), self._pending = self._pending, None
+        started = time.perf_counter()
+        results = wait_all([(self.infer, "generate_sequences", refs)])[0]
         shard, metrics = results[0]
-        results[0] = (shard, {**metrics, **pushed})  # rank 0's metrics are the iteration's (merge_metrics)
+        # rank 0's metrics are the iteration's (merge_metrics)
+        results[0] = (shard, {**metrics, **pushed, "timing/rollout_wait": time.perf_counter() - started})
         return results
 
     def sync_weights(self) -> dict[str, float]:
         """Training weights -> every inference rank, through the plan; the push's metrics."""
+        assert self._pending is None, "the inference ranks are generating; finish_generate before a push"
         started = time.perf_counter()
         pushed, received = wait_all([
             (self.train, "push_weights", self.train.call("push_weights", blocking=False)),
