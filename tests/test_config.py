@@ -109,7 +109,7 @@ def test_tiny_cpu_demo_loads() -> None:
     assert config.megatron_training.global_batch_size * config.rl_config.n_samples_per_prompt == 256
     assert config.rl_config.mini_batch_size_in_samples == 128
     assert config.rl_config.kl_penalty == "low_var_kl"
-    assert config.generate_config.cpu_kvcache_space_gb == pytest.approx(0.125)
+    assert config.generate_config.cpu_kvcache_space_gb == pytest.approx(0.03125)
     assert config.runtime.device == "cpu"
     synthetic = config.synthetic_data
     assert synthetic is not None and synthetic.enabled and synthetic.data_dir == "data/tiny"

@@ -476,7 +476,7 @@ def test_cli_json_and_bad_input():
     assert done.returncode == 0, done.stderr
     document = json.loads(done.stdout)
     assert document["layout"]["tp"] == 2 and document["layout"]["infer_dp"] == 2 and document["fits"] is None
-    assert document["phases"]["generate"]["kv_cache"] == 128 << 20  # cpu_kvcache_space_gb 0.125
+    assert document["phases"]["generate"]["kv_cache"] == 32 << 20  # cpu_kvcache_space_gb 0.03125
     assert [r["received_bytes"] for r in document["switch"]["ranks"]] == [599040, 599040]  # the other TP half
     bad = _plan_cli("--config-name", "grpo_tiny_cpu", "--device-memory", "lots")
     assert bad.returncode == 2 and bad.stdout == ""

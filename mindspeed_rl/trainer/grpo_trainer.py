@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 from pathlib import Path
@@ -137,6 +138,10 @@ def _actor_group(config: GRPOConfig, device: str, env_vars: dict[str, str], mode
     return RayActorGroup(config=config, device=device, env_vars=env_vars, model_dir=model_dir, ref_model_dir=ref_dir)
 
 
+def _draw(dataset: PromptDataset, sampler: PromptSampler) -> list:
+    return [dataset.records[index] for index in sampler.next_indices()]
+
+
 def _sampler(config: GRPOConfig, dataset: PromptDataset) -> PromptSampler:
     mt = config.megatron_training
     return PromptSampler(len(dataset.records), mt.global_batch_size, seed=mt.seed, shuffle=not mt.no_shuffle,
@@ -154,13 +159,18 @@ def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDa
     sampler = sampler or _sampler(config, dataset)
     progress = progress or RunProgress(save_root=config.actor_config.save)
     sinks = MetricsSinks(run_dir, metrics_file=config.runtime.metrics_file, use_tensorboard=rl.use_tensorboard)
-    history = []
+    history, next_rollout, sampler_before_next = [], None, None
     try:
         for iteration in range(start_iteration, mt.train_iters + 1):
             progress.iteration = iteration
             started = time.perf_counter()
-            prompts = [dataset.records[index] for index in sampler.next_indices()]
-            batch, metrics = generate(actor, prompts, config, iteration=iteration)
+            if next_rollout is None:
+                prompts = _draw(dataset, sampler)
+                batch, metrics = generate(actor, prompts, config, iteration=iteration)
+                metrics["rollout/staleness"] = 0
+            else:  # started during the previous update (async_generation_ratio: 1)
+                (prompts, batch, metrics), next_rollout = finish_rollout(actor, next_rollout, config), None
+                metrics["rollout/staleness"] = config.rollout_staleness
             responses = [tokenizer.decode(ids, skip_special_tokens=True) for ids in _response_ids(batch)]
             labels = [p.label for p in prompts for _ in range(rl.n_samples_per_prompt)]
             if reward_group is None:
@@ -178,6 +188,9 @@ def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDa
             batch.meta_info["is_offload_states"] = False
             batch.columns["old_logprobs"], old_metrics = forward_logprobs(actor, "compute_log_prob", batch)
             batch.meta_info.pop("is_offload_states")
+            if config.rollout_staleness and iteration < mt.train_iters:  # the next rollout runs during this update
+                sampler_before_next = copy.deepcopy(sampler)  # a checkpoint of this iteration resumes at those prompts
+                next_rollout = start_rollout(actor, _draw(dataset, sampler), iteration + 1)
             update_metrics = merge_metrics(actor.call("update", batch, kl_coef=rl.init_kl_coef))
             metrics.update(ref_metrics | old_metrics | update_metrics)
             metrics["iteration"] = iteration
@@ -191,8 +204,9 @@ def train(config: GRPOConfig, actor: RayActorGroup, tokenizer, dataset: PromptDa
             if iteration % config.runtime.log_interval == 0:
                 print(format_line(metrics), flush=True)
             if _saves_at(config, iteration):
+                resume_sampler = sampler if next_rollout is None else sampler_before_next
                 path = save_run_checkpoint(actor=actor, save_root=config.actor_config.save, iteration=iteration,
-                                           sampler=sampler, kl_coef=rl.init_kl_coef, seed=mt.seed,
+                                           sampler=resume_sampler, kl_coef=rl.init_kl_coef, seed=mt.seed,
                                            hf_dir=hf_dir or mt.tokenizer_name_or_path,
                                            keep_last_n=config.actor_config.keep_last_n)
                 progress.last_checkpoint = str(path)
@@ -273,7 +287,22 @@ def _saves_at(config: GRPOConfig, iteration: int) -> bool:
 def generate(actor: RayActorGroup, prompt_batch, config: GRPOConfig, *,
              iteration: int | None = None) -> tuple[RolloutBatch, dict]:
     prompt_ids = [p.token_ids for p in prompt_batch]
-    results = actor.call("generate_sequences", prompt_ids, iteration)
+    return rollout_batch(actor.call("generate_sequences", prompt_ids, iteration), prompt_ids, config)
+
+
+def start_rollout(actor, prompt_batch, iteration: int) -> list:
+    """The rollout of `iteration` on the inference devices, not waited for (a DisaggregatedActor)."""
+    actor.start_generate([p.token_ids for p in prompt_batch], iteration)
+    return prompt_batch
+
+
+def finish_rollout(actor, prompt_batch, config: GRPOConfig) -> tuple[list, RolloutBatch, dict]:
+    batch, metrics = rollout_batch(actor.finish_generate(), [p.token_ids for p in prompt_batch], config)
+    return prompt_batch, batch, metrics
+
+
+def rollout_batch(results: list, prompt_ids: list[list[int]], config: GRPOConfig) -> tuple[RolloutBatch, dict]:
+    """Every inference rank's (samples, metrics) -> one prompt-major batch and the merged metrics."""
     metrics = merge_metrics([m for _, m in results])
     samples = [sample for shard in merge_shards([s for s, _ in results]) for sample in shard.value]
     samples.sort(key=lambda sample: sample[0])  # prompt-major: a prompt's n samples are contiguous
@@ -306,6 +335,10 @@ def format_line(m: dict) -> str:
         spent = sum(m.get(f"timing/{p}/{stage}", 0.0) for p in ("generate", "reward", "ref_logprob", "old_logprob",
                                                                   "update"))
         seconds += f" {stage}={spent:.2f}s"
+    if "timing/resharding_fingerprint" in m:  # what the exact-weights check costs, inside resharding_to_infer
+        seconds += f" fingerprint={m['timing/resharding_fingerprint']:.3f}s"
+    if m.get("rollout/staleness"):
+        seconds += f" stale={m['rollout/staleness']}"
     memory = " ".join(f"{p}={m.get(f'memory/{p}/total_bytes', 0) / 2**20:.0f}MiB"
                       for p in ("generate", "ref_logprob", "old_logprob", "update"))
     return (f"[iter {m['iteration']:>4}] reward={m['reward/mean']:.3f} acc={m['reward/accuracy']:.3f} "

@@ -250,6 +250,9 @@ def start_ray(config: GRPOConfig, device: str, threads_per_rank: int, *, attempt
     # Ray 2.54 warns on every start that it will stop overriding CUDA_VISIBLE_DEVICES for CPU-only
     # actors; opting in now changes nothing for the ranks (each asks for its device) and ends the warning.
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # Ray prestarts idle workers for the driver's default runtime env, which no rank uses (each asks
+    # for its own): one stayed for the whole demo, 122 MiB and ~1 CPU-s of start-up (docs/overhead.md, 6).
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     common = dict(log_to_driver=True, configure_logging=False, runtime_env={"env_vars": {"PYTHONWARNINGS": "ignore"}})
     if config.runtime.ray_address:
         # A cluster started with `ray start --head` / `ray start --address=HEAD:6379` on each node.
