@@ -51,3 +51,8 @@ profile: venv
 
 ablate: venv
 	$(PY) benchmarks/ablate_demo.py --json bench_ablate.json
+
+# Synchronous vs one-step off-policy rollouts (async_generation_ratio 0 vs 1) on the disaggregated demo.
+.PHONY: bench-async
+bench-async: venv
+	$(PY) benchmarks/bench_async_generation.py --json bench_async_generation.json

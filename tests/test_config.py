@@ -135,7 +135,8 @@ def _schema_keys(cls: type, prefix: str = "") -> set[str]:
 
 # ROLL's resource sections are opt-in: left out, every role runs on rl_config.actor_resource.num_npus
 # devices; set them with `+actor_train.device_mapping=...` (see configs/grpo_tiny_cpu_colocated_roles.yaml).
-OPT_IN_SECTIONS = ("num_gpus_per_node", "actor_train", "actor_infer", "reference", "rewards")
+# ROLL's keys: only the configs that place roles apart (or overlap rollouts with updates) carry them.
+OPT_IN_SECTIONS = ("num_gpus_per_node", "actor_train", "actor_infer", "reference", "rewards", "async_generation_ratio")
 
 
 def test_tiny_yaml_lists_every_key_so_plain_overrides_work() -> None:
@@ -191,7 +192,7 @@ def test_unknown_top_level_key() -> None:
     assert message == (
         "trainer: unknown key (valid top-level keys: megatron_training, actor_config, rl_config, "
         "generate_config, model, synthetic_data, runtime, num_gpus_per_node, actor_train, actor_infer, reference, "
-        "rewards)"
+        "rewards, async_generation_ratio)"
     )
 
 
