@@ -5,7 +5,7 @@ Runs where: in the pytest process, no process group needed.
 import torch
 
 from mindspeed_rl.accelerator import get_accelerator
-from mindspeed_rl.accelerator.megatron_cpu import CPURNGStatesTracker, CudaToCpuMode, megatron_on_cpu
+from mindspeed_rl.accelerator.megatron_cpu import CPURNGStatesTracker, megatron_on_cpu
 
 
 def test_rng_tracker_forks_the_cpu_generator_and_restores_it():
@@ -35,15 +35,35 @@ def test_megatron_context_is_scoped():
     assert torch.cuda.current_device is original
 
 
-def test_cuda_to_cpu_mode_rewrites_devices_and_types():
-    with CudaToCpuMode():
-        made = torch.zeros(2, device="cuda")
+def test_megatron_scope_makes_cuda_factories_and_moves_mean_cpu():
+    with megatron_on_cpu():
+        made = [torch.zeros(2, device="cuda"), torch.tensor([1.0], device="cuda"), torch.ones(2, 2, device="cuda:0"),
+                torch.empty_like(torch.ones(2), device=torch.device("cuda"))]
         moved = torch.ones(2).cuda()
-        to = torch.ones(2).to("cuda")
+        to = [torch.ones(2).to("cuda"), torch.ones(2).to(device="cuda"), torch.ones(2).to("cuda", torch.float64)]
         kind = torch.ones(2).type()
-    assert made.device.type == moved.device.type == to.device.type == "cpu"
+        cast = torch.ones(2).type(torch.float64)
+    assert all(t.device.type == "cpu" for t in [*made, moved, *to])
+    assert to[2].dtype == torch.float64 and cast.dtype == torch.float64
     assert kind == "torch.cuda.FloatTensor"  # megatron's clip_grads asserts exactly this
+
+
+def test_megatron_scope_restores_torch_after_it():
+    originals = (torch.zeros, torch.tensor, torch.Tensor.to, torch.Tensor.type, torch.Tensor.cuda)
+    with megatron_on_cpu():
+        with megatron_on_cpu():  # re-entrant: the inner exit keeps the outer patches
+            pass
+        assert torch.zeros(1, device="cuda").device.type == "cpu"
+    assert (torch.zeros, torch.tensor, torch.Tensor.to, torch.Tensor.type, torch.Tensor.cuda) == originals
     assert torch.ones(2).type() == "torch.FloatTensor"
+    assert "to" not in torch.Tensor.__dict__ and "type" not in torch.Tensor.__dict__
+
+
+def test_megatron_scope_leaves_ordinary_calls_unwrapped():
+    # The point of scoping the factories: the forward's ops (matmul, add, softmax) are torch's own.
+    with megatron_on_cpu():
+        assert torch.matmul is torch._C._VariableFunctions.matmul
+        assert torch._C._is_torch_function_mode_enabled() is False
 
 
 def test_cpu_accelerator_contract():

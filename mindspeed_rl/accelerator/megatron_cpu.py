@@ -2,7 +2,7 @@
 
 Megatron-core 0.16 assumes CUDA in its RNG tracker, its device lookups and a few factory calls.
 Each patch below carries the reason it exists. The RNG tracker is Megatron-internal state and is
-installed once; the `torch.cuda` rebinding and the CUDA->CPU function mode are scoped to
+installed once; the `torch.cuda` rebinding and the CUDA->CPU factories are scoped to
 `megatron_on_cpu()` so that vLLM, living in the same process, never sees a fake `torch.cuda`.
 """
 from __future__ import annotations
@@ -11,7 +11,6 @@ import contextlib
 from typing import Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as mrandom
@@ -72,23 +71,68 @@ def _is_cuda_device(device: object) -> bool:
     return False
 
 
-class CudaToCpuMode(TorchFunctionMode):
-    """P3/P4: megatron creates tensors with device="cuda" (causal mask, loss scale, PP schedule,
-    tied-embedding sync), calls `Tensor.cuda()`, and asserts `grad.type() == 'torch.cuda.FloatTensor'`
-    in clip_grads. Inside this mode those mean "cpu"."""
+# P3/P4: the torch factories megatron calls with device="cuda" (causal mask, loss scale, found-inf flags,
+# PP schedule token counts, clip_grads, dist-checkpointing exchanges). Only these are wrapped: a
+# TorchFunctionMode would put every torch call of the forward, backward and optimizer through Python
+# (measured at 2-10 us per call, 5-20% of a micro-batch at the demo's size; docs/overhead.md item 4).
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "empty_like",
+              "zeros_like", "ones_like", "full_like")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+
+def _on_cpu(factory):
+    def factory_on_cpu(*args, **kwargs):
         if _is_cuda_device(kwargs.get("device")):
-            kwargs = {**kwargs, "device": "cpu"}
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    factory_on_cpu.__wrapped__ = factory
+    return factory_on_cpu
+
+
+def _tensor_cuda(self, *args, **kwargs):
+    """P4: `Tensor.cuda()` (tied-embedding sync with PP, optimizer state loads) keeps the tensor on cpu."""
+    return self
+
+
+def _tensor_to(self, *args, **kwargs):
+    if args and _is_cuda_device(args[0]):
+        args = ("cpu", *args[1:])
+    if _is_cuda_device(kwargs.get("device")):
+        kwargs["device"] = "cpu"
+    return _ORIGINAL_TO(self, *args, **kwargs)
+
+
+def _tensor_type(self, *args, **kwargs):
+    """P4: clip_grads asserts `grad.type() == 'torch.cuda.FloatTensor'`; asked without arguments, a cpu tensor
+    names its cuda type. With arguments (a cast) it is torch's own `type`."""
+    name = _ORIGINAL_TYPE(self, *args, **kwargs)
+    if args or kwargs or ".cuda." in name:
+        return name
+    return name.replace("torch.", "torch.cuda.", 1)
+
+
+_ORIGINAL_TO = torch.Tensor.to
+_ORIGINAL_TYPE = torch.Tensor.type
+
+
+@contextlib.contextmanager
+def cuda_factories_on_cpu() -> Iterator[None]:
+    """P3/P4 inside the scope: the factories above, `Tensor.cuda`, `Tensor.to("cuda")` and `Tensor.type()`
+    mean cpu. The functions are module attributes, rebound for the scope and restored after it."""
+    saved_factories = {name: getattr(torch, name) for name in _FACTORIES}
+    for name, factory in saved_factories.items():
+        setattr(torch, name, _on_cpu(factory))
+    torch.Tensor.cuda, torch.Tensor.to, torch.Tensor.type = _tensor_cuda, _tensor_to, _tensor_type
+    try:
+        yield
+    finally:
+        for name, factory in saved_factories.items():
+            setattr(torch, name, factory)
+        # The class attributes were inherited from torch._C.TensorBase: deleting them restores torch's own.
+        del torch.Tensor.cuda, torch.Tensor.to, torch.Tensor.type
+
+
+_scope_depth = 0
 
 
 @contextlib.contextmanager
@@ -98,14 +142,24 @@ def megatron_on_cpu() -> Iterator[None]:
     `torch.cuda.synchronize` becomes a no-op because there is no stream to wait for.
     Re-entrant: nested uses leave the outer patch in place.
     """
+    global _scope_depth
     patch_moe_without_transformer_engine()  # idempotent; a module global, invisible to vLLM
+    if _scope_depth:
+        _scope_depth += 1
+        try:
+            yield
+        finally:
+            _scope_depth -= 1
+        return
     saved = (torch.cuda.current_device, torch.cuda.synchronize)
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    _scope_depth = 1
     try:
-        with CudaToCpuMode():
+        with cuda_factories_on_cpu():
             yield
     finally:
+        _scope_depth = 0
         torch.cuda.current_device, torch.cuda.synchronize = saved
 
 
