@@ -8,6 +8,7 @@ Hydra only overrides keys present in the YAML: a schema key the YAML leaves at i
 with ``+key=value``; a key unknown to the schema is then reported by load_config.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -34,6 +35,9 @@ def main(cfg: DictConfig) -> None:
         try:
             config = load_config(cfg)
             run_dir = Path(HydraConfig.get().runtime.output_dir)
+            # torch's allocator reads this at its first allocation, so it is set before torch is imported: a
+            # one-rank run's rank lives in this process (workers/local_group.py). A user's own value wins.
+            os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
             # Imported late so that config errors and --cfg/--help do not pay for importing torch, vLLM, Megatron.
             from mindspeed_rl.trainer import run_grpo
 

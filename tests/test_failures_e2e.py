@@ -5,7 +5,8 @@ injected at a known point (`MINDSPEED_RL_INJECT_FAULT`, mindspeed_rl/workers/fau
 a signal sent in a known phase, and checks the exit code, the one line the user reads, the time it
 took, and that no process of the run's session and no new /dev/shm segment is left.
 
-Runs where: subprocesses (Ray, 1 or 2 worker processes); ~4 min in all on 2 cores.
+Runs where: subprocesses: a one-rank run's rank in the CLI's own process (no Ray; the cases marked `ray`
+set runtime.local_single_rank=false), the 2-rank runs Ray and 2 worker processes; ~4.5 min in all on 2 cores.
 """
 import signal
 import time
@@ -15,6 +16,9 @@ import pytest
 from run_watch import launch, leftovers, shm_entries
 
 ONE_RANK = "grpo_tiny_cpu"
+# The one-rank run through Ray (a separate rank process), as runs with more ranks go.
+THROUGH_RAY = "runtime.local_single_rank=false"
+IN_PROCESS_LINE = "[init] one rank: running it in this process"
 # Train PP2 -> vLLM TP2 on 2 ranks: vLLM's TP group shares a broadcast buffer in /dev/shm.
 TWO_RANKS = "grpo_tiny_cpu_pp2_infer_tp2"
 
@@ -47,16 +51,35 @@ def _assert_nothing_left(run, shm_before: set[str]) -> None:
     assert not shm, f"/dev/shm segments left: {shm}"
 
 
-def test_a_worker_that_raises_stops_the_run_naming_rank_host_and_error(tmp_path):
+@pytest.mark.parametrize("through_ray", [False, True], ids=["in_process", "ray"])
+def test_a_worker_that_raises_stops_the_run_naming_rank_host_and_error(tmp_path, through_ray):
+    overrides = (THROUGH_RAY,) if through_ray else ()
     run, code, seconds, shm_before = _run_into_fault(tmp_path, ONE_RANK, "update:0:1:raise",
-                                                     "[fault] rank 0: raise in update")
+                                                     "[fault] rank 0: raise in update", *overrides)
     assert code == 1
+    assert (IN_PROCESS_LINE in run.stdout_text()) != through_ray
     line = _last_line(run)
     assert line.startswith("worker failure during iteration 1: rank 0 (host "), line
     assert "failed in update: RuntimeError: injected fault in update on rank 0 (at fault_injection.py:" in line
     assert run.stderr_text().count("injected fault") == 1, "the error is reported once"
     assert "Traceback" not in run.stderr_text()
     assert seconds < 60
+    _assert_nothing_left(run, shm_before)
+
+
+def test_a_hung_in_process_rank_ends_the_run_at_the_rpc_deadline(tmp_path):
+    """The one rank runs in the driver: a watchdog thread ends the process once the call's deadline passes."""
+    run, code, seconds, shm_before = _run_into_fault(tmp_path, ONE_RANK, "update:0:1:sleep",
+                                                     "[fault] rank 0: sleep in update", "runtime.rpc_timeout_seconds=15")
+    assert code == 1
+    assert IN_PROCESS_LINE in run.stdout_text()
+    line = _last_line(run)
+    assert line.startswith("worker failure during iteration 1: rank 0 (host "), line
+    assert ("stopped responding in update: it did not finish within 15 s (runtime.rpc_timeout_seconds, or 4x the "
+            "slowest earlier update); it was at fault_injection.py:") in line, line
+    assert line.endswith("; last checkpoint: none (actor_config.save is not set)"), line
+    assert "Traceback" not in run.stderr_text()
+    assert 15 <= seconds < 15 + 10
     _assert_nothing_left(run, shm_before)
 
 
@@ -102,13 +125,21 @@ PHASES = {
 }
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("phase", list(PHASES))
-def test_a_stop_signal_ends_the_run_within_15_s_leaving_nothing(tmp_path, phase, signum):
+STOP_CASES = [
+    *[pytest.param(False, signum, phase, id=f"in_process-{signum.name}-{phase}")
+      for signum in (signal.SIGINT, signal.SIGTERM) for phase in PHASES],
+    # The Ray path: Ray's daemons and the rank process get the Ctrl-C too.
+    pytest.param(True, signal.SIGINT, "update", id="ray-SIGINT-update"),
+]
+
+
+@pytest.mark.parametrize("through_ray,signum,phase", STOP_CASES)
+def test_a_stop_signal_ends_the_run_within_15_s_leaving_nothing(tmp_path, phase, signum, through_ray):
     fault, marker = PHASES[phase]
     shm_before = shm_entries()
     save = tmp_path / "save"
-    run = _start(tmp_path, ONE_RANK, f"actor_config.save={save}", "megatron_training.save_interval=1", fault=fault)
+    run = _start(tmp_path, ONE_RANK, f"actor_config.save={save}", "megatron_training.save_interval=1",
+                 *((THROUGH_RAY,) if through_ray else ()), fault=fault)
     if fault:
         run.wait_for_file_line(tmp_path / "faults.log", marker)
     else:

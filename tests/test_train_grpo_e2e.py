@@ -1,7 +1,8 @@
-"""End to end: `python cli/train_grpo.py` runs 2 GRPO iterations of the CPU demo through Ray,
-real Megatron-core and real vLLM, and leaves metrics.jsonl in the Hydra run directory.
+"""End to end: `python cli/train_grpo.py` runs 2 GRPO iterations of the CPU demo with real Megatron-core
+and real vLLM, and leaves metrics.jsonl in the Hydra run directory. The one-rank demo runs its rank in
+the CLI's own process, without Ray (runtime.local_single_rank); the 2-rank variant through Ray.
 
-Runs where: a subprocess (Ray starts one worker process); ~40 s on 2 cores.
+Runs where: subprocesses (the 2-rank variant: Ray and two worker processes); ~40 s each on 2 cores.
 """
 import json
 import os
@@ -14,10 +15,16 @@ from planner_checks import assert_prediction_matches_ledger
 
 
 def test_two_iterations_write_metrics(tmp_path):
-    run_dir = tmp_path / "run"
+    """The one-rank demo, its rank in the CLI's own process: Ray is never started."""
+    run_dir, ray_tmp = tmp_path / "run", tmp_path / "ray_tmp"
+    # Ray puts every session it starts (ray.init, its daemons) under $RAY_TMPDIR/ray: it stays absent.
     done = run_cli(tmp_path, "grpo_tiny_cpu", "megatron_training.train_iters=2", "rl_config.use_tensorboard=true",
-                   f"synthetic_data.data_dir={tmp_path / 'assets'}")
+                   f"synthetic_data.data_dir={tmp_path / 'assets'}", env={"RAY_TMPDIR": str(ray_tmp)})
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "[init] one rank: running it in this process (no Ray; runtime.local_single_rank=false uses Ray)" \
+        in done.stdout.splitlines()
+    assert not ray_tmp.exists(), sorted(str(p) for p in ray_tmp.rglob("*"))[:5]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("[iter")]
     assert len(lines) == 2, done.stdout[-2000:]
 
@@ -43,6 +50,10 @@ def test_two_iterations_write_metrics(tmp_path):
         assert r["memory/ref_logprob/reference_params_bytes"] == r["memory/update/train_params_bytes"]
         assert r["actor/optimizer_steps"] == 2  # 16 prompts x 8 samples in mini-batches of 8 prompts
         assert r["timing/rollout"] > 0
+        # One rank, the same layout on both sides: the whole model is copied locally, checked, nothing sent.
+        assert r["resharding/bytes_sent"] == r["resharding/bytes_received"] == 0
+        assert r["resharding/bytes_local"] == r["memory/update/train_params_bytes"]
+        assert r["resharding/ranges_verified"] > 0
     # MindSpeed-RL's names, each consistent with the figures it is made of.
     for r in records:
         assert r["arith_acc_rewards/mean"] == r["reward/mean"]  # one verifier, weight 1

@@ -44,8 +44,15 @@ class RuntimeConfig:
     # null: a Ray instance of this process on this machine. "auto" or "HEAD_IP:6379": join the cluster
     # started by `ray start` on each node (multi-node; see README "Resources").
     ray_address: str | None = None
+    # A run with one rank process (colocated, no CPU reward workers, ray_address null) runs that rank
+    # in this process, without Ray (workers/local_group.py): seconds less start-up and no Ray daemons.
+    # false: start Ray and the rank as a Ray actor, as runs with more ranks do.
+    local_single_rank: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.local_single_rank, bool):
+            raise ConfigError(f"{self.SECTION_KEY}.local_single_rank",
+                              f"expected true or false, got {self.local_single_rank!r}")
         require_choice(self.SECTION_KEY, self, "device", DEVICES)
         require_non_negative(self.SECTION_KEY, self, "num_threads_per_rank")
         require_positive(self.SECTION_KEY, self, "log_interval", "max_ranks_per_cpu_core", "rpc_timeout_seconds",

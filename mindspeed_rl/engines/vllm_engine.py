@@ -186,6 +186,12 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         return self._kv_cache.resident_bytes()
 
+    def shutdown(self) -> None:
+        """Tear the engine down now (its executor, then vLLM's process groups and torch.distributed's),
+        instead of in the finalizer vLLM runs at interpreter exit, which fails once the trainer has
+        destroyed the groups under it. For a rank in the driver (workers/local_group.py)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
 
 def _unpack_cpu_linears(model: torch.nn.Module) -> None:
     """Give every linear layer back a plain weight tensor that it reads at each call.

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from mindspeed_rl import interrupts
 from mindspeed_rl.interrupts import RunInterrupted
 from mindspeed_rl.trainer.stopping import WORKER_FAILURE_EXIT_CODE, RunProgress, RunStopped
 from mindspeed_rl.workers.group import RayActorGroup, default_env_vars, merge_metrics, merge_shards
+from mindspeed_rl.workers.local_group import LocalActorGroup, check_local_devices, reason_for_ray
 from mindspeed_rl.workers.reward_workers import RewardWorkerGroup
 from mindspeed_rl.workers.supervision import WorkerFailure
 
@@ -42,9 +44,7 @@ def run_grpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
         except RunInterrupted as interrupt:
             raise RunStopped(128 + interrupt.signum, progress.interrupted_line(interrupt.signum)) from None
         except WorkerFailure as failure:
-            where = f"iteration {progress.iteration}" if progress.iteration else progress.phase
-            raise RunStopped(WORKER_FAILURE_EXIT_CODE, f"worker failure during {where}: {failure}; "
-                                                       f"last checkpoint: {progress.last_checkpoint_text()}") from None
+            raise RunStopped(WORKER_FAILURE_EXIT_CODE, progress.worker_failure_line(failure)) from None
 
 
 def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]:
@@ -79,18 +79,29 @@ def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]
     print(config.resource_plan.table(device), flush=True)  # device -> roles, colocated or disaggregated
     prediction = memory_prediction(config, hf_config, device)  # cli/plan.py's figures, compared with the ledger
     threads = setup.threads_per_rank(config)
+    ray_reason = reason_for_ray(config)  # None: one rank process, run in this one (runtime.local_single_rank)
     actor, completed, reward_group = None, False, None
     try:
-        progress.phase = "Ray start"
-        with interrupts.shielded():
-            setup.start_ray(config, device, threads)
-        interrupts.install()
-        config.resource_plan.check_ray_cluster(device)
-        reward_group = RewardWorkerGroup.from_config(config)  # rewards.<name>.world_size CPU workers, or None
+        if ray_reason is None:
+            print("[init] one rank: running it in this process (no Ray; runtime.local_single_rank=false uses Ray)",
+                  flush=True)
+            check_local_devices(config, device)
+        else:
+            print(f"[init] Ray runs the rank processes ({ray_reason})", flush=True)
+            progress.phase = "Ray start"
+            with interrupts.shielded():
+                setup.start_ray(config, device, threads)
+            interrupts.install()
+            config.resource_plan.check_ray_cluster(device)
+            reward_group = RewardWorkerGroup.from_config(config)  # rewards.<name>.world_size CPU workers, or None
         progress.phase = "initialize"
         print(f"[init] starting {config.num_rank_processes} rank(s) on {device}: checkpoint load, Megatron build, "
               "vLLM start", flush=True)
-        actor = _actor_group(config, device, default_env_vars(threads), model_dir, ref_dir)
+        if ray_reason is None:
+            actor = LocalActorGroup(config=config, env_vars=default_env_vars(threads), model_dir=model_dir,
+                                    ref_model_dir=ref_dir, threads=threads, on_hang=_hang_reporter(config, progress))
+        else:
+            actor = _actor_group(config, device, default_env_vars(threads), model_dir, ref_dir)
         for address in actor.addresses:
             print(f"[init] {address.describe()}", flush=True)
         init_metrics = merge_metrics(actor.initialize())
@@ -125,6 +136,15 @@ def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]
             if not completed:
                 discard_unfinished_saves(config.actor_config.save)
             ray.shutdown()
+
+
+def _hang_reporter(config: GRPOConfig, progress: RunProgress):
+    """What the in-process rank's watchdog does before it ends the process: the run's one failure line,
+    and no half-written checkpoint left looking like one (the `finally` of _run never runs)."""
+    def report(message: str) -> None:
+        print(progress.worker_failure_line(message), file=sys.stderr, flush=True)
+        discard_unfinished_saves(config.actor_config.save)
+    return report
 
 
 def _actor_group(config: GRPOConfig, device: str, env_vars: dict[str, str], model_dir: str, ref_dir: str):

@@ -37,6 +37,10 @@ class RunProgress:
             return self.last_checkpoint
         return "none" if self.save_root else "none (actor_config.save is not set)"
 
+    def worker_failure_line(self, failure: object) -> str:
+        where = f"iteration {self.iteration}" if self.iteration else self.phase
+        return f"worker failure during {where}: {failure}; last checkpoint: {self.last_checkpoint_text()}"
+
     def interrupted_line(self, signum: int) -> str:
         where = f"at iteration {self.iteration}" if self.iteration else f"during {self.phase}"
         return f"interrupted by {signal.Signals(signum).name} {where}; last checkpoint: {self.last_checkpoint_text()}"

@@ -2,7 +2,8 @@
 sharding manager) with the reference model beside it (integrated mode).
 
 The driver calls every method on every rank (SPMD); ranks return their share of the result
-and `mindspeed_rl.workers.group.RayActorGroup` assembles it.
+and `mindspeed_rl.workers.group.RayActorGroup` assembles it. A run with one rank process holds its
+rank as an object of the driver instead (`mindspeed_rl.workers.local_group.LocalActorGroup`).
 """
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ class ActorHybridWorkerBase:
         started = time.perf_counter()
         cfg = self.config
         self.accelerator = get_accelerator(cfg.runtime.device)
-        self.accelerator.set_device(0)  # Ray makes exactly this rank's device visible to the actor
+        # Ray makes exactly this rank's device visible to the actor; a rank in the driver takes the first visible one.
+        self.accelerator.set_device(0)
         self._init_distributed(cfg.runtime, cfg.actor_config)
         self.accelerator.seed_model_parallel_rng(cfg.megatron_training.seed)
         self.actor, self.reference = self._build_megatron_engines(cfg.megatron_training, started)

@@ -5,6 +5,8 @@ The CALL-th call (1-based) of worker METHOD on rank RANK, before it runs, does A
   kill   - SIGKILLs its own process (a crash, the OOM killer)
   stop   - SIGSTOPs its own process (a hang: the process is alive and does nothing)
   sleep  - sleeps for an hour (a long phase; the test sends Ctrl-C / SIGTERM meanwhile)
+A one-rank run's rank is the driver process itself (workers/local_group.py): `kill` and `stop` hit the
+driver too, which is why the tests of those actions run 2 ranks or set runtime.local_single_rank=false.
 Each action first prints `[fault] rank R: ACTION in METHOD`, and appends it to the file named by
 `MINDSPEED_RL_INJECT_FAULT_LOG` when set: Ray forwards a worker's output to the driver a little later,
 after a driver that fails fast may be gone, so a test watches the file. Unset (the normal case), the
@@ -56,14 +58,12 @@ def inject(spec: FaultSpec, rank: int) -> None:
         time.sleep(3600)
 
 
-def worker_class_with_faults(text: str | None, base: type | None = None):
+def worker_class_with_faults(text: str | None, base: type | None = None, *, remote: bool = True):
     """A Ray actor class (a subclass of `base`, by default the hybrid worker) whose METHOD injects the
-    fault; None when no fault is asked for or `base` has no such method (the other group of a
-    disaggregated actor)."""
+    fault, or with remote=False the plain class (a rank in the driver, workers/local_group.py); None
+    when no fault is asked for or `base` has no such method (the other group of a disaggregated actor)."""
     if not text:
         return None
-    import ray
-
     from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorkerBase
 
     base = base or ActorHybridWorkerBase
@@ -81,4 +81,8 @@ def worker_class_with_faults(text: str | None, base: type | None = None):
         return original(self, *args, **kwargs)
 
     faulty = type(f"FaultInjecting{base.__name__}", (base,), {spec.method: method})
+    if not remote:
+        return faulty
+    import ray
+
     return ray.remote(faulty)

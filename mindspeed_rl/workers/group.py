@@ -20,8 +20,8 @@ from mindspeed_rl import interrupts
 from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorker, RankInfo, Shard
 from mindspeed_rl.workers.placement import place_ranks
 from mindspeed_rl.workers.fault_injection import FAULT_ENV_VAR, FAULT_LOG_ENV_VAR, worker_class_with_faults
-from mindspeed_rl.workers.supervision import (Deadlines, WorkerAddress, WorkerFailure, describe_worker_error,
-                                              silent_ranks)
+from mindspeed_rl.workers.supervision import (Deadlines, WorkerAddress, WorkerFailure, deadline_text,
+                                              describe_worker_error, silent_ranks)
 
 GRACEFUL_SHUTDOWN_SECONDS = 30.0
 _EXIT_WAIT_SECONDS = 10.0
@@ -113,8 +113,7 @@ class RayActorGroup:
 
     def _hang_message(self, method: str, waiting: list[int], deadline_seconds: float) -> str:
         silent = silent_ranks(self.run_key, waiting)
-        limit = (f"{deadline_seconds:.0f} s (runtime.{'initialize' if method == 'initialize' else 'rpc'}"
-                 f"_timeout_seconds, or 4x the slowest earlier {method})")
+        limit = deadline_text(method, deadline_seconds)
         if silent:
             others = [r for r in waiting if r not in silent]
             tail = f"; ranks {others} were waiting for it" if others else ""

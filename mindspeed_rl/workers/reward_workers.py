@@ -166,6 +166,15 @@ class _Slot:
         return f"pid {self.pid} on {self.host}" if self.pid else "(not started)"
 
 
+def cpu_reward_section(config) -> Optional[tuple[str, Any]]:
+    """(name, section) of the `rewards.<name>` section that asks for CPU rule workers (world_size > 0;
+    a reward model's ranks are the actor's), or None: scoring then runs in the driver."""
+    for name, section in config.rewards.items():
+        if section.world_size and not section.is_model:
+            return name, section
+    return None
+
+
 class RewardWorkerGroup:
     """`num_workers` CPU Ray actors scoring a batch in parallel; see the module doc for failures."""
 
@@ -197,11 +206,12 @@ class RewardWorkerGroup:
         """The group of the config's `rewards.<name>` section with world_size > 0, or None (score in the
         driver). The config allows one reward role (config/resources.py)."""
         rl = config.rl_config
-        for name, section in config.rewards.items():
-            if section.world_size and not section.is_model:  # a reward model's ranks are the actor's
-                return cls(name=name, num_workers=section.world_size, verifier_functions=rl.verifier_function,
-                           verifier_weights=rl.verifier_weight, timeout_seconds=rl.verifier_timeout_seconds)
-        return None
+        found = cpu_reward_section(config)
+        if found is None:
+            return None
+        name, section = found
+        return cls(name=name, num_workers=section.world_size, verifier_functions=rl.verifier_function,
+                   verifier_weights=rl.verifier_weight, timeout_seconds=rl.verifier_timeout_seconds)
 
     @property
     def num_workers(self) -> int:

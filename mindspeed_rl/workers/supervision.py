@@ -60,6 +60,12 @@ class Deadlines:
         self.slowest[method] = max(self.slowest.get(method, 0.0), seconds)
 
 
+def deadline_text(method: str, seconds: float) -> str:
+    """The limit a hung `method` passed, and the key that sets it, for the failure line."""
+    key = "initialize" if method == "initialize" else "rpc"
+    return f"{seconds:.0f} s (runtime.{key}_timeout_seconds, or 4x the slowest earlier {method})"
+
+
 # -- heartbeats ---------------------------------------------------------------------------------
 def _heartbeat_key(run_key: str, rank: int) -> bytes:
     return f"{run_key}/heartbeat/{rank}".encode()
@@ -124,6 +130,18 @@ def describe_worker_error(error: BaseException) -> str:
     if isinstance(error, RayActorError):
         return "the worker process died (killed, or crashed outside Python)"
     return f"{type(error).__name__}: {_first_line(str(error))}"
+
+
+def describe_local_error(error: BaseException) -> str:
+    """describe_worker_error's line for an exception raised in this process (a rank in the driver,
+    workers/local_group.py): the innermost frame comes from its traceback."""
+    import traceback
+
+    text = f"{type(error).__name__}: {_first_line(str(error))}"
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames:
+        text += f" (at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} in {frames[-1].name})"
+    return text
 
 
 def _first_line(text: str) -> str:
