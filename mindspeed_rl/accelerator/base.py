@@ -84,13 +84,15 @@ class Accelerator:
         else:
             storage.resize_(0)
 
-    def acquire_storage(self, storage: torch.UntypedStorage, nbytes: int) -> None:
-        """Give a released storage `nbytes` of fresh device memory (contents undefined)."""
+    def acquire_storage(self, storage: torch.UntypedStorage, nbytes: int, *, zeroed: bool = False) -> None:
+        """Give a released storage `nbytes` of fresh device memory: zeros with `zeroed`, else undefined."""
         assert storage.nbytes() == 0, "only a released storage is re-acquired"
         if self.is_host:
-            storage._swap_data_ptr_(huge_page_storage(nbytes))
+            storage._swap_data_ptr_(huge_page_storage(nbytes, zeroed=zeroed))
         else:
             storage.resize_(nbytes)
+            if zeroed:
+                storage.fill_(0)
 
     def megatron_context(self) -> contextlib.AbstractContextManager:
         """Megatron-core assumes CUDA; on CPU its calls run inside the compatibility layer.

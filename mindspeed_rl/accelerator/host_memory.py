@@ -53,15 +53,18 @@ def _advise_huge(region: mmap.mmap, offset: int, length: int) -> None:
         pass  # a kernel without transparent huge pages: small pages still work, only slower
 
 
-def huge_page_storage(nbytes: int) -> torch.UntypedStorage:
-    """`nbytes` of host memory, 2 MiB-aligned and in huge pages where the kernel has them.
+def huge_page_storage(nbytes: int, *, zeroed: bool = False) -> torch.UntypedStorage:
+    """`nbytes` of host memory, 2 MiB-aligned and in huge pages where the kernel has them; zeros with `zeroed`.
 
     Small requests (under one huge page) come from torch's allocator: a mapping of their own would
-    round them up to 2 MiB.
+    round them up to 2 MiB. A mapping is zeros as it comes (the kernel zeroes each page at its first
+    touch), so `zeroed` costs nothing there: writing zeros would fault in every page now, also the
+    ones never used (most of a KV cache sized for longer sequences than a run samples).
     """
     assert nbytes >= 0
     if nbytes < HUGE_PAGE_BYTES or not _enabled:
-        return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+        factory = torch.zeros if zeroed else torch.empty
+        return factory(nbytes, dtype=torch.uint8).untyped_storage()
     length = _round_up(nbytes, HUGE_PAGE_BYTES)
     # Linux aligns an anonymous mapping whose length is a multiple of 2 MiB; older kernels may
     # not, and then one spare huge page of address space (never touched, so never resident) lets

@@ -119,15 +119,12 @@ class StorageGroup:
         copied = 0
         pinned = self.accelerator.supports_pinned_memory
         for slot in self.slots.values():
-            self.accelerator.acquire_storage(slot.storage, slot.nbytes)
-            device_bytes = _bytes_view(slot.storage)
+            # Dropped contents come back as zeros: grads as after zero_grad; inference weights are
+            # overwritten by the next switch, and zeros fail its fingerprint check if not.
+            self.accelerator.acquire_storage(slot.storage, slot.nbytes, zeroed=not self._saved)
             if self._saved:
-                device_bytes.copy_(slot.mirror, non_blocking=pinned)
+                _bytes_view(slot.storage).copy_(slot.mirror, non_blocking=pinned)
                 copied += slot.nbytes
-            else:
-                # Dropped contents come back as zeros: grads as after zero_grad; inference weights
-                # are overwritten by the next switch, and zeros fail its fingerprint check if not.
-                device_bytes.zero_()
         self.accelerator.synchronize()
         self.resident = True
         return copied
