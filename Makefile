@@ -36,6 +36,7 @@ test: venv
 bench: venv
 	$(PY) benchmarks/bench_resharding.py --json bench_resharding.json
 	$(PY) benchmarks/bench_offload.py --json bench_offload.json
+	$(PY) benchmarks/bench_megatron_cpu_scope.py --json bench_megatron_cpu_scope.json
 
 clean-venv:
 	rm -rf $(VENV)

@@ -78,7 +78,8 @@ def classify(frames: list[str]) -> tuple[str, str]:
     files = [p[1] for p in parsed]
     funcs = [p[0] for p in parsed]
     if "train_grpo.py" in head:
-        role = "driver"
+        # One rank runs in the CLI's process (runtime.local_single_rank): its stacks are the rank's.
+        role = "rank" if any(f.endswith("actor_hybrid_worker.py") for f in files) else "driver"
     elif "ray::ActorHybridWorker" in head:
         role = "rank"
     else:
