@@ -6,7 +6,7 @@ a signal sent in a known phase, and checks the exit code, the one line the user 
 took, and that no process of the run's session and no new /dev/shm segment is left.
 
 Runs where: subprocesses: a one-rank run's rank in the CLI's own process (no Ray; the cases marked `ray`
-set runtime.local_single_rank=false), the 2-rank runs Ray and 2 worker processes; ~4.5 min in all on 2 cores.
+set runtime.local_single_rank=false), the 2-rank runs Ray and 2 worker processes; ~4 min in all on 2 cores.
 """
 import signal
 import time
@@ -51,13 +51,13 @@ def _assert_nothing_left(run, shm_before: set[str]) -> None:
     assert not shm, f"/dev/shm segments left: {shm}"
 
 
-@pytest.mark.parametrize("through_ray", [False, True], ids=["in_process", "ray"])
-def test_a_worker_that_raises_stops_the_run_naming_rank_host_and_error(tmp_path, through_ray):
-    overrides = (THROUGH_RAY,) if through_ray else ()
+def test_a_worker_that_raises_stops_the_run_naming_rank_host_and_error(tmp_path):
+    # In process; a raising Ray worker's line is built by the same describe step (test_supervision), and the
+    # Ray path's teardown after a failure is what the 2-rank cases below check.
     run, code, seconds, shm_before = _run_into_fault(tmp_path, ONE_RANK, "update:0:1:raise",
-                                                     "[fault] rank 0: raise in update", *overrides)
+                                                     "[fault] rank 0: raise in update")
     assert code == 1
-    assert (IN_PROCESS_LINE in run.stdout_text()) != through_ray
+    assert IN_PROCESS_LINE in run.stdout_text()
     line = _last_line(run)
     assert line.startswith("worker failure during iteration 1: rank 0 (host "), line
     assert "failed in update: RuntimeError: injected fault in update on rank 0 (at fault_injection.py:" in line
@@ -70,16 +70,16 @@ def test_a_worker_that_raises_stops_the_run_naming_rank_host_and_error(tmp_path,
 def test_a_hung_in_process_rank_ends_the_run_at_the_rpc_deadline(tmp_path):
     """The one rank runs in the driver: a watchdog thread ends the process once the call's deadline passes."""
     run, code, seconds, shm_before = _run_into_fault(tmp_path, ONE_RANK, "update:0:1:sleep",
-                                                     "[fault] rank 0: sleep in update", "runtime.rpc_timeout_seconds=15")
+                                                     "[fault] rank 0: sleep in update", "runtime.rpc_timeout_seconds=10")
     assert code == 1
     assert IN_PROCESS_LINE in run.stdout_text()
     line = _last_line(run)
     assert line.startswith("worker failure during iteration 1: rank 0 (host "), line
-    assert ("stopped responding in update: it did not finish within 15 s (runtime.rpc_timeout_seconds, or 4x the "
+    assert ("stopped responding in update: it did not finish within 10 s (runtime.rpc_timeout_seconds, or 4x the "
             "slowest earlier update); it was at fault_injection.py:") in line, line
     assert line.endswith("; last checkpoint: none (actor_config.save is not set)"), line
     assert "Traceback" not in run.stderr_text()
-    assert 15 <= seconds < 15 + 10
+    assert 10 <= seconds < 10 + 10
     _assert_nothing_left(run, shm_before)
 
 
