@@ -35,7 +35,13 @@ def picky(response: str, label: str) -> float:
 
 
 def self_destructive(response: str, label: str) -> float:
-    """Stops its whole worker process on "freeze" (a hung worker), kills it on "crash" (a dead one)."""
+    """Stops its whole worker process on "freeze" (a hung worker), kills it on "crash" (a dead one).
+
+    It first gives Ray's threads a moment (well inside the verifier limit) to send the answer of the sample before:
+    a process stopped or killed the instant that task returned could take that answer with it, and the test would
+    see a healthy sample scored 0 (it did, about one run in three)."""
+    if response in ("freeze", "crash"):
+        time.sleep(0.2)
     if response == "freeze":
         os.kill(os.getpid(), signal.SIGSTOP)
     if response == "crash":
