@@ -7,9 +7,9 @@ finished, then attaches py-spy (pinned in benchmarks/requirements-bench.txt; the
 use) to the driver and all its descendants (Ray's Python processes and the rank actor), non-blocking, until
 the run ends. Every sample is assigned to a process role and a phase by the frames on its stack:
 
-- rank: `generate` (split into `switch` = the sharding manager's enter/exit of infer mode and `vllm` = the
-  engine's generate), `ref_logprob`, `old_logprob`, `update`, `rpc wrapper` (the offloaded_rpc decorator's
-  onload/offload/ledger outside the method), `idle/other` (Ray's loop, heartbeats);
+- rank: `generate` (split into `switch` = the weight push and `vllm` = the engine's generate), `ref_logprob`,
+  `old_logprob`, `update`, `rpc wrapper` (the phase_rpc decorator's moves between phases, the KV cache's
+  rebuild and release among them, and its ledger, outside the method), `idle/other` (Ray's loop, heartbeats);
 - driver: the function directly under `train()` (generate's batch assembly, decode, rewards, the RPC calls'
   Python side, metrics, sinks, plots);
 - Ray's own Python processes (dashboard, agents, log monitor) by name.
@@ -96,11 +96,11 @@ def classify(frames: list[str]) -> tuple[str, str]:
                 if phase == "generate":
                     if any(f.endswith("vllm_engine.py") and fn.endswith("generate") for fn, f in zip(funcs, files)):
                         return role, "generate.vllm"
-                    if any(f.endswith("sharding_manager.py") for f in files):
-                        return role, "generate.switch"
                     return role, "generate.other"
                 return role, phase
-        if any(f.endswith("memory/roles.py") for f in files):
+        if any(f.endswith(("weight_push.py", "resharding/transfer.py", "fingerprint.py")) for f in files):
+            return role, "generate.switch"
+        if any(f.endswith("workers/phase_rpc.py") for f in files):
             return role, "rpc wrapper (onload/offload/ledger)"
         return role, "idle/other (Ray loop, heartbeat)"
     # driver: the function right under train(), or the start-up/shutdown

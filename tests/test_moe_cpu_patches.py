@@ -1,4 +1,4 @@
-"""The Megatron-on-CPU patches MoE needs (P5, P6 of megatron_cpu_recipe.md) do what their reasons say.
+"""The Megatron-on-CPU patches MoE needs (P5, P6 in accelerator/megatron_cpu.py) do what their reasons say.
 
 Runs where: in the pytest process, no process group needed.
 """

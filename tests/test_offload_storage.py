@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from mindspeed_rl.accelerator import get_accelerator
-from mindspeed_rl.memory import Offloader, StateSet, state_offload_manager, state_offload_manger
+from mindspeed_rl.memory import Offloader, state_offload_manager, state_offload_manger
+from mindspeed_rl.memory.residency import ResidencyPolicy
+from mindspeed_rl.workers.sharding_manager import ShardingManager, StateSet
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -84,7 +86,8 @@ def test_state_offload_manager_reloads_offloads_and_records_metrics():
     offloader.register("train_params", lambda: params)
     offloader.register("optimizer_states", lambda: moments)
     offloader.offload_all()
-    strategy = StateSet(offloader, ["train_params", "optimizer_states"])
+    strategy = StateSet(ShardingManager(offloader=offloader, policy=ResidencyPolicy()),
+                        ["train_params", "optimizer_states"])
 
     metrics: dict[str, float] = {}
     with state_offload_manager(strategy, metrics, "actor_train/train_step"):
@@ -111,19 +114,6 @@ def test_state_offload_manager_reloads_offloads_and_records_metrics():
         with state_offload_manager(strategy, {}, "boom"):
             raise RuntimeError("failed step")
     assert offloader.resident_bytes() == {"train_params": 0, "optimizer_states": 0}
-
-
-def test_state_set_drops_what_the_role_rewrites():
-    weights, kv_like = [torch.randn(64)], [torch.randn(32)]
-    offloader = Offloader(get_accelerator("cpu"))
-    offloader.register("inference_weights", lambda: weights)
-    offloader.register("other", lambda: kv_like)
-    role = StateSet(offloader, ["inference_weights", "other"], drop_on_offload=["inference_weights"],
-                    reload_names=["inference_weights"])
-    assert role.offload_states() == 32 * 4, "only the non-dropped state is copied"
-    assert role.reload_states() == 0
-    assert offloader.is_resident("inference_weights") and not offloader.is_resident("other")
-    assert torch.equal(weights[0], torch.zeros(64))
 
 
 def _minor_faults() -> int:

@@ -39,7 +39,7 @@ def _worker(rank, world, port, checkpoint, infer_tp, infer_pp, train_layouts, sa
     from mindspeed_rl.resharding.fingerprint import verify_transfer
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
     from mindspeed_rl.resharding.transfer import Transfer
-    from mindspeed_rl.workers.sharding_manager import all_stage_dtypes, check_and_clear_padding
+    from mindspeed_rl.resharding.weight_push import all_stage_dtypes, check_and_clear_padding
 
     spec, state = load_hf_checkpoint(checkpoint)
     infer = InferLayout(tp=infer_tp, pp=infer_pp)

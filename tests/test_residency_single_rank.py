@@ -1,6 +1,6 @@
 """The switch obeys the residency table: for every combination of the three `offload_train_*` flags,
-entering each phase through the sharding manager's real paths (the weight push into vLLM, the forward
-and train onloads) leaves exactly the table's row of state groups on the device.
+entering each phase through the sharding manager (generate through the real weight push into vLLM)
+leaves exactly the table's row of state groups on the device, and leaving it what the table keeps.
 
 Runs where: in the pytest process (world of 1 rank, gloo): real Megatron actor and reference, real
 vLLM engine, a Megatron reward model, the offloader over all of their states.
@@ -27,7 +27,8 @@ def manager(world, tmp_path_factory):
     from mindspeed_rl.memory.vllm_states import register_inference_states
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
-    from mindspeed_rl.workers.sharding_manager import ShardingManager, SwitchSettings
+    from mindspeed_rl.resharding.weight_push import colocated_push
+    from mindspeed_rl.workers.sharding_manager import ShardingManager
 
     checkpoint = str(tmp_path_factory.mktemp("residency") / "model")
     create_tiny_qwen2_checkpoint(checkpoint, vocab_size=64, hidden_size=128, ffn_hidden_size=256, num_layers=2,
@@ -40,17 +41,17 @@ def manager(world, tmp_path_factory):
     reward_spec, reward_state = load_hf_checkpoint(str(create_tiny_reward_checkpoint(
         tmp_path_factory.mktemp("residency") / "reward", base_model_dir=checkpoint, seed=4)))
     reward = RewardModelEngine(spec=reward_spec, hf_state=reward_state, params_dtype=torch.float32, accelerator=world)
-    rollout = VLLMEngine(VLLMEngineConfig(
+    inference_model = VLLMEngine(VLLMEngineConfig(
         model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=32, max_num_seqs=8,
         max_num_batched_tokens=256, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
         cpu_kvcache_space_gb=0.03, on_cpu=True))
     offloader = Offloader(world)
     register_megatron_states(offloader, actor, reference)
     register_reward_states(offloader, reward)
-    register_inference_states(offloader, rollout, world)
-    return ShardingManager(actor=actor, rollout=rollout, offloader=offloader, policy=ResidencyPolicy(),
-                           switch=SwitchSettings(train=TrainLayout(tp=1, pp=1), infer=InferLayout(tp=1), rank=0,
-                                                 world_size=1, bucket_bytes=2**20, check_weights=True))
+    register_inference_states(offloader, inference_model, world)
+    push = colocated_push(actor=actor, inference_model=inference_model, train=TrainLayout(tp=1, pp=1),
+                          infer=InferLayout(tp=1), rank=0, world_size=1, bucket_bytes=2**20, check_weights=True)
+    return ShardingManager(offloader=offloader, policy=ResidencyPolicy(), weight_push=push)
 
 
 def _resident(manager) -> set[str]:
@@ -62,12 +63,14 @@ def test_each_phase_leaves_exactly_the_tables_row_on_the_device(manager, flags):
     param, grad, optimizer = flags
     manager.policy = ResidencyPolicy(offload_train_param=param, offload_train_grad=grad,
                                      offload_train_optimizer=optimizer, has_reward_model=True)
-    # An iteration's order, entered the way the worker's RPCs enter them.
-    entries = [("idle", lambda: manager.enter("idle")), ("generate", manager.enter_infer_mode),
-               ("reward", lambda: manager.enter("reward")), ("ref_logprob", lambda: manager.enter("ref_logprob")), ("old_logprob", manager.enter_forward_mode),
-               ("update", manager.enter_train_mode), ("idle", lambda: manager.enter("idle"))]
-    for phase, enter in entries:
-        enter()
+    # An iteration's calls, in order, each entering its phase and leaving it as the worker's RPCs do.
+    manager.enter("idle")
+    assert _resident(manager) == manager.policy.resident("idle")
+    for phase in manager.policy.recorded_phases():
+        manager.enter(phase)
         assert _resident(manager) == manager.policy.resident(phase), phase
+        manager.leave(phase)
+        assert _resident(manager) == manager.policy.after(phase), phase
+    assert manager.pop_metrics()["resharding/ranges_verified"] > 0, "generate went through the checked push"
     assert manager.offloader.resident_bytes()["kv_cache"] == 0
     assert manager.offloader.resident_bytes()[REWARD_PARAMS] == 0

@@ -56,7 +56,8 @@ def cluster(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from mindspeed_rl.trainer import setup
-    from mindspeed_rl.workers.group import RayActorGroup, default_env_vars
+    from mindspeed_rl.workers.group import RayActorGroup
+    from mindspeed_rl.workers.processes import rank_env_vars
 
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     tmp_path = tmp_path_factory.mktemp("roll")
@@ -70,7 +71,7 @@ def cluster(tmp_path_factory):
                                   map_keys=dict(mt.map_keys), max_prompt_length=config.rl_config.max_prompt_length,
                                   show_progress=False)
     setup.start_ray(config, "cpu", 1)
-    actor = RayActorGroup(config=config, device="cpu", env_vars=default_env_vars(1), model_dir=model_dir,
+    actor = RayActorGroup(config=config, device="cpu", env_vars=rank_env_vars(1), model_dir=model_dir,
                           ref_model_dir=ref_dir, worker_class=_probing_worker_class())
     try:
         actor.initialize()
@@ -81,27 +82,25 @@ def cluster(tmp_path_factory):
 
 
 def _probing_worker_class():
-    """The production worker plus `rollout_probe` (sample with vLLM's current weights, no switch), which
-    shows what a weight round trip did to them. Shipped to the Ray workers by value: they cannot import
+    """The production worker plus `rollout_probe` (sample with vLLM's current weights: no phase, so no push),
+    which shows what a weight round trip did to them. Shipped to the Ray workers by value: they cannot import
     this test module."""
     import sys
 
     from ray import cloudpickle
 
-    from mindspeed_rl.memory.roles import ACTOR_INFER, offloaded_rpc
     from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorkerBase
 
     class ProbingWorker(ActorHybridWorkerBase):
-        @offloaded_rpc("rollout_probe", ACTOR_INFER)
         def rollout_probe(self, prompt_token_ids: list[list[int]], seed: int) -> tuple[list, dict[str, float]]:
             sampling = self.config.generate_config.sampling_config
-            self.inference_model.rebuild_kv_cache()
+            self.sharding_manager.reload_states(["inference_weights", "kv_cache"])  # whatever weights they hold
             generations = self.inference_model.generate(prompt_token_ids, n=2, max_tokens=sampling.max_tokens,
                                                         temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=seed)
             return [(g.token_ids, g.logprobs) for g in generations], {}
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    return ray.remote(ProbingWorker)
+    return ProbingWorker
 
 
 def _resident(actor) -> list[dict[str, int]]:
@@ -110,7 +109,7 @@ def _resident(actor) -> list[dict[str, int]]:
 
 def _probe(actor, prompt_batch) -> list:
     """Each rank's vLLM samples (token ids, log-probs) with its current weights, seed 5, states kept."""
-    results = actor.call("rollout_probe", [p.token_ids for p in prompt_batch], 5, meta_info={"is_offload_states": False})
+    results = actor.call("rollout_probe", [p.token_ids for p in prompt_batch], 5)
     return [samples for samples, _ in results]
 
 
@@ -138,7 +137,8 @@ def test_roll_offload_control_on_the_hybrid_worker(cluster):
     assert all(metrics[f"timing/ref_logprob/{s}"] >= 0 for s in ("onload", "execute", "offload", "total"))
     assert all(sum(r.values()) == 0 for r in _resident(actor))
 
-    # is_offload_states=False: the train params stay for the update that follows.
+    # is_offload_states=False: the states stay (here only what the table keeps anyway: the train params, for
+    # the update that follows).
     batch.meta_info["is_offload_states"] = False
     batch.columns["old_logprobs"], metrics = forward_logprobs(actor, "compute_log_prob", batch)
     del batch.meta_info["is_offload_states"]
@@ -157,13 +157,12 @@ def test_roll_offload_control_on_the_hybrid_worker(cluster):
 
     # The automatic path dropped vLLM's weights: reloaded by hand they are zeros, so vLLM samples uniformly.
     actor.reload_states(["inference_weights"])
-    keep = {"is_offload_states": False}
     probe = _probe(actor, prompt_batch)[0]
     logprobs = [lp for _, lps in probe for lp in lps]
     assert max(abs(lp + math.log(config.synthetic_data.vocab_size)) for lp in logprobs) < 1e-4
 
     # Manual round trip: real weights on vLLM (a generate call that keeps them), offload all, reload all.
-    actor.call("generate_sequences", [p.token_ids for p in prompt_batch], meta_info=keep)
+    actor.call("generate_sequences", [p.token_ids for p in prompt_batch], meta_info={"is_offload_states": False})
     before = _probe(actor, prompt_batch)
     offloaded = actor.offload_states()
     assert all(sum(r.values()) == 0 for r in _resident(actor))

@@ -32,6 +32,19 @@ def test_a_fault_spec_names_method_rank_call_and_action():
             FaultSpec.parse(bad)
 
 
+def test_a_fault_spec_with_a_role_wraps_only_that_groups_worker_class():
+    from mindspeed_rl.workers.actor_hybrid_worker import InferWorkerBase, TrainWorkerBase
+    from mindspeed_rl.workers.fault_injection import worker_class_with_faults
+
+    spec = "actor_infer/sync_weights:0:2:kill"
+    assert FaultSpec.parse(spec) == FaultSpec(method="sync_weights", rank=0, call=2, action="kill", role="actor_infer")
+    assert worker_class_with_faults(spec, TrainWorkerBase) is TrainWorkerBase
+    faulty = worker_class_with_faults(spec, InferWorkerBase)
+    assert issubclass(faulty, InferWorkerBase) and faulty.sync_weights is not InferWorkerBase.sync_weights
+    assert worker_class_with_faults("sync_weights:0:2:kill", TrainWorkerBase) is not TrainWorkerBase
+    assert worker_class_with_faults(None, TrainWorkerBase) is TrainWorkerBase
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")

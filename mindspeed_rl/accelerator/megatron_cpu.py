@@ -1,4 +1,4 @@
-"""Megatron-core on CPU: the patches measured in shared/reference/megatron_cpu_recipe.md.
+"""Megatron-core on CPU: the patches megatron-core 0.16 needs there, each found by running it on CPU.
 
 Megatron-core 0.16 assumes CUDA in its RNG tracker, its device lookups and a few factory calls.
 Each patch below carries the reason it exists. The RNG tracker is Megatron-internal state and is

@@ -546,14 +546,7 @@ def build_resource_plan(*, actor_train: Optional[RoleResourceConfig], actor_infe
     for name, section in rewards.items():
         roles.append(section.resources(f"rewards.{name}", actor_devices=roles[0].devices, actor_source=roles[0].source))
     if num_gpus_per_node:
-        for role in roles:
-            for index, devices in enumerate(role.worker_devices()):
-                nodes = sorted({device // num_gpus_per_node for device in devices})
-                if len(nodes) > 1:
-                    raise ConfigError(f"{role.key}.device_mapping",
-                                      f"worker {index} spans nodes {nodes}: its devices {format_devices(devices)} "
-                                      f"cross a node boundary (num_gpus_per_node={num_gpus_per_node}); a worker's "
-                                      "devices must be on one node")
+        _check_workers_within_nodes(roles, num_gpus_per_node)
     train, infer = roles[0], roles[1]
     shared = sorted(set(train.devices) & set(infer.devices))
     if not use_integrated_worker and shared:
@@ -563,6 +556,17 @@ def build_resource_plan(*, actor_train: Optional[RoleResourceConfig], actor_infe
                           "the mappings disjoint, or set it true to colocate them")
     return ResourcePlan(roles=tuple(roles), mode=COLOCATED if shared else DISAGGREGATED,
                         num_gpus_per_node=num_gpus_per_node)
+
+
+def _check_workers_within_nodes(roles: list[RoleResources], num_gpus_per_node: int) -> None:
+    for role in roles:
+        for index, devices in enumerate(role.worker_devices()):
+            nodes = sorted({device // num_gpus_per_node for device in devices})
+            if len(nodes) > 1:
+                raise ConfigError(f"{role.key}.device_mapping",
+                                  f"worker {index} spans nodes {nodes}: its devices {format_devices(devices)} "
+                                  f"cross a node boundary (num_gpus_per_node={num_gpus_per_node}); a worker's "
+                                  "devices must be on one node")
 
 
 def check_supported(plan: ResourcePlan, rewards: Mapping[str, RewardResources]) -> None:

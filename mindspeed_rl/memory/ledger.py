@@ -17,11 +17,12 @@ from typing import Callable
 import torch
 
 from mindspeed_rl.accelerator import Accelerator
+from mindspeed_rl.memory.residency import RECORDED_PHASES, STATE_GROUPS
 
-CATEGORIES = ("train_params", "train_grads", "optimizer_states", "inference_weights", "kv_cache",
-              "reference_params", "reward_params", "activations")
-# `reward` is recorded only by a run with a reward model (rewards.<name>.model_path).
-PHASES = ("generate", "reward", "ref_logprob", "old_logprob", "update")
+ACTIVATIONS = "activations"
+CATEGORIES = STATE_GROUPS + (ACTIVATIONS,)
+# The phases recorded while they run, the residency table's (`reward` only with a reward model).
+PHASES = RECORDED_PHASES
 
 logger = logging.getLogger(__name__)
 

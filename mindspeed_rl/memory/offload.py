@@ -129,10 +129,6 @@ class StorageGroup:
         self.resident = True
         return copied
 
-    def mirror_bytes(self) -> int:
-        """Host bytes held by mirrors (allocated once, kept for the next offload)."""
-        return sum(slot.mirror.numel() for slot in self.slots.values() if slot.mirror is not None)
-
 
 class Offloader:
     """The named states of one rank; offloads and reloads them and counts the bytes it copies."""

@@ -1,12 +1,15 @@
-"""The one residency policy: which state groups are on the device in each phase of an iteration.
+"""The one residency table: which state groups are on the device in each phase of an iteration.
 
-The switch (`ShardingManager.enter`) moves exactly the difference between what is resident and what
-the next phase's row says; ROLL's per-RPC reload/offload and the planner (`cli/plan.py`) read the
-same table, so what the engine does and what the planner predicts cannot drift apart.
+`ShardingManager.enter(phase)` (workers/sharding_manager.py) is the only code that moves states, and it
+moves exactly the difference between what is resident and the phase's row. ROLL's per-call automatic
+offload, the memory ledger's phases, the timeline and the planner (`cli/plan.py`) read the same table,
+so what the engine does and what the planner predicts cannot drift apart.
 
 A phase's row is what the phase needs, plus the train states that MindSpeed-RL's
 `generate_config.offload_train_*` flags keep on the device: a flag set to false pins that state in
 every phase (it never moves, so the switch is cheaper and the device fuller), not only in generate.
+When a phase's call returns, what the next phase of the iteration needs too stays (`after`): the train
+params go from old_logprob straight into update; everything else leaves.
 """
 from __future__ import annotations
 
@@ -18,18 +21,32 @@ REWARD_PARAMS = "reward_params"  # a reward model's params (rewards.<name>.model
 INFER_WEIGHTS, KV_CACHE = "inference_weights", "kv_cache"
 STATE_GROUPS = (TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS, INFER_WEIGHTS, KV_CACHE)
 
-# In the order an iteration runs them; `idle` is between RPCs (after initialize, after an iteration).
-# `reward` scores the responses with the reward model; a run without one never enters it.
-PHASES = ("idle", "generate", "reward", "ref_logprob", "old_logprob", "update")
+IDLE, SWITCH, GENERATE, REWARD = "idle", "switch", "generate", "reward"
+REF_LOGPROB, OLD_LOGPROB, UPDATE = "ref_logprob", "old_logprob", "update"
+# Every phase, in the order an iteration enters them: `idle` is between calls (after initialize, after
+# an iteration); `switch` is the weight push, entered on the way into `generate`; `reward` scores the
+# responses with the reward model (a run without one never enters it).
+PHASES = (IDLE, SWITCH, GENERATE, REWARD, REF_LOGPROB, OLD_LOGPROB, UPDATE)
+# The phases that run a model; the ledger records each while it runs (`memory/<phase>/...`).
+RECORDED_PHASES = tuple(phase for phase in PHASES if phase not in (IDLE, SWITCH))
 
 _NEEDS = {
-    "idle": frozenset(),
-    "generate": frozenset({INFER_WEIGHTS, KV_CACHE}),
-    "reward": frozenset({REWARD_PARAMS}),
-    "ref_logprob": frozenset({REF_PARAMS}),
-    "old_logprob": frozenset({TRAIN_PARAMS}),
-    "update": frozenset({TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER}),
+    IDLE: frozenset(),
+    GENERATE: frozenset({INFER_WEIGHTS, KV_CACHE}),
+    REWARD: frozenset({REWARD_PARAMS}),
+    REF_LOGPROB: frozenset({REF_PARAMS}),
+    OLD_LOGPROB: frozenset({TRAIN_PARAMS}),
+    UPDATE: frozenset({TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER}),
 }
+# The push reads the weights the actor's forward runs on and writes generate's weights; the KV cache
+# comes after it, once the train params have left, so the cache and the train params never peak together.
+_NEEDS[SWITCH] = _NEEDS[OLD_LOGPROB] | (_NEEDS[GENERATE] - {KV_CACHE})
+
+# A phase change does not copy these out: every push overwrites the inference weights. (Grads and the KV
+# cache are dropped whenever they leave, by their registration.) ROLL's manual offload_states keeps them.
+DROPPED_ON_PHASE_CHANGE = frozenset({INFER_WEIGHTS})
+# Reloaded after every other move of a row, so it takes the memory the leaving states gave back.
+RELOADED_LAST = KV_CACHE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,21 +56,53 @@ class ResidencyPolicy:
     offload_train_optimizer: bool = True
     has_reference: bool = True
     has_reward_model: bool = False
+    # False on the inference ranks of a disaggregated actor: their devices hold nothing else.
+    offload_inference: bool = True
 
     @property
     def pinned(self) -> frozenset[str]:
-        """Train states the flags keep on the device in every phase."""
+        """States kept on the device in every phase: train states by the flags, inference states by
+        `offload_inference`."""
         flags = ((TRAIN_PARAMS, self.offload_train_param), (TRAIN_GRADS, self.offload_train_grad),
-                 (TRAIN_OPTIMIZER, self.offload_train_optimizer))
+                 (TRAIN_OPTIMIZER, self.offload_train_optimizer), (INFER_WEIGHTS, self.offload_inference),
+                 (KV_CACHE, self.offload_inference))
         return frozenset(state for state, offload in flags if not offload)
+
+    def phases(self) -> tuple[str, ...]:
+        """The phases this run enters, in order (`reward` only with a reward model)."""
+        return tuple(p for p in PHASES if p != REWARD or self.has_reward_model)
+
+    def recorded_phases(self) -> tuple[str, ...]:
+        """The phases the ledger records in this run, in order."""
+        return tuple(p for p in self.phases() if p in RECORDED_PHASES)
 
     def resident(self, phase: str) -> frozenset[str]:
         if phase not in _NEEDS:
             raise ValueError(f"unknown phase {phase!r}; phases are {PHASES}")
-        states = _NEEDS[phase] | self.pinned
-        absent = ({REF_PARAMS} if not self.has_reference else set()) | ({REWARD_PARAMS} if not self.has_reward_model
-                                                                        else set())
-        return states - absent
+        absent = ({REF_PARAMS} if not self.has_reference else set()) | (
+            {REWARD_PARAMS} if not self.has_reward_model else set())
+        return (_NEEDS[phase] | self.pinned) - absent
+
+    def after(self, phase: str) -> frozenset[str]:
+        """What stays on the device when `phase`'s call returns (ROLL's automatic offload): the pinned
+        states and those the iteration's next phase needs too."""
+        order = self.phases()
+        following = order[(order.index(phase) + 1) % len(order)] if phase in order else IDLE
+        return self.resident(IDLE) | (self.resident(phase) & self.resident(following))
 
     def table(self) -> dict[str, frozenset[str]]:
         return {phase: self.resident(phase) for phase in PHASES}
+
+    def iteration(self) -> list[tuple[str, frozenset[str]]]:
+        """The rows one colocated iteration passes through, in order and cyclic (the last leads into the
+        first of the next iteration): each phase, then what stays when its call returns (named `idle` where
+        that is the idle row). The switch and generate are one call, so nothing is left between them."""
+        rows = []
+        for phase in self.phases():
+            if phase == IDLE:
+                continue
+            rows.append((phase, self.resident(phase)))
+            rest = self.after(phase)
+            if phase != SWITCH and rest != self.resident(phase):
+                rows.append((IDLE if rest == self.resident(IDLE) else f"after_{phase}", rest))
+        return rows

@@ -1,7 +1,7 @@
 """Qwen2 / Qwen2.5 dense (and the attention/embedding part of Qwen3-MoE): HF config -> Megatron
 TransformerConfig, and HF <-> Megatron weights. The MoE MLP lives in `models/qwen3_moe.py`.
 
-Megatron's layouts (measured in shared/reference/megatron_cpu_recipe.md, Q5):
+Megatron's layouts (checked against live shards by tests/test_megatron_layouts_multiprocess.py):
 - `linear_qkv` interleaves per query group: [q_g0, k_g0, v_g0, q_g1, ...]; TP takes whole groups.
 - `linear_fc1` is [gate_r; up_r] per TP shard, so the TP=1 tensor [gate; up] cannot be chunked naively.
 - embedding and output layer are vocab-parallel (rows); `linear_proj`/`linear_fc2` split columns.

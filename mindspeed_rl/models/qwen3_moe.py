@@ -28,7 +28,7 @@ def moe_config_fields(spec, *, ep: int, tp: int) -> dict:
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         moe_router_pre_softmax=not spec.norm_topk_prob,
         moe_grouped_gemm=False,  # SequentialMLP: plain per-expert linears, no grouped-GEMM kernel on CPU
-        # gloo cannot all-gather tensors of different sizes (megatron_cpu_recipe.md, Q1), which the
+        # gloo cannot all-gather tensors of different sizes, which the
         # alltoall dispatcher does with ETP > 1; allgather works at any ETP.
         moe_token_dispatcher_type="allgather",
         moe_router_load_balancing_type="none",  # RL fine-tuning: no auxiliary loss in the objective

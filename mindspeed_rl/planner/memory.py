@@ -26,8 +26,9 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from mindspeed_rl.memory.residency import (INFER_WEIGHTS, KV_CACHE, PHASES, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS,
-                                           TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS, ResidencyPolicy)
+from mindspeed_rl.memory.ledger import ACTIVATIONS
+from mindspeed_rl.memory.residency import (INFER_WEIGHTS, KV_CACHE, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS, SWITCH,
+                                           TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
 from mindspeed_rl.planner.arch import Architecture
 from mindspeed_rl.planner.params import (reward_model_bytes, stage_layers, stage_train_bytes, vllm_numel,
                                          vllm_stage_layers)
@@ -35,13 +36,6 @@ from mindspeed_rl.planner.params import (reward_model_bytes, stage_layers, stage
 if TYPE_CHECKING:
     from mindspeed_rl.resharding.plan import InferLayout
 
-ACTIVATIONS = "activations"
-CATEGORIES = STATE_GROUPS + (ACTIVATIONS,)
-# The ledger's phases (memory/ledger.py), which metrics.jsonl carries; the planner adds idle and the switch.
-LEDGER_PHASES = ("generate", "ref_logprob", "old_logprob", "update")
-REWARD_PHASE = "reward"  # a ledger and table phase only with a reward model (MemoryPlan.ledger_phases)
-SWITCH = "switch"  # the push into vLLM: train params and inference weights at once, plus staging buffers
-TABLE_PHASES = tuple(p for p in PHASES[:1] + (SWITCH,) + PHASES[1:] if p != REWARD_PHASE)
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 GIB = 1 << 30
 
@@ -182,13 +176,11 @@ class RankBytes:
     switch_staging: int = 0
 
     def phase(self, policy: ResidencyPolicy, phase: str) -> dict[str, int]:
-        """Bytes per category on this rank in `phase` (0 for what is not resident)."""
-        if phase == SWITCH:
-            resident = policy.pinned | {TRAIN_PARAMS, INFER_WEIGHTS}
-        else:
-            resident = policy.resident(phase)
+        """Bytes per category on this rank in `phase` (0 for what is not resident); the switch adds the
+        push's staging buffers."""
+        resident = policy.resident(phase)
         out = {c: (self.states[c] if c in resident else 0) for c in STATE_GROUPS}
-        out[ACTIVATIONS] = self.states[ACTIVATIONS] if phase == "update" else 0
+        out[ACTIVATIONS] = self.states[ACTIVATIONS] if phase == UPDATE else 0
         if phase == SWITCH:
             out["switch_staging"] = self.switch_staging
         return out
@@ -243,18 +235,13 @@ class MemoryPlan:
 
     @property
     def ledger_phases(self) -> tuple[str, ...]:
-        """The phases the run's ledger records: LEDGER_PHASES, and `reward` after generate with a reward model."""
-        if not self.inputs.policy.has_reward_model:
-            return LEDGER_PHASES
-        return LEDGER_PHASES[:1] + (REWARD_PHASE,) + LEDGER_PHASES[1:]
+        """The phases the run's ledger records (metrics.jsonl), the residency table's."""
+        return self.inputs.policy.recorded_phases()
 
     @property
     def table_phases(self) -> tuple[str, ...]:
-        """TABLE_PHASES, with `reward` after generate when there is a reward model."""
-        if not self.inputs.policy.has_reward_model:
-            return TABLE_PHASES
-        at = TABLE_PHASES.index("generate") + 1
-        return TABLE_PHASES[:at] + (REWARD_PHASE,) + TABLE_PHASES[at:]
+        """Every phase the run enters, idle and the switch included."""
+        return self.inputs.policy.phases()
 
     def table(self, phases: tuple[str, ...] | None = None) -> dict[str, dict[str, int]]:
         """phase -> category -> bytes: the largest rank of each category (as the ledger's metrics)."""
@@ -312,7 +299,7 @@ class MemoryPlan:
         table, totals = self.table(phases), self.totals(phases)
         for phase in phases:
             for category, value in table[phase].items():
-                if category == ACTIVATIONS and phase != "update":
+                if category == ACTIVATIONS and phase != UPDATE:
                     continue
                 if category == REWARD_PARAMS and not self.inputs.policy.has_reward_model:
                     continue  # the ledger of a run without a reward model has no such category

@@ -6,11 +6,12 @@ inference dtype (every range travels in the dtype of the vLLM parameter it lands
 the transfer's two staging buffers, min(received, bucket) + min(sent, bucket), which is what the engine
 reports as `resharding/peak_extra_bytes`.
 
-The host <-> device moves of an iteration follow the residency policy through the trainer's call order
-(ROLL's automatic mode: every RPC offloads its states afterwards, except that the train params stay from
-old_logprob into update): states that keep their contents are copied (train params, optimizer states,
-reference params), grads are dropped and come back as zeros, vLLM's weights are dropped after generating
-and refilled by the push, the KV cache is released and rebuilt empty.
+The host <-> device moves of an iteration are the differences between consecutive rows of the residency
+table as the engine enters them (`ResidencyPolicy.iteration`: each phase, then what stays when its call
+returns; the train params stay from old_logprob into update): states that keep their contents are copied
+(train params, optimizer states, reference and reward params), grads are dropped and come back as zeros,
+vLLM's weights are dropped after generating and refilled by the push, the KV cache is released and rebuilt
+empty.
 """
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ from dataclasses import dataclass
 from mindspeed_rl.memory.residency import REF_PARAMS, REWARD_PARAMS, TRAIN_OPTIMIZER, TRAIN_PARAMS
 from mindspeed_rl.planner.memory import DTYPE_BYTES, PlanInputs
 
-# The trainer's order of residency rows in one iteration (grpo_trainer.train + the RPCs' automatic offload).
-ITERATION = ("generate", "idle", "ref_logprob", "idle", "old_logprob", "update", "idle")
 COPIED = (TRAIN_PARAMS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS)  # groups whose contents cross host <-> device
 
 
@@ -84,15 +83,10 @@ class Move:
 
 def iteration_moves(inputs: PlanInputs, states: dict[str, int]) -> list[Move]:
     """`states`: one rank's bytes per state group."""
-    policy, moves = inputs.policy, []
-    # A reward model scores the samples right after generate (the trainer's order).
-    iteration = ITERATION[:2] + ("reward", "idle") + ITERATION[2:] if policy.has_reward_model else ITERATION
-    for before, after in zip(iteration, iteration[1:] + iteration[:1]):
-        was, will = policy.resident(before), policy.resident(after)
+    rows = inputs.policy.iteration()
+    moves = []
+    for (before, was), (after, will) in zip(rows, rows[1:] + rows[:1]):
         onload = sum(states[g] for g in COPIED if g in will and g not in was)
         offload = sum(states[g] for g in COPIED if g in was and g not in will)
-        if before == "idle" and after == "generate":
-            onload += states[TRAIN_PARAMS] if TRAIN_PARAMS not in was else 0  # the push reads them
-            offload += states[TRAIN_PARAMS] if TRAIN_PARAMS not in policy.pinned else 0
         moves.append(Move(before, after, onload, offload))
     return moves

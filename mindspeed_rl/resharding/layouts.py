@@ -6,7 +6,7 @@ tensor. Everything not covered by a segment is padding (vLLM pads the vocabulary
 of 64). Both layouts are pure functions of the model spec and the parallel sizes, which is what
 lets the resharding plan be computed without touching a tensor.
 
-Megatron (megatron_cpu_recipe.md, Q5): `linear_qkv` interleaves [q_g, k_g, v_g] per query group
+Megatron (checked against live shards by tests/test_megatron_layouts_multiprocess.py): `linear_qkv` interleaves [q_g, k_g, v_g] per query group
 and TP takes whole groups; `linear_fc1` is [gate_r; up_r]; embedding/output rows and
 `linear_proj`/`linear_fc2` columns are split evenly. vLLM: `qkv_proj` is [q_r; k_r; v_r] with KV
 heads replicated when infer TP > KV heads; `gate_up_proj` is [gate_r; up_r]; vocab rows are split

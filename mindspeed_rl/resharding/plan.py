@@ -84,9 +84,6 @@ class Plan:
     def copies_to(self, rank: int) -> list[Copy]:
         return [c for c in self.copies if c.dst_rank == rank]
 
-    def copies_from(self, rank: int) -> list[Copy]:
-        return [c for c in self.copies if c.src_rank == rank]
-
     def received_numel(self, rank: int) -> int:
         return sum(c.numel for c in self.copies if c.dst_rank == rank and c.src_rank != rank)
 

@@ -6,7 +6,7 @@ __all__ = ["run_grpo"]
 
 def __getattr__(name: str):
     if name == "run_grpo":
-        from mindspeed_rl.trainer.grpo_trainer import run_grpo
+        from mindspeed_rl.trainer.run import run_grpo
 
         return run_grpo
     raise AttributeError(name)

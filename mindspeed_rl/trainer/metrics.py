@@ -1,10 +1,12 @@
 """Per-iteration metrics under MindSpeed-RL's names, computed from the batch and the phase timings.
 
-Pure functions of tensors and floats: the loop collects, these name and derive.
+Pure functions of the batch, tensors and floats: the loop collects, these name, derive and print.
 """
 from __future__ import annotations
 
 import torch
+
+from mindspeed_rl.memory.residency import RECORDED_PHASES
 
 # MindSpeed-RL's timing names, each made of the phases our workers time (ROLL's per-RPC timings).
 RESHARDING_TO_INFER_PARTS = ("timing/resharding_enter_infer", "timing/resharding_exit_infer")
@@ -59,3 +61,39 @@ def rollout_mismatch(rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     tokens = response_mask.sum().clamp(min=1)
     return {"rollout/logprob_max_abs_diff": diff.max().item(),
             "rollout/logprob_mean_abs_diff": (diff.sum() / tokens).item()}
+
+
+def iteration_metrics(config, batch, phase_metrics: dict, rewards, accuracy_value: float) -> dict:
+    """Everything derived from the iteration's batch, rewards and phase timings."""
+    response_lengths, prompt_lengths = batch.response_mask.sum(1).long(), batch.prompt_lengths
+    metrics = reward_metrics(rewards.total, rewards.per_verifier, accuracy_value)
+    metrics |= length_stats("response_length", response_lengths) | length_stats("prompt_length", prompt_lengths)
+    metrics |= rollout_mismatch(batch.columns["rollout_logprobs"], batch.columns["old_logprobs"], batch.response_mask)
+    metrics |= phase_timings(phase_metrics)
+    metrics |= throughput(prompt_lengths=prompt_lengths, response_lengths=response_lengths,
+                          world_size=config.num_rank_processes, seconds_all=phase_metrics["timing/all"],
+                          seconds_rollout=phase_metrics.get("timing/rollout", 0.0),
+                          seconds_update=metrics["timing/update"],
+                          use_max_lengths=config.rl_config.log_max_throughput)
+    if "actor/grad_norm" in phase_metrics:
+        metrics["grad_norm"] = phase_metrics["actor/grad_norm"]
+    return metrics
+
+
+def format_line(m: dict) -> str:
+    phases = ("rollout", "resharding_to_infer", "update")
+    seconds = " ".join(f"{p}={m.get('timing/' + p, 0.0):.2f}s" for p in phases)
+    # ROLL's automatic mode moves states around every call; its cost summed over the phases.
+    for stage in ("onload", "offload"):
+        spent = sum(m.get(f"timing/{p}/{stage}", 0.0) for p in RECORDED_PHASES)
+        seconds += f" {stage}={spent:.2f}s"
+    if "timing/resharding_fingerprint" in m:  # what the exact-weights check costs, inside resharding_to_infer
+        seconds += f" fingerprint={m['timing/resharding_fingerprint']:.3f}s"
+    if m.get("rollout/staleness"):
+        seconds += f" stale={m['rollout/staleness']}"
+    memory = " ".join(f"{p}={m[f'memory/{p}/total_bytes'] / 2**20:.0f}MiB"
+                      for p in RECORDED_PHASES if f"memory/{p}/total_bytes" in m)
+    return (f"[iter {m['iteration']:>4}] reward={m['reward/mean']:.3f} acc={m['reward/accuracy']:.3f} "
+            f"kl={m.get('actor/kl_loss', 0.0):.4f} lp_diff={m['rollout/logprob_max_abs_diff']:.1e} "
+            f"resp_len={m['response_length/mean']:.1f} e2e_tps={m['e2e_tps']:.0f} "
+            f"total={m['timing/all']:.2f}s {seconds} | device {memory}")

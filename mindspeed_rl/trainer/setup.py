@@ -1,4 +1,4 @@
-"""Everything the GRPO loop needs before its first iteration: assets, checks, data, Ray.
+"""Everything the GRPO loop needs before its first iteration: assets, checks, Ray, the memory prediction.
 
 Every check that can fail on user input runs here, before any worker starts, and raises a
 ConfigError naming the key or file (the CLI prints one line and exits 2).
@@ -304,3 +304,26 @@ def check_run_dir_metrics(metrics_path: Path, *, resume_iteration: int) -> None:
         raise ConfigError(RUN_DIR_KEY, f"{metrics_path} already has records; resume with "
                                        "actor_config.load=<save dir> actor_config.finetune=false, "
                                        "or choose another run directory")
+
+
+def memory_prediction(config: GRPOConfig, hf_config: dict, device: str | None = None, *, quiet: bool = False):
+    """The planner's MemoryPlan of this run (cli/plan.py), printed as one line per phase; None (said in one
+    line) when the planner cannot size the model."""
+    from mindspeed_rl.accelerator import detect_device
+    from mindspeed_rl.planner.from_config import predict_run
+    from mindspeed_rl.planner.memory import format_bytes
+
+    device = device or (detect_device() if config.runtime.device == "auto" else config.runtime.device)
+    try:
+        plan = predict_run(config, hf_config, device=device)
+    except (ConfigError, ValueError) as error:
+        if not quiet:
+            print(f"[plan] no memory prediction: {error}", flush=True)
+        return None
+    if not quiet:
+        table, totals = plan.table(plan.ledger_phases), plan.totals(plan.ledger_phases)
+        for phase in plan.ledger_phases:
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in table[phase].items() if v)
+            where = f" at {plan.inputs.padded_seq_length} tokens per sequence" if phase == "update" else ""
+            print(f"[plan] {phase}: {format_bytes(totals[phase][1])} per device predicted{where} ({parts})", flush=True)
+    return plan

@@ -1,16 +1,18 @@
-"""Faults on purpose, for the failure tests: `MINDSPEED_RL_INJECT_FAULT=METHOD:RANK:CALL:ACTION`.
+"""Faults on purpose, for the failure tests: `MINDSPEED_RL_INJECT_FAULT=[ROLE/]METHOD:RANK:CALL:ACTION`.
 
 The CALL-th call (1-based) of worker METHOD on rank RANK, before it runs, does ACTION:
   raise  - raises RuntimeError (a bug in a worker)
   kill   - SIGKILLs its own process (a crash, the OOM killer)
   stop   - SIGSTOPs its own process (a hang: the process is alive and does nothing)
   sleep  - sleeps for an hour (a long phase; the test sends Ctrl-C / SIGTERM meanwhile)
+ROLE (`actor_train`, `actor_infer`) picks one group of a disaggregated actor, whose two groups share the
+method names; without it every group's ranks qualify.
 A one-rank run's rank is the driver process itself (workers/local_group.py): `kill` and `stop` hit the
 driver too, which is why the tests of those actions run 2 ranks or set runtime.local_single_rank=false.
 Each action first prints `[fault] rank R: ACTION in METHOD`, and appends it to the file named by
 `MINDSPEED_RL_INJECT_FAULT_LOG` when set: Ray forwards a worker's output to the driver a little later,
 after a driver that fails fast may be gone, so a test watches the file. Unset (the normal case), the
-production worker class is used unchanged.
+rank group factory (workers/start.py) uses the production worker classes unchanged.
 """
 from __future__ import annotations
 
@@ -31,13 +33,16 @@ class FaultSpec:
     rank: int
     call: int
     action: str
+    role: str = ""  # "": any group
 
     @classmethod
     def parse(cls, text: str) -> "FaultSpec":
         parts = text.split(":")
         if len(parts) != 4 or parts[3] not in ACTIONS or not parts[1].isdigit() or not parts[2].isdigit():
-            raise ValueError(f"{FAULT_ENV_VAR}={text!r}: expected METHOD:RANK:CALL:ACTION with ACTION in {ACTIONS}")
-        return cls(method=parts[0], rank=int(parts[1]), call=int(parts[2]), action=parts[3])
+            raise ValueError(f"{FAULT_ENV_VAR}={text!r}: expected [ROLE/]METHOD:RANK:CALL:ACTION with ACTION in "
+                             f"{ACTIONS}")
+        role, _, method = parts[0].rpartition("/")
+        return cls(method=method, rank=int(parts[1]), call=int(parts[2]), action=parts[3], role=role)
 
 
 def inject(spec: FaultSpec, rank: int) -> None:
@@ -58,19 +63,15 @@ def inject(spec: FaultSpec, rank: int) -> None:
         time.sleep(3600)
 
 
-def worker_class_with_faults(text: str | None, base: type | None = None, *, remote: bool = True):
-    """A Ray actor class (a subclass of `base`, by default the hybrid worker) whose METHOD injects the
-    fault, or with remote=False the plain class (a rank in the driver, workers/local_group.py); None
-    when no fault is asked for or `base` has no such method (the other group of a disaggregated actor)."""
+def worker_class_with_faults(text: str | None, base: type) -> type:
+    """`base`, or where a fault is asked for that this class has (its method, its role), a subclass whose
+    METHOD injects it."""
     if not text:
-        return None
-    from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorkerBase
-
-    base = base or ActorHybridWorkerBase
+        return base
     spec = FaultSpec.parse(text)
     original = getattr(base, spec.method, None)
-    if original is None:
-        return None
+    if original is None or spec.role not in ("", getattr(base, "ROLE", "")):
+        return base
 
     @functools.wraps(original)
     def method(self, *args, **kwargs):
@@ -80,9 +81,4 @@ def worker_class_with_faults(text: str | None, base: type | None = None, *, remo
             inject(spec, self.rank_info.rank)
         return original(self, *args, **kwargs)
 
-    faulty = type(f"FaultInjecting{base.__name__}", (base,), {spec.method: method})
-    if not remote:
-        return faulty
-    import ray
-
-    return ray.remote(faulty)
+    return type(f"FaultInjecting{base.__name__}", (base,), {spec.method: method})

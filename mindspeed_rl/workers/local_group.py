@@ -30,19 +30,19 @@ from typing import Any, Callable
 
 import torch
 
-# Imported now: the watchdog removes the segments while the hung thread may hold an import lock.
-from mindspeed_rl.engines.vllm_engine import remove_cpu_shm_segments  # noqa: F401
-from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorkerBase, RankInfo
-from mindspeed_rl.workers.fault_injection import FAULT_ENV_VAR, worker_class_with_faults
-from mindspeed_rl.workers.group import (GRACEFUL_SHUTDOWN_SECONDS, _descendants, _free_port, _mapped_shm_segments,
-                                        _sigkill_ray_workers, remove_shm_segments)
+from mindspeed_rl.workers.actor_group import GRACEFUL_SHUTDOWN_SECONDS, RankGroupBase
+from mindspeed_rl.workers.actor_hybrid_worker import RankInfo
+# Imported now (they import vLLM's segment cleanup): the watchdog removes the segments while the hung thread
+# may hold an import lock.
+from mindspeed_rl.workers.processes import (descendants, free_port, mapped_shm_segments, remove_shm_segments,
+                                            sigkill_rank_processes)
 from mindspeed_rl.workers.reward_workers import cpu_reward_section
 from mindspeed_rl.workers.supervision import (Deadlines, WorkerAddress, WorkerFailure, deadline_text,
                                               describe_local_error)
 
 HUNG_EXIT_CODE = 1  # trainer/stopping.py WORKER_FAILURE_EXIT_CODE
 _WATCH_INTERVAL_SECONDS = 0.5
-# default_env_vars' keys where a value the user set wins (the rest are set, as a Ray rank's runtime_env does).
+# rank_env_vars' keys where a value the user set wins (the rest are set, as a Ray rank's runtime_env does).
 _USER_WINS = ("VLLM_LOGGING_LEVEL", "THP_MEM_ALLOC_ENABLE", "PYTHONWARNINGS")
 
 
@@ -100,24 +100,21 @@ class _Call:
     thread: int
 
 
-class LocalActorGroup:
-    """`RayActorGroup`'s calls, deadlines and endings over one rank object in this process."""
+class LocalActorGroup(RankGroupBase):
+    """`RayActorGroup`'s calls, deadlines and endings over one rank object (of `worker_class`) in this process."""
 
     def __init__(self, *, config, env_vars: dict[str, str], model_dir: str, ref_model_dir: str, threads: int,
-                 on_hang: Callable[[str], None] | None = None, worker_class=None):
+                 worker_class: type, on_hang: Callable[[str], None] | None = None):
         runtime = config.runtime
         prepare_this_process(env_vars, threads)
         self.run_key = ""  # no heartbeats: the watchdog is a thread of this process
         self.deadlines = Deadlines(rpc_timeout_seconds=runtime.rpc_timeout_seconds,
                                    initialize_timeout_seconds=runtime.initialize_timeout_seconds)
-        self.master_port = _free_port()
+        self.master_port = free_port()
         self.shm_segments: set[str] = set()
         self._on_hang = on_hang or (lambda message: print(f"worker failure: {message}", file=sys.stderr, flush=True))
         self._current: _Call | None = None
         self._closed = threading.Event()
-        worker_class = worker_class or ActorHybridWorkerBase
-        worker_class = worker_class_with_faults(os.environ.get(FAULT_ENV_VAR), base=worker_class,
-                                                remote=False) or worker_class
         self.addresses = [WorkerAddress(rank=0, host=socket.gethostname(), pid=os.getpid(), role=worker_class.ROLE)]
         threading.Thread(target=self._watch, name="mindspeed-rl-watchdog", daemon=True).start()
         # run_key "": no heartbeat thread, no Ray.
@@ -135,19 +132,6 @@ class LocalActorGroup:
 
     def wait(self, method: str, refs: list) -> list[Any]:
         return list(refs)
-
-    def initialize(self) -> list[dict[str, float]]:
-        """The rank builds its engines; its shared-memory segments are noted for the cleanup."""
-        metrics = self.call("initialize")
-        self.shm_segments.update(name for names in self.call("shm_segments") for name in names)
-        return metrics
-
-    def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
-                       blocking: bool = True) -> list[Any]:
-        return self.call("offload_states", include, keep_contents, blocking=blocking)
-
-    def reload_states(self, include: list[str] | None = None, *, blocking: bool = True) -> list[Any]:
-        return self.call("reload_states", include, blocking=blocking)
 
     def _guarded(self, method: str, run: Callable[[], Any]) -> Any:
         started = time.monotonic()
@@ -179,26 +163,21 @@ class LocalActorGroup:
                           f"finish within {deadline_text(call.method, call.seconds)}{where}")
         finally:
             with contextlib.suppress(Exception):
-                self.shm_segments.update(_mapped_shm_segments([os.getpid()]))
+                self.shm_segments.update(mapped_shm_segments([os.getpid()]))
                 remove_shm_segments(self.shm_segments, master_port=self.master_port)
             # Python children (Megatron's checkpoint writer starts a multiprocessing Manager) would outlive os._exit.
-            _sigkill_ray_workers(_descendants([os.getpid()]))
+            sigkill_rank_processes(descendants([os.getpid()]))
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
                 sys.stderr.flush()
             os._exit(HUNG_EXIT_CODE)
 
     # -- endings ------------------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """After a successful run: the rank closes its engines, then the cleanup of kill()."""
-        try:
-            self.deadlines.base["shutdown"] = GRACEFUL_SHUTDOWN_SECONDS
-            self._guarded("shutdown", self._close_vllm)
-            self.call("shutdown")
-        except WorkerFailure as failure:
-            print(f"[shutdown] {failure}; tearing the rank down", flush=True)
-        finally:
-            self.kill()
+    def _close_ranks(self) -> None:
+        """The rank closes its engines (vLLM first, see _close_vllm); kill() then cleans up."""
+        self.deadlines.base["shutdown"] = GRACEFUL_SHUTDOWN_SECONDS
+        self._guarded("shutdown", self._close_vllm)
+        self.call("shutdown")
 
     def kill(self) -> None:
         """End the rank from any state it was left in (raised, interrupted): stop watching, close vLLM and
@@ -211,7 +190,7 @@ class LocalActorGroup:
         with contextlib.suppress(Exception):
             if dist.is_initialized():
                 dist.destroy_process_group()
-        self.shm_segments.update(_mapped_shm_segments([os.getpid()]))
+        self.shm_segments.update(mapped_shm_segments([os.getpid()]))
         remove_shm_segments(self.shm_segments, master_port=self.master_port)
 
     def _close_vllm(self) -> None:

@@ -1,173 +1,139 @@
-"""The train <-> infer switch of the hybrid actor, and the one place states move between phases.
+"""The sharding manager: the one place device states move, by the residency table (memory/residency.py).
 
-`enter(phase)` makes the resident state groups equal that phase's row of the residency table
-(memory/residency.py): it offloads what the row leaves out first, then reloads what it needs, so two
-phases' states never peak together. enter_infer_mode reshards the training weights straight into
-vLLM's live parameters (planned transfer, bounded buckets, fingerprint check) and then enters
-`generate` (train states leave per the `offload_train_*` flags, the KV cache is rebuilt last).
+`enter(phase)` makes the resident state groups equal that phase's row: it offloads what the row leaves out
+first, then reloads what it needs (the KV cache last), so two phases' states never peak together. A rank
+that holds both ends of the weight push (colocated) goes into `generate` through the `switch` row, where
+the push (resharding/weight_push.py) writes the training weights into vLLM's live parameters. `leave(phase)`
+keeps what the table says outlives the phase's call (`ResidencyPolicy.after`).
+
+ROLL's manual control is built on the same move: `offload_states` / `reload_states` settle the device on
+the resident set less / plus the named states, and `PhaseStates` is ROLL's strategy object for one phase
+(`state_offload_manager(PhaseStates(manager, phase), ...)` enters the phase, runs the body, leaves it).
+The manager knows no engine: it moves registered states and calls the push.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
+from typing import Iterable
 
-import torch
-
-from mindspeed_rl.engines.megatron_engine import MegatronEngine
-from mindspeed_rl.engines.vllm_engine import VLLMEngine
 from mindspeed_rl.memory.offload import Offloader
-from mindspeed_rl.memory.residency import INFER_WEIGHTS, KV_CACHE, STATE_GROUPS, TRAIN_PARAMS, ResidencyPolicy
-from mindspeed_rl.resharding.fingerprint import verify_transfer
-from mindspeed_rl.resharding.layouts import tensor_view, uncovered_ranges
-from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
-from mindspeed_rl.resharding.transfer import Transfer, destination_dtypes
+from mindspeed_rl.memory.residency import (DROPPED_ON_PHASE_CHANGE, GENERATE, OLD_LOGPROB, RELOADED_LAST, STATE_GROUPS,
+                                           SWITCH, UPDATE, ResidencyPolicy)
+from mindspeed_rl.resharding.weight_push import WeightPush
+
+# MindSpeed-RL's names for the timed parts of the switch (trainer/metrics.py sums them into
+# timing/resharding_to_infer and timing/resharding_to_train).
+_ENTER_TIMINGS = {GENERATE: "timing/resharding_enter_infer", OLD_LOGPROB: "timing/onload_forward",
+                  UPDATE: "timing/onload_train"}
+_LEAVE_TIMINGS = {GENERATE: "timing/resharding_exit_infer"}
 
 
-@dataclass(frozen=True, kw_only=True)
-class SwitchSettings:
-    train: TrainLayout
-    infer: InferLayout
-    rank: int
-    world_size: int
-    bucket_bytes: int
-    check_weights: bool
+@dataclass
+class Moved:
+    """Bytes copied by one settle: host -> device (reloaded) and device -> host (offloaded)."""
+
+    reloaded: int = 0
+    offloaded: int = 0
+
+    def __add__(self, other: "Moved") -> "Moved":
+        return Moved(self.reloaded + other.reloaded, self.offloaded + other.offloaded)
 
 
-class ResidencyManager:
-    """The phases' state moves, on any rank; a disaggregated training rank has only these (no inference
-    engine beside it, but the actor and the reference still take turns on its device)."""
-
-    def __init__(self, *, offloader: Offloader, policy: ResidencyPolicy):
+class ShardingManager:
+    def __init__(self, *, offloader: Offloader, policy: ResidencyPolicy, weight_push: WeightPush | None = None):
         self.offloader = offloader
         self.policy = policy
-        self.timings: dict[str, float] = {}
-
-    def _timed(self, key: str):
-        @contextlib.contextmanager
-        def timer():
-            start = time.perf_counter()
-            yield
-            self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
-        return timer()
+        self.weight_push = weight_push  # set where this rank holds both ends of the push
+        self.metrics: dict[str, float] = {}  # timings and push figures since the last pop_metrics
 
     # -- phases ------------------------------------------------------------------------------------
-    def enter(self, phase: str) -> None:
-        """Resident state groups := the phase's row: offloads first, then reloads (the KV cache last)."""
-        target = self.policy.resident(phase)
-        for name in self._registered():
-            if name not in target and self.offloader.is_resident(name):
-                # Every switch overwrites vLLM's weights: their contents are not worth a copy.
-                self.offloader.offload(name, keep_contents=False if name == INFER_WEIGHTS else None)
-        for name in sorted(target & set(self._registered()), key=lambda n: n == KV_CACHE):
-            self.offloader.reload(name)
+    def enter(self, phase: str) -> Moved:
+        """Resident state groups := the phase's row (through the switch and its push into generate)."""
+        started = time.perf_counter()
+        moved = Moved()
+        if phase == GENERATE and self.weight_push is not None:
+            moved += self._settle(self.policy.resident(SWITCH), phase_change=True)
+            self._add(self.weight_push.push())
+        moved += self._settle(self.policy.resident(phase), phase_change=True)
+        if phase in _ENTER_TIMINGS:
+            self._add({_ENTER_TIMINGS[phase]: time.perf_counter() - started})
+        return moved
+
+    def leave(self, phase: str) -> Moved:
+        """After `phase`'s call: keep what the iteration's next phase needs too, and the pinned states."""
+        started = time.perf_counter()
+        moved = self._settle(self.policy.after(phase), phase_change=True)
+        if phase in _LEAVE_TIMINGS:
+            self._add({_LEAVE_TIMINGS[phase]: time.perf_counter() - started})
+        return moved
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics, self.metrics = self.metrics, {}
+        return metrics
+
+    # -- ROLL's manual control ---------------------------------------------------------------------
+    def offload_states(self, include: Iterable[str] | None = None, *, keep_contents: bool | None = None) -> int:
+        """Move states (default: all) off the device; their contents are kept as registered (grads and the KV
+        cache are dropped unless `keep_contents=True`). Returns the bytes copied."""
+        names = set(self._registered() if include is None else include)
+        return self._settle(self._resident() - names, keep_contents=keep_contents).offloaded
+
+    def reload_states(self, include: Iterable[str] | None = None) -> int:
+        """Bring states (default: all) back to the device. Returns the bytes copied."""
+        names = set(self._registered() if include is None else include)
+        return self._settle(self._resident() | names).reloaded
+
+    # -- the one mover -----------------------------------------------------------------------------
+    def _settle(self, target: Iterable[str], *, phase_change: bool = False, keep_contents: bool | None = None) -> Moved:
+        """Offload every registered state outside `target`, then reload those in it (the KV cache last).
+        A phase change drops what the next push overwrites instead of copying it."""
+        target = set(target)
+        leaving = [name for name in self._registered() if name not in target and self.offloader.is_resident(name)]
+        moved = Moved()
+        for name in leaving:
+            keep = False if phase_change and name in DROPPED_ON_PHASE_CHANGE else keep_contents
+            moved.offloaded += self.offloader.offload(name, keep_contents=keep)
+        if leaving:
+            self.offloader.accelerator.empty_cache()  # what left is free for what comes
+        for name in sorted(target & set(self._registered()), key=lambda n: n == RELOADED_LAST):
+            moved.reloaded += self.offloader.reload(name)
+        return moved
 
     def _registered(self) -> list[str]:
         return [name for name in STATE_GROUPS if name in self.offloader.states]
 
-    # -- infer -> train --------------------------------------------------------------------------
-    def enter_forward_mode(self) -> None:
-        with self._timed("timing/onload_forward"):
-            self.enter("old_logprob")
+    def _resident(self) -> set[str]:
+        return {name for name in self._registered() if self.offloader.is_resident(name)}
 
-    def enter_train_mode(self) -> None:
-        with self._timed("timing/onload_train"):
-            self.enter("update")
-
-    def exit_train_mode(self) -> None:
-        """States stay resident: the next enter_infer_mode pushes weights from them first."""
-
-    @contextlib.contextmanager
-    def train_mode(self):
-        self.enter_train_mode()
-        try:
-            yield
-        finally:
-            self.exit_train_mode()
-
-    def pop_timings(self) -> dict[str, float]:
-        timings, self.timings = self.timings, {}
-        return timings
-
-
-class ShardingManager(ResidencyManager):
-    """The colocated switch: the same ranks hold the training shards and vLLM's live parameters."""
-
-    def __init__(self, *, actor: MegatronEngine, rollout: VLLMEngine, offloader: Offloader, policy: ResidencyPolicy,
-                 switch: SwitchSettings):
-        super().__init__(offloader=offloader, policy=policy)
-        self.actor = actor
-        self.rollout = rollout
-        self.switch = switch
-        self.plan = build_plan(actor.spec, switch.train, switch.infer, switch.world_size)
-        # Megatron's shards mix dtypes (fp32 norms in a bf16 model); the wire carries each range in
-        # its vLLM parameter's dtype, which every rank knows (same inference model everywhere).
-        self.infer_dtypes = all_stage_dtypes(rollout.named_weights(), switch.infer)
-        self.transfer = Transfer(self.plan, rank=switch.rank, bucket_bytes=switch.bucket_bytes,
-                                 dtype=self.infer_dtypes)
-        check_and_clear_padding(self.plan, switch.rank, rollout.named_weights())
-
-    # -- train -> infer --------------------------------------------------------------------------
-    def enter_infer_mode(self) -> None:
-        with self._timed("timing/resharding_enter_infer"):
-            # Both ends of the push must be resident (a no-op when the RPC already reloaded them).
-            self.offloader.reload(TRAIN_PARAMS)
-            self.offloader.reload(INFER_WEIGHTS)
-            self.push_weights()
-            self.enter("generate")
-
-    def exit_infer_mode(self) -> None:
-        with self._timed("timing/resharding_exit_infer"):
-            self.rollout.release_kv_cache()
-
-    @torch.no_grad()
-    def push_weights(self) -> dict[str, float]:
-        """Training shards -> live inference shards, through the plan; verified unless disabled."""
-        sources, destinations = self.actor.named_weights(), self.rollout.named_weights()
-        stats = self.transfer.run(sources, destinations)
-        metrics = stats.as_metrics()
-        if self.switch.check_weights:
-            started = time.perf_counter()
-            metrics["resharding/ranges_verified"] = float(
-                verify_transfer(self.plan, self.switch.rank, sources, destinations, dtypes=self.infer_dtypes))
-            metrics["timing/resharding_fingerprint"] = time.perf_counter() - started
-        self.rollout.mark_weights_loaded()
+    def _add(self, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
-            self.timings[key] = self.timings.get(key, 0.0) + value
-        return metrics
-
-    @contextlib.contextmanager
-    def infer_mode(self):
-        self.enter_infer_mode()
-        try:
-            yield
-        finally:
-            self.exit_infer_mode()
+            self.metrics[key] = self.metrics.get(key, 0.0) + value
 
 
-def all_stage_dtypes(destinations, infer: InferLayout) -> dict:
-    """The wire dtype of every inference parameter. With inference PP a rank holds only its stage's
-    parameters but sends ranges for every stage's, so the stages' names are gathered once (a
-    collective over all ranks, at construction)."""
-    dtypes = destination_dtypes(destinations)
-    if infer.pp == 1:
-        return dtypes
-    import torch.distributed as dist
+class PhaseStates:
+    """ROLL's strategy object for one phase: `reload_states` enters it, `offload_states` leaves it (what
+    the table keeps for the next phase stays). `state_offload_manager` drives it around a call."""
 
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, dtypes)
-    return {name: dtype for stage in gathered for name, dtype in stage.items()}
+    def __init__(self, manager: ShardingManager, phase: str):
+        self.manager, self.phase = manager, phase
+
+    def reload_states(self) -> int:
+        return self.manager.enter(self.phase).reloaded
+
+    def offload_states(self) -> int:
+        return self.manager.leave(self.phase).offloaded
 
 
-def check_and_clear_padding(plan, rank: int, destinations) -> None:
-    """The live vLLM shapes must be the layout's; padding rows never receive data, so zero them once."""
-    for key, local in plan.infer_tensors[rank].items():
-        try:
-            target = tensor_view(destinations, key)
-        except (KeyError, IndexError):
-            raise ValueError(f"vLLM has no parameter {key} that the resharding layout expects") from None
-        if tuple(target.shape) != local.shape:
-            raise ValueError(f"vLLM parameter {key}: live shape {tuple(target.shape)}, "
-                             f"resharding layout expects {local.shape}")
-        for start, length in uncovered_ranges(local):
-            target.narrow(local.dim, start, length).zero_()
+class StateSet:
+    """ROLL's strategy object over named states of one rank (`state_offload_manager(StateSet(manager,
+    names), ...)`): reloads them before the body and offloads them after, through the manager."""
+
+    def __init__(self, manager: ShardingManager, names: Iterable[str]):
+        self.manager, self.names = manager, tuple(names)
+
+    def reload_states(self) -> int:
+        return self.manager.reload_states(self.names)
+
+    def offload_states(self) -> int:
+        return self.manager.offload_states(self.names)

@@ -1,0 +1,179 @@
+"""A whole run: prepare it (every check, the data; no worker), start the actor's ranks, restore a checkpoint,
+train, and end every process whatever happened."""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from mindspeed_rl import interrupts
+from mindspeed_rl.checkpoint.store import discard_unfinished_saves
+from mindspeed_rl.checkpoint.trainer_state import ResumePoint, find_resume_point, resume_actor, truncate_metrics_after
+from mindspeed_rl.config import GRPOConfig
+from mindspeed_rl.data.dataset import PromptDataset, PromptSampler, check_prompt_rows, load_prompt_dataset
+from mindspeed_rl.interrupts import RunInterrupted
+from mindspeed_rl.trainer import setup
+from mindspeed_rl.trainer.grpo_trainer import make_sampler, train
+from mindspeed_rl.trainer.reward_model import resolve_reward_model
+from mindspeed_rl.trainer.stopping import WORKER_FAILURE_EXIT_CODE, RunProgress, RunStopped
+from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics
+from mindspeed_rl.workers.supervision import WorkerFailure
+
+
+def run_grpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
+    """The whole run. Ends with the history, or raises RunStopped (interrupted, a worker failed)
+    after every worker is gone; ConfigError for bad input, before any worker starts."""
+    progress = RunProgress(save_root=config.actor_config.save)
+    with contextlib.ExitStack() as stack:
+        if not interrupts.is_installed():  # the CLI installs them first; a library caller gets them here
+            stack.enter_context(interrupts.stop_signals())
+        try:
+            return _run(config, run_dir, progress)
+        except RunInterrupted as interrupt:
+            raise RunStopped(128 + interrupt.signum, progress.interrupted_line(interrupt.signum)) from None
+        except WorkerFailure as failure:
+            raise RunStopped(WORKER_FAILURE_EXIT_CODE, progress.worker_failure_line(failure)) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreparedRun:
+    """What the checks found and loaded before any worker starts."""
+
+    model_dir: str
+    ref_dir: str
+    tokenizer: object
+    dataset: PromptDataset
+    sampler: PromptSampler
+    resume: ResumePoint | None
+    ref_checkpoint: Path | None
+    device: str
+    prediction: object  # the planner's MemoryPlan, or None
+
+
+def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]:
+    import ray
+
+    from mindspeed_rl.workers.reward_workers import RewardWorkerGroup
+    from mindspeed_rl.workers.start import start_actor_group
+
+    run = prepare_run(config, run_dir)
+    actor_group, reward_group, completed = None, None, False
+    try:
+        in_process = start_hosts(config, run.device, progress)
+        reward_group = RewardWorkerGroup.from_config(config)  # rewards.<name>.world_size CPU workers, or None
+        progress.phase = "initialize"
+        print(f"[init] starting {config.num_rank_processes} rank(s) on {run.device}: checkpoint load, Megatron "
+              "build, vLLM start", flush=True)
+        actor_group = start_actor_group(config, device=run.device, model_dir=run.model_dir, ref_model_dir=run.ref_dir,
+                                        threads=setup.threads_per_rank(config), in_process=in_process,
+                                        on_hang=_hang_reporter(config, progress))
+        initialize(config, actor_group, run.device)
+        restore(config, run, actor_group, run_dir, progress)
+        history = train(config, actor_group, run.tokenizer, run.dataset, run_dir, sampler=run.sampler,
+                        start_iteration=run.resume.iteration + 1 if run.resume else 1, hf_dir=run.model_dir,
+                        progress=progress, prediction=run.prediction, reward_group=reward_group)
+        completed = True
+        return history
+    finally:
+        # Signals wait until the workers are gone: a second Ctrl-C must not leave them running.
+        with interrupts.deferred():
+            if reward_group is not None:
+                reward_group.kill()
+            if actor_group is not None and completed:
+                actor_group.shutdown()
+            elif actor_group is not None:
+                actor_group.kill()
+            if not completed:
+                discard_unfinished_saves(config.actor_config.save)
+            ray.shutdown()
+
+
+def prepare_run(config: GRPOConfig, run_dir: Path) -> PreparedRun:
+    """Every check that can fail on user input, in the order that fails cheapest first; the data loaded."""
+    from transformers import AutoTokenizer
+
+    from mindspeed_rl.accelerator import detect_device
+
+    mt, ac = config.megatron_training, config.actor_config
+    setup.check_host(config, run_dir)  # a missing device or an unwritable run dir fails before any file is read
+    model_dir, ref_dir, data_path = setup.resolve_assets(config)
+    check_prompt_rows(data_path, map_keys=dict(mt.map_keys))  # bad rows fail before any model file is read
+    hf_config = setup.read_hf_config(model_dir)
+    setup.check_against_checkpoint(config, hf_config, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.generate_config.trust_remote_code)
+    setup.check_tokenizer_fits_model(tokenizer, hf_config, model_dir)
+    resolve_reward_model(config, model_dir, len(tokenizer))  # rewards.<name>.model_path, checked before any worker
+    # A partial, corrupt or other-model checkpoint stops here, before any worker starts.
+    resume = find_resume_point(ac.load, finetune=ac.finetune, hf_config=hf_config)
+    ref_checkpoint = setup.reference_checkpoint(config, hf_config)
+    setup.check_run_dir_metrics(run_dir / config.runtime.metrics_file, resume_iteration=resume.iteration if resume else 0)
+    dataset = load_prompt_dataset(data_path, tokenizer=tokenizer, prompt_type=mt.prompt_type, map_keys=dict(mt.map_keys),
+                                  max_prompt_length=config.rl_config.max_prompt_length,
+                                  overlong_prompts=mt.overlong_prompts)
+    sampler = make_sampler(config, dataset)  # a dataset smaller than a batch fails here, not as a hang later
+    print(f"[data] {len(dataset.records)} prompts from {dataset.source} "
+          f"({dataset.num_filtered} longer than rl_config.max_prompt_length={config.rl_config.max_prompt_length} "
+          f"filtered), prompt_type={mt.prompt_type}", flush=True)
+    device = detect_device() if config.runtime.device == "auto" else config.runtime.device
+    setup.check_host_capacity(config, device, os.cpu_count() or 1)
+    print(config.resource_plan.table(device), flush=True)  # device -> roles, colocated or disaggregated
+    return PreparedRun(model_dir=model_dir, ref_dir=ref_dir, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
+                       resume=resume, ref_checkpoint=ref_checkpoint, device=device,
+                       prediction=setup.memory_prediction(config, hf_config, device))  # compared with the ledger
+
+
+def start_hosts(config: GRPOConfig, device: str, progress: RunProgress) -> bool:
+    """Whether the one rank runs in this process; otherwise Ray is started (or joined) for the ranks."""
+    from mindspeed_rl.workers.local_group import check_local_devices, reason_for_ray
+
+    ray_reason = reason_for_ray(config)  # None: one rank process, run in this one (runtime.local_single_rank)
+    if ray_reason is None:
+        print("[init] one rank: running it in this process (no Ray; runtime.local_single_rank=false uses Ray)",
+              flush=True)
+        check_local_devices(config, device)
+        return True
+    print(f"[init] Ray runs the rank processes ({ray_reason})", flush=True)
+    progress.phase = "Ray start"
+    with interrupts.shielded():
+        setup.start_ray(config, device, setup.threads_per_rank(config))
+    interrupts.install()
+    config.resource_plan.check_ray_cluster(device)
+    return False
+
+
+def initialize(config: GRPOConfig, actor_group: ActorGroup, device: str) -> None:
+    for address in actor_group.addresses:
+        print(f"[init] {address.describe()}", flush=True)
+    init_metrics = merge_metrics(actor_group.initialize())
+    print(f"[init] ranks={config.num_rank_processes} device={device} {init_metrics['timing/initialize']:.1f}s",
+          flush=True)
+
+
+def restore(config: GRPOConfig, run: PreparedRun, actor_group: ActorGroup, run_dir: Path,
+            progress: RunProgress) -> None:
+    """The checkpoint the run resumes from or starts with, and the reference model's own, if any."""
+    ac = config.actor_config
+    if run.resume is not None:
+        progress.phase = "checkpoint load"
+        resume_actor(actor_group, run.resume, finetune=ac.finetune, no_load_optim=ac.no_load_optim,
+                     no_load_rng=ac.no_load_rng)
+        progress.last_checkpoint = str(run.resume.path)
+        if run.resume.iteration:
+            run.sampler.load_state_dict(run.resume.state["sampler"])
+            truncate_metrics_after(run_dir / config.runtime.metrics_file, run.resume.iteration)
+        print(f"[checkpoint] loaded {run.resume.path} ({'weights only' if ac.finetune else 'resuming'} "
+              f"after iteration {run.resume.iteration})", flush=True)
+    if run.ref_checkpoint is not None:
+        actor_group.call("load_reference_checkpoint", str(run.ref_checkpoint))
+        print(f"[checkpoint] reference model loaded from {run.ref_checkpoint}", flush=True)
+
+
+def _hang_reporter(config: GRPOConfig, progress: RunProgress):
+    """What the in-process rank's watchdog does before it ends the process: the run's one failure line,
+    and no half-written checkpoint left looking like one (the `finally` of _run never runs)."""
+    def report(message: str) -> None:
+        print(progress.worker_failure_line(message), file=sys.stderr, flush=True)
+        discard_unfinished_saves(config.actor_config.save)
+    return report

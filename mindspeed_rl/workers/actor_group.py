@@ -1,0 +1,103 @@
+"""The rank group: what the driver holds of the actor's ranks, one protocol for every placement.
+
+* `LocalActorGroup` (workers/local_group.py): one rank, in the driver's own process, no Ray;
+* `RayActorGroup` (workers/group.py): the ranks as Ray actors, packed on one set of devices (colocated);
+* `DisaggregatedActor` (workers/disaggregated.py): a training group and an inference group of their own.
+
+The trainer sees only `ActorGroup`: SPMD calls, a rollout that can run in the background, ROLL's
+cluster-level state control and the two endings. `workers/start.py` builds the right one.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from mindspeed_rl.workers.supervision import WorkerAddress, WorkerFailure
+
+GRACEFUL_SHUTDOWN_SECONDS = 30.0
+
+
+@runtime_checkable
+class ActorGroup(Protocol):
+    addresses: list[WorkerAddress]
+
+    def initialize(self) -> list[dict[str, float]]:
+        """Every rank builds its engines; returns each rank's metrics."""
+
+    def call(self, method: str, *args: Any, blocking: bool = True, **kwargs: Any) -> list[Any]:
+        """Run `method` on every rank (SPMD): each rank's result, or with blocking=False what `wait` takes."""
+
+    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | None = None) -> None:
+        """Start the rollout of `prompt_token_ids`; it may run while other calls do (disaggregated)."""
+
+    def finish_generate(self) -> list[Any]:
+        """The started rollout's per-rank (Shard, metrics)."""
+
+    def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
+                       blocking: bool = True) -> list[Any]:
+        """ROLL's `actor.offload_states(blocking=True)`, on every rank."""
+
+    def reload_states(self, include: list[str] | None = None, *, blocking: bool = True) -> list[Any]:
+        """ROLL's `actor.reload_states()`, on every rank."""
+
+    def shutdown(self) -> None:
+        """After a successful run: the ranks close their engines, then every process ends."""
+
+    def kill(self) -> None:
+        """End every rank now, whatever it is doing, and remove what the ranks leave behind."""
+
+
+class RankGroupBase:
+    """What the groups share. A subclass gives `call`, `wait`, `kill`; the single-world groups (local, Ray)
+    also `deadlines` and `shm_segments`; a group with more to close than its ranks' `shutdown`, `_close_ranks`."""
+
+    _pending: list | None = None
+
+    def initialize(self) -> list[dict[str, float]]:
+        """Every rank builds its engines; their shared-memory segments are noted for the cleanup."""
+        metrics = self.call("initialize")
+        self.shm_segments.update(name for names in self.call("shm_segments") for name in names)
+        return metrics
+
+    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | None = None) -> None:
+        assert self._pending is None, "a rollout is already running; finish_generate first"
+        self._pending = self.call("generate_sequences", prompt_token_ids, iteration, blocking=False)
+
+    def finish_generate(self) -> list[Any]:
+        assert self._pending is not None, "no rollout was started"
+        refs, self._pending = self._pending, None
+        return self.wait("generate_sequences", refs)
+
+    def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
+                       blocking: bool = True) -> list[Any]:
+        return self.call("offload_states", include, keep_contents, blocking=blocking)
+
+    def reload_states(self, include: list[str] | None = None, *, blocking: bool = True) -> list[Any]:
+        return self.call("reload_states", include, blocking=blocking)
+
+    def shutdown(self) -> None:
+        try:
+            self._close_ranks()
+        except WorkerFailure as failure:
+            print(f"[shutdown] {failure}; ending the ranks", flush=True)
+        finally:
+            self.kill()
+
+    def _close_ranks(self) -> None:
+        self.deadlines.base["shutdown"] = GRACEFUL_SHUTDOWN_SECONDS
+        self.call("shutdown")
+
+
+def merge_shards(shards: list) -> list:
+    """The reporting rank's shard for each sample range, in sample order."""
+    reported = {(s.start, s.stop): s for s in shards if s.value is not None}
+    return [reported[key] for key in sorted(reported)]
+
+
+def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Rank 0's timings; memory figures as the maximum over ranks (the device that runs out first)."""
+    merged = dict(per_rank[0])
+    for metrics in per_rank[1:]:
+        for key, value in metrics.items():
+            if key.startswith("memory/"):
+                merged[key] = max(merged.get(key, 0.0), value)
+    return merged

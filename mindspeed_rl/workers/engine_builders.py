@@ -1,0 +1,149 @@
+"""How a rank builds what it holds from the config: its distributed groups, the Megatron actor and reference,
+the reward model, the vLLM engine, their offloadable states, the residency policy and the layouts of the weight push."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from mindspeed_rl.config import GRPOConfig
+from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+
+
+def init_distributed(accelerator, *, rank: int, world_size: int, config: GRPOConfig, megatron_groups: bool) -> None:
+    """This rank's world; with `megatron_groups` (a training rank) Megatron's groups over it and their RNG.
+    vLLM, under external_launcher, builds its own groups over the world it finds."""
+    import torch.distributed as dist
+
+    runtime, actor_config = config.runtime, config.actor_config
+    dist.init_process_group(accelerator.distributed_backend, rank=rank, world_size=world_size,
+                            timeout=set_collective_timeout(runtime.collective_timeout_seconds))
+    if not megatron_groups:
+        return
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(
+        distributed_timeout_minutes=max(1, round(runtime.collective_timeout_seconds / 60)),
+        tensor_model_parallel_size=actor_config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=actor_config.pipeline_model_parallel_size,
+        expert_model_parallel_size=actor_config.expert_model_parallel_size,
+    )
+    accelerator.seed_model_parallel_rng(config.megatron_training.seed)
+
+
+def set_collective_timeout(seconds: float):
+    """Every process group of this process times out after `seconds`: the world, Megatron's groups
+    (passed explicitly) and vLLM's, which are made without a timeout and so take torch's default."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    timeout = timedelta(seconds=seconds)
+    distributed_c10d.default_pg_timeout = timeout
+    if hasattr(distributed_c10d, "default_pg_nccl_timeout"):
+        distributed_c10d.default_pg_nccl_timeout = timeout
+    return timeout
+
+
+def model_options(config: GRPOConfig, accelerator, *, announce: bool):
+    """The config's model knobs, with the fused kernels this device can run; says once which it cannot."""
+    from mindspeed_rl.accelerator.kernels import KernelRequest
+    from mindspeed_rl.models.qwen2 import ModelOptions
+
+    mt = config.megatron_training
+    kernels = accelerator.resolve_kernels(KernelRequest.from_megatron_training(mt))
+    message = kernels.message(accelerator.name)
+    if message and announce:
+        print(message, flush=True)
+    return ModelOptions(sequence_parallel=mt.sequence_parallel, attention_dropout=mt.attention_dropout,
+                        hidden_dropout=mt.hidden_dropout, attention_softmax_in_fp32=mt.attention_softmax_in_fp32,
+                        kernel_fields=kernels.transformer_fields)
+
+
+def params_dtype(config: GRPOConfig) -> torch.dtype:
+    return torch.bfloat16 if config.megatron_training.bf16 else torch.float32
+
+
+def build_megatron_engines(config: GRPOConfig, accelerator, options, *, model_dir: str, ref_model_dir: str,
+                           progress: Callable[[str], None]):
+    """The actor (with Megatron's optimizer) and the reference, from the HF checkpoints."""
+    from mindspeed_rl.engines.megatron_engine import MegatronEngine
+    from mindspeed_rl.workers.actor_steps import optimizer_settings
+
+    spec, actor_state = load_hf_checkpoint(model_dir)
+    progress("checkpoint read")
+    dtype = params_dtype(config)
+    actor = MegatronEngine(spec=spec, hf_state=actor_state, params_dtype=dtype, accelerator=accelerator,
+                           optimizer=optimizer_settings(config), options=options)
+    ref_state = actor_state if ref_model_dir == model_dir else load_hf_checkpoint(ref_model_dir)[1]
+    reference = MegatronEngine(spec=spec, hf_state=ref_state, params_dtype=dtype, accelerator=accelerator,
+                               optimizer=None, options=options)
+    progress("Megatron actor and reference built")
+    return actor, reference
+
+
+def build_reward_model(config: GRPOConfig, accelerator, options, *, progress: Callable[[str], None]):
+    """The reward model of rewards.<name>.model_path (the driver resolved the path), in the actor's TP/PP
+    layout and dtype; None without one."""
+    if config.reward_model is None:
+        return None
+    from mindspeed_rl.engines.reward_model import RewardModelEngine
+
+    model_dir = config.reward_model[1].model_path
+    spec, state = load_hf_checkpoint(model_dir)
+    engine = RewardModelEngine(spec=spec, hf_state=state, accelerator=accelerator, model_dir=model_dir,
+                               params_dtype=params_dtype(config), options=options)
+    progress("Megatron reward model built")
+    return engine
+
+
+def build_inference_model(config: GRPOConfig, accelerator, *, model_dir: str):
+    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    gen = config.generate_config
+    return VLLMEngine(VLLMEngineConfig(
+        model_dir=model_dir, tensor_parallel_size=gen.infer_tensor_parallel_size,
+        pipeline_parallel_size=gen.infer_pipeline_parallel_size,
+        data_parallel_size=config.infer_data_parallel_size, dtype=gen.dtype,
+        max_model_len=gen.max_model_len, max_num_seqs=gen.max_num_seqs,
+        max_num_batched_tokens=gen.max_num_batched_tokens or gen.max_model_len * gen.max_num_seqs,
+        seed=config.megatron_training.seed, enforce_eager=gen.enforce_eager,
+        gpu_memory_utilization=gen.gpu_memory_utilization, cpu_kvcache_space_gb=gen.cpu_kvcache_space_gb,
+        on_cpu=accelerator.is_host, enable_expert_parallel=gen.infer_expert_parallel_size > 1,
+        trust_remote_code=gen.trust_remote_code,
+    ))
+
+
+def register_training_states(offloader, actor, reference, reward_model) -> None:
+    from mindspeed_rl.memory.megatron_states import register_megatron_states
+
+    register_megatron_states(offloader, actor, reference)
+    if reward_model is not None:
+        from mindspeed_rl.engines.reward_model import register_reward_states
+
+        register_reward_states(offloader, reward_model)
+
+
+def residency_policy(config: GRPOConfig, *, has_reward_model: bool, offload_inference: bool = True):
+    from mindspeed_rl.memory.residency import ResidencyPolicy
+
+    gen = config.generate_config
+    return ResidencyPolicy(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
+                           offload_train_optimizer=gen.offload_train_optimizer, has_reward_model=has_reward_model,
+                           offload_inference=offload_inference)
+
+
+def switch_layouts(config: GRPOConfig):
+    """The training layout the weight push reads and the inference layout it writes."""
+    from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
+
+    actor_config, gen = config.actor_config, config.generate_config
+    train = TrainLayout(tp=actor_config.tensor_model_parallel_size, pp=actor_config.pipeline_model_parallel_size,
+                        ep=actor_config.expert_model_parallel_size)
+    infer = InferLayout(tp=gen.infer_tensor_parallel_size, pp=gen.infer_pipeline_parallel_size,
+                        expert_parallel=gen.infer_expert_parallel_size > 1)
+    return train, infer
+
+
+def bucket_bytes(config: GRPOConfig) -> int:
+    return int(config.generate_config.resharding_bucket_mb * 2**20)

@@ -1,0 +1,71 @@
+"""A worker RPC declares its phase of the residency table, and nothing else (ROLL's automatic mode).
+
+    @phase_rpc("ref_logprob")
+    def compute_ref_log_prob(self, batch): ...
+
+enters the phase before the call (the sharding manager brings exactly the phase's row onto the device)
+and leaves it after (what the next phase of the iteration needs too stays, memory/residency.py `after`).
+Per call, `batch.meta_info["is_offload_states"] = False` (or a `meta_info=` keyword for calls without a
+batch) skips the leave: the states stay on the device until the next call moves them.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+from mindspeed_rl.memory.context_managers import state_offload_manager
+from mindspeed_rl.workers.sharding_manager import PhaseStates
+
+
+def _meta_info(args: tuple, explicit: dict | None) -> dict:
+    info: dict = {}
+    for arg in args:
+        info.update(getattr(arg, "meta_info", None) or {})
+    info.update(explicit or {})
+    return info
+
+
+def _attach(result, metrics: dict[str, float]):
+    """Add `metrics` to an RPC's result: a metrics dict, or a tuple whose last item is one."""
+    if isinstance(result, dict):
+        return {**result, **metrics}
+    if isinstance(result, tuple) and result and isinstance(result[-1], dict):
+        return (*result[:-1], {**result[-1], **metrics})
+    raise TypeError(f"a phase RPC must return metrics or (value, metrics), got {type(result).__name__}")
+
+
+def phase_rpc(phase: str, *, label: str | None = None) -> Callable:
+    """Decorate a worker method (the worker has `sharding_manager` and `ledger`). `label` names the call in
+    its metrics where it is not the phase itself (a checkpoint save runs in the update row).
+
+    Records `timing/<label>/{onload,execute,offload,total}`, the bytes copied each way, the sharding
+    manager's timings and push figures, and the ledger after the call as `memory/after_<label>/...`.
+    """
+    label = label or phase
+
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def rpc(self, *args, meta_info: dict | None = None, **kwargs):
+            is_offload_states = bool(_meta_info(args, meta_info).get("is_offload_states", True))
+            metrics: dict[str, float] = {}
+            with state_offload_manager(PhaseStates(self.sharding_manager, phase), metrics, label,
+                                       is_offload_states=is_offload_states):
+                result = method(self, *args, **kwargs)
+            metrics.update(self.sharding_manager.pop_metrics())
+            metrics.update(self.ledger.record(f"after_{label}").metrics())
+            return _attach(result, metrics)
+        # Ray unwraps methods and checks every call against the signature it finds: show it the
+        # wrapper's own, which accepts `meta_info`.
+        rpc.__signature__ = _with_meta_info(inspect.signature(method))
+        del rpc.__wrapped__
+        rpc.phase = phase
+        return rpc
+    return decorate
+
+
+def _with_meta_info(signature: inspect.Signature) -> inspect.Signature:
+    params = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
+    extra = [p for p in signature.parameters.values() if p.kind == p.VAR_KEYWORD]
+    meta_info = inspect.Parameter("meta_info", inspect.Parameter.KEYWORD_ONLY, default=None)
+    return signature.replace(parameters=[*params, meta_info, *extra])

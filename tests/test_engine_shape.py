@@ -1,0 +1,147 @@
+"""The engine's shape, read from its source: no import cycle (lazy imports included), one mover of device
+states, one rank-group protocol that every group implements, and every worker RPC in a phase of the one table.
+
+Runs where: in the pytest process; reads mindspeed_rl/ with `ast`, imports the worker and group modules.
+"""
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mindspeed_rl"
+# The states' own implementations (an offloadable state moves itself when asked); everything else asks the
+# sharding manager.
+STATE_IMPLEMENTATIONS = {"memory/offload.py", "memory/vllm_states.py", "engines/vllm_engine.py"}
+MOVES = {"offload", "reload", "offload_all", "reload_all", "release_kv_cache", "rebuild_kv_cache"}
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports, at module level or inside functions."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                for alias in node.names:
+                    deps.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+            elif isinstance(node, ast.Import):
+                deps |= {alias.name for alias in node.names}
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if not state.get(dep):
+                found = visit(dep)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if not state.get(node):
+            found = visit(node)
+            if found:
+                return found
+    return []
+
+
+def test_the_package_has_no_import_cycle_lazy_imports_included():
+    graph = _import_graph()
+    assert "mindspeed_rl.workers.processes" in graph["mindspeed_rl.workers.group"], "the walk sees imports"
+    cycle = _find_cycle(graph)
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_walk_finds_a_cycle_when_there_is_one():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+
+
+def test_the_worker_never_imports_fault_injection():
+    graph = _import_graph()
+    seen, frontier = set(), ["mindspeed_rl.workers.actor_hybrid_worker"]
+    while frontier:
+        node = frontier.pop()
+        if node not in seen:
+            seen.add(node)
+            frontier += graph[node]
+    assert "mindspeed_rl.workers.fault_injection" not in seen
+
+
+def test_only_the_sharding_manager_moves_device_states():
+    movers = []
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative in STATE_IMPLEMENTATIONS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MOVES:
+                movers.append(f"{relative}:{node.lineno} .{node.func.attr}()")
+    assert movers and all(m.startswith("workers/sharding_manager.py:") for m in movers), movers
+
+
+def test_every_rank_group_implements_the_actor_group_protocol():
+    from mindspeed_rl.workers.actor_group import ActorGroup
+    from mindspeed_rl.workers.disaggregated import DisaggregatedActor
+    from mindspeed_rl.workers.group import RayActorGroup
+    from mindspeed_rl.workers.local_group import LocalActorGroup
+
+    methods = [name for name, member in vars(ActorGroup).items() if callable(member) and not name.startswith("_")]
+    assert set(methods) >= {"initialize", "call", "start_generate", "finish_generate", "offload_states",
+                            "reload_states", "shutdown", "kill"}
+    for group in (LocalActorGroup, RayActorGroup, DisaggregatedActor):
+        for name in methods:
+            expected = inspect.signature(getattr(ActorGroup, name))
+            got = inspect.signature(getattr(group, name))
+            assert list(got.parameters) == list(expected.parameters), (group.__name__, name, got, expected)
+
+
+@pytest.mark.parametrize("worker", ["ActorHybridWorkerBase", "TrainWorkerBase", "InferWorkerBase"])
+def test_every_rpc_that_runs_a_model_declares_a_phase_of_the_table(worker):
+    from mindspeed_rl.memory.residency import PHASES
+    from mindspeed_rl.workers import actor_hybrid_worker
+
+    cls = getattr(actor_hybrid_worker, worker)
+    rpcs = ("generate_sequences", "compute_reward_scores", "compute_ref_log_prob", "compute_log_prob", "update",
+            "save_checkpoint", "load_checkpoint", "export_hf", "load_reference_checkpoint", "sync_weights")
+    for name in rpcs:
+        assert getattr(getattr(cls, name), "phase", None) in PHASES, name
+
+
+def test_the_residency_table_in_the_architecture_page_is_the_engines():
+    from mindspeed_rl.memory.residency import IDLE, PHASES, SWITCH, ResidencyPolicy
+
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    rows = [line.strip("|").split("|") for line in page.splitlines() if line.startswith("| ")]
+    header, body = [c.strip() for c in rows[0]], [[c.strip() for c in row] for row in rows[1:]]
+    policy = ResidencyPolicy(has_reward_model=True)
+    assert [row[0] for row in body] == list(PHASES)
+    for row in body:
+        phase, marks, after = row[0], row[1:-1], row[-1]
+        assert {state for state, mark in zip(header[1:-1], marks) if mark == "x"} == policy.resident(phase), phase
+        if phase not in (IDLE, SWITCH):
+            assert after == (", ".join(sorted(policy.after(phase))) or "nothing"), phase
