@@ -210,8 +210,58 @@ def test_empty_file(tmp_path, tokenizer):
 
 def test_unparseable_file(tmp_path, tokenizer):
     (tmp_path / "d.jsonl").write_text('{"prompt": "1", "answer": "2"}\n{bad json\n')
-    with pytest.raises(ConfigError, match="megatron_training.data_path: .*d.jsonl: cannot read as json"):
+    with pytest.raises(ConfigError, match="megatron_training.data_path: .*d.jsonl:2: not valid JSON"):
         load(tmp_path / "d.jsonl", tokenizer)
+
+
+def _rows_then(line_10: bytes) -> bytes:
+    """Eight rows, a blank line (no row: line 10 is the ninth row), then `line_10`."""
+    return b"".join(b'{"prompt": "%d+1=", "answer": "%d"}\n' % (i, i + 1) for i in range(8)) + b"\n" + line_10 + b"\n"
+
+
+def test_bytes_that_are_not_utf8_name_file_line_and_column(tmp_path, tokenizer):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(_rows_then(b'{"prompt": "caf\xe9", "answer": "1"}'))
+    with pytest.raises(ConfigError) as info:
+        check_prompt_rows(str(path), map_keys=DEFAULT_KEYS)
+    assert str(info.value) == (f"megatron_training.data_path: {path}:10: not UTF-8 text (byte 0xe9 at column 16); "
+                               "save the file as UTF-8")
+
+
+def test_a_line_that_is_not_json_is_named_by_its_line_not_its_row(tmp_path, tokenizer):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(_rows_then(b"junk"))
+    with pytest.raises(ConfigError, match=f"megatron_training.data_path: {path}:10: not valid JSON "
+                                          r"\(Expecting value at column 1\)"):
+        load(path, tokenizer)
+
+
+def test_json_that_is_not_an_object_is_not_a_row(tmp_path, tokenizer):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(_rows_then(b'["1+1=", "2"]'))
+    with pytest.raises(ConfigError, match=f"{path}:10: a JSON array where each line must be one row object"):
+        check_prompt_rows(str(path), map_keys=DEFAULT_KEYS)
+
+
+def test_a_json_array_element_that_is_not_an_object_names_its_line(tmp_path, tokenizer):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"prompt": "1+1=", "answer": "2"}, "2+2=", {"prompt": "x", "answer": "y"}], indent=1))
+    with pytest.raises(ConfigError, match=f"{path}:6: a JSON string where each element of the array must be"):
+        load(path, tokenizer)
+
+
+def test_bytes_that_are_not_utf8_in_a_json_array_name_their_line(tmp_path, tokenizer):
+    path = tmp_path / "d.json"
+    path.write_bytes(b'[\n {"prompt": "1+1=", "answer": "2"},\n {"prompt": "\xff", "answer": "2"}\n]\n')
+    with pytest.raises(ConfigError, match=f"{path}:3: not UTF-8 text \\(byte 0xff at column 14\\)"):
+        load(path, tokenizer)
+
+
+def test_a_json_file_of_json_lines_is_read_as_rows_with_their_lines(tmp_path, tokenizer):
+    path = tmp_path / "d.json"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "2+2="}\n')
+    with pytest.raises(ConfigError, match=f"{path}:3: the row has no 'answer'"):
+        load(path, tokenizer)
 
 
 def test_unsupported_file_type(tmp_path, tokenizer):

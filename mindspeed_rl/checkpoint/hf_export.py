@@ -136,14 +136,14 @@ def export_engine(engine, *, config_dir: str | os.PathLike, output_dir: str | os
     return write_hf_checkpoint(state, config_dir=config_dir, output_dir=output_dir, options=options)
 
 
-def export_run_actor(actor, *, run_dir: str | os.PathLike, config_dir: str | os.PathLike) -> Path:
-    """megatron_training.save_hf: the live actor of a finished run (a RayActorGroup) as an HF checkpoint at
+def export_run_actor(actor_group, *, run_dir: str | os.PathLike, config_dir: str | os.PathLike) -> Path:
+    """megatron_training.save_hf: the live actor of a finished run (its ActorGroup) as an HF checkpoint at
     `run_dir/hf_export`. The ranks export into a new sibling, which then takes the name: a resumed run
     replaces the export its earlier part left there whole, and a reader sees one or the other, never a mix."""
     out = Path(os.path.abspath(run_dir)) / RUN_EXPORT_DIR  # the ranks may run in another working directory
     staged = out.parent / f".{out.name}.new-{os.getpid()}"
     shutil.rmtree(staged, ignore_errors=True)
-    written = [path for path, _ in actor.call("export_hf", str(staged), str(config_dir)) if path is not None]
+    written = [path for path, _ in actor_group.call("export_hf", str(staged), str(config_dir)) if path is not None]
     if written != [str(staged)]:
         raise RuntimeError(f"export_hf: expected global rank 0 alone to write {staged}, the ranks wrote {written}")
     replace_dir(staged, out)

@@ -1,6 +1,6 @@
 """Driver side of a checkpoint: trainer_state.json, HF config/tokenizer copies, save and resume steps.
 
-The workers write model/, optimizer/ and rng/ (ActorHybridWorker.save_checkpoint); the driver writes the
+The workers write model/, optimizer/ and rng/ (ActorHybridWorkerBase.save_checkpoint); the driver writes the
 rest and commits the directory (store.commit_save). Layout: FORMAT.md.
 """
 
@@ -22,11 +22,11 @@ HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenize
 LOAD_KEY = "actor_config.load"
 
 
-def save_run_checkpoint(*, actor, save_root: str, iteration: int, sampler, kl_coef: float, seed: int,
+def save_run_checkpoint(*, actor_group, save_root: str, iteration: int, sampler, kl_coef: float, seed: int,
                         hf_dir: str, keep_last_n: int | None) -> Path:
     """Every rank writes its shards into a temporary dir, the driver adds its state and commits it."""
     tmp = begin_save(save_root, iteration)
-    results = actor.call("save_checkpoint", str(tmp))
+    results = actor_group.call("save_checkpoint", str(tmp))
     scheduler_state = results[0][0]
     state = {"iteration": iteration, "sampler": sampler.state_dict(), "scheduler": scheduler_state,
              "kl_coef": kl_coef, "seed": seed}
@@ -69,10 +69,10 @@ def verify_same_model(checkpoint: str, hf_config: dict, *, key: str) -> Path:
     return verified.path
 
 
-def resume_actor(actor, point: ResumePoint, *, finetune: bool, no_load_optim: bool, no_load_rng: bool) -> None:
+def resume_actor(actor_group, point: ResumePoint, *, finetune: bool, no_load_optim: bool, no_load_rng: bool) -> None:
     """Load weights (and, resuming, optimizer/scheduler/RNG) into every rank."""
     resuming = not finetune
-    actor.call("load_checkpoint", str(point.path), load_optimizer=resuming and not no_load_optim,
+    actor_group.call("load_checkpoint", str(point.path), load_optimizer=resuming and not no_load_optim,
                load_rng=resuming and not no_load_rng,
                scheduler_state=point.state["scheduler"] if resuming and not no_load_optim else None)
 

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import numpy as np
 
 from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.data.json_rows import row_lines
 from mindspeed_rl.data.templates import (
     CHAT_PROMPT_TYPE,
     PromptFormatError,
@@ -236,7 +237,7 @@ def _read_raw(path: Path, tokenizer, prompt_type: str, fields: dict[str, str], k
 
     tables = _read_tables(path, keys)
     records = []
-    rows = tqdm(_raw_rows(tables, fields, keys), total=sum(len(table) for _, table in tables),
+    rows = tqdm(_raw_rows(tables, fields, keys), total=sum(len(table) for _, table, _ in tables),
                 desc="tokenizing prompts", unit="prompt", disable=not show_progress)
     for origin, prompt, label, system in rows:
         try:
@@ -248,15 +249,20 @@ def _read_raw(path: Path, tokenizer, prompt_type: str, fields: dict[str, str], k
     return records
 
 
-def _read_tables(path: Path, keys: DataKeys) -> list[tuple[Path, Any]]:
-    """(file, HF Dataset) for each data file of ``path``."""
-    return [(file, _read_table(file, keys)) for file in _data_files(path, keys)]
+def _read_tables(path: Path, keys: DataKeys) -> list[tuple[Path, Any, list[int] | None]]:
+    """(file, HF Dataset, each row's line or None) for each data file of ``path``."""
+    tables = []
+    for file in _data_files(path, keys):
+        if file.stat().st_size == 0:
+            raise ConfigError(keys.data_path, f"{file}: the file is empty")
+        lines = row_lines(file, key=keys.data_path)  # what `datasets` would fail on without a line, said with one
+        tables.append((file, _read_table(file, keys), lines))
+    return tables
 
 
-def _raw_rows(tables: list[tuple[Path, Any]], fields: dict[str, str], keys: DataKeys) -> Iterator:
+def _raw_rows(tables: list[tuple[Path, Any, list[int] | None]], fields: dict[str, str], keys: DataKeys) -> Iterator:
     """(origin, prompt, label, system) per row, the mapped fields checked."""
-    for file, table in tables:
-        line_numbers = _jsonl_line_numbers(file) if file.suffix == ".jsonl" else None
+    for file, table, line_numbers in tables:
         for row_index, row in enumerate(table):
             origin = f"{file}:{line_numbers[row_index]}" if line_numbers else f"{file}: row {row_index + 1}"
             yield (origin, *_row_values(row, origin, fields, keys))
@@ -313,8 +319,6 @@ def _read_table(file: Path, keys: DataKeys):
     """The file's rows through HF ``datasets`` (its Arrow cache makes a second read cheap)."""
     import datasets
 
-    if file.stat().st_size == 0:
-        raise ConfigError(keys.data_path, f"{file}: the file is empty")
     fmt = FILE_FORMATS[file.suffix]
     verbosity, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
     # datasets logs its own copy of a parse error before raising; ours names the key and is enough.
@@ -331,12 +335,6 @@ def _read_table(file: Path, keys: DataKeys):
         datasets.logging.set_verbosity(verbosity)
         if bars:
             datasets.enable_progress_bars()
-
-
-def _jsonl_line_numbers(file: Path) -> list[int]:
-    """1-based line number of each row: ``datasets`` skips blank lines, so row i is the i-th non-blank."""
-    with file.open(encoding="utf-8") as handle:
-        return [number for number, line in enumerate(handle, start=1) if line.strip()]
 
 
 def _first_line(error: BaseException) -> str:

@@ -72,7 +72,8 @@ class Rollouts:
             prompts, staleness = self._draw(), 0
             self.actor_group.start_generate([p.token_ids for p in prompts], iteration)
         else:
-            (prompts, self._ahead), staleness = (self._ahead, None), self.config.rollout_staleness
+            prompts, self._ahead = self._ahead, None
+            staleness = self.config.rollout_staleness
         batch, metrics = rollout_batch(self.actor_group.finish_generate(), [p.token_ids for p in prompts], self.config)
         metrics["rollout/staleness"] = staleness
         return prompts, batch, metrics
@@ -167,7 +168,7 @@ def saves_at(config: GRPOConfig, iteration: int) -> bool:
 
 def save_checkpoint(config: GRPOConfig, actor_group: ActorGroup, iteration: int, sampler: PromptSampler,
                     progress: RunProgress, hf_dir: str) -> None:
-    path = save_run_checkpoint(actor=actor_group, save_root=config.actor_config.save, iteration=iteration,
+    path = save_run_checkpoint(actor_group=actor_group, save_root=config.actor_config.save, iteration=iteration,
                                sampler=sampler, kl_coef=config.rl_config.init_kl_coef,
                                seed=config.megatron_training.seed, hf_dir=hf_dir,
                                keep_last_n=config.actor_config.keep_last_n)

@@ -88,8 +88,9 @@ class DisaggregatedActor(RankGroupBase):
         sent, received = wait_all([(group, "sync_weights", group.call("sync_weights", blocking=False))
                                    for group in (self.train, self.infer)])
         self._weights_stale = False
-        metrics = {k: v for k, v in merge_metrics(sent).items() if k.startswith("memory/")}
-        metrics |= merge_metrics(received)
+        # The receivers' figures; memory as everywhere the largest rank, of either group.
+        metrics = merge_metrics(received) | {k: v for k, v in merge_metrics(sent + received).items()
+                                             if k.startswith("memory/")}
         for key in ("resharding/bytes_received", "resharding/planned_bytes_received"):
             metrics[key + "_all_ranks"] = sum(m[key] for m in received)
         metrics["resharding/bytes_sent_all_ranks"] = sum(m["resharding/bytes_sent"] for m in sent)
