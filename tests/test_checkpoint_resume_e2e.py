@@ -11,6 +11,7 @@ import signal
 import torch
 
 from cli_runner import run_cli
+from mindspeed_rl.locks import RUN_LOCK_FILE
 from run_watch import launch, session_processes
 
 # Wall-clock and memory figures differ between any two runs; everything else must be equal.
@@ -46,7 +47,8 @@ def test_resume_after_a_sigkill_matches_the_uninterrupted_run(world, tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
     done = run_cli(full, "grpo_tiny_cpu", *TRAIN_4, f"actor_config.save={full / 'save'}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in (full / "save").iterdir()) == ["iter_0000002", "iter_0000004", "latest"]
+    kept = sorted(p.name for p in (full / "save").iterdir() if p.name != RUN_LOCK_FILE)
+    assert kept == ["iter_0000002", "iter_0000004", "latest"], "no save in progress is left"
 
     _run_killed_after_iteration_2(killed, killed / "save")
     assert (killed / "save" / "latest").read_text().strip() == "iter_0000002"

@@ -129,3 +129,64 @@ def test_truncate_metrics_keeps_iterations_up_to_the_checkpoint(tmp_path):
     metrics.write_text('{"iteration": 1}\n{"iteration": 2}\n{"iteration": 3}\n{"iter')  # cut-off last line
     truncate_metrics_after(metrics, 2)
     assert metrics.read_text() == '{"iteration": 1}\n{"iteration": 2}\n'
+
+
+def test_a_save_root_without_latest_resumes_from_its_newest_complete_checkpoint(tmp_path, capsys):
+    _save(tmp_path, 2)
+    _save(tmp_path, 4)
+    (tmp_path / "latest").unlink()
+    (tmp_path / "iter_0000006").mkdir()  # no manifest: never a complete checkpoint
+    assert is_checkpoint_dir(tmp_path), "not taken for an HF directory"
+    verified = resolve_and_verify(tmp_path, key=KEY)
+    assert verified.path == tmp_path / "iter_0000004"
+    assert capsys.readouterr().out == (f"[checkpoint] {tmp_path} has no `latest` pointer: resuming from its newest "
+                                       "complete checkpoint, iter_0000004\n")
+
+
+def test_a_save_root_without_latest_or_a_complete_checkpoint_says_so(tmp_path):
+    _save(tmp_path, 2)
+    (tmp_path / "latest").unlink()
+    (tmp_path / "iter_0000002" / "manifest.json").unlink()
+    assert is_checkpoint_dir(tmp_path), "a save root, though without a complete checkpoint"
+    with pytest.raises(ConfigError, match=f"{tmp_path} has no `latest` pointer and no complete checkpoint"):
+        resolve_and_verify(tmp_path, key=KEY)
+
+
+def _truncate_newest(root):
+    shard = root / "iter_0000004" / "model" / "shard.distcp"
+    with open(shard, "r+b") as handle:
+        handle.truncate(10)
+    return shard
+
+
+def test_a_damaged_newest_checkpoint_names_the_newest_intact_one_and_how_to_resume(tmp_path):
+    _save(tmp_path, 2)
+    _save(tmp_path, 3)
+    _save(tmp_path, 4)
+    shard = _truncate_newest(tmp_path)
+    (tmp_path / "iter_0000003" / "trainer_state.json").write_text("{}")  # damaged too: the one before it is named
+    with pytest.raises(ConfigError) as info:
+        resolve_and_verify(tmp_path, key=KEY)
+    assert str(info.value) == (
+        f"{KEY}: {shard} has 10 bytes, the manifest says 700 (truncated or partial checkpoint); the newest intact "
+        f"checkpoint is {tmp_path / 'iter_0000002'}: resume from it with {KEY}={tmp_path / 'iter_0000002'}, or set "
+        "runtime.resume_from_last_intact=true")
+
+
+def test_resume_from_last_intact_takes_the_newest_intact_checkpoint_and_says_so(tmp_path, capsys):
+    _save(tmp_path, 2)
+    _save(tmp_path, 4)
+    _truncate_newest(tmp_path)
+    verified = resolve_and_verify(tmp_path, key=KEY, fall_back_to_intact=True)
+    assert verified.iteration == 2 and verified.path == tmp_path / "iter_0000002"
+    out = capsys.readouterr().out
+    assert out.startswith(f"[checkpoint] {tmp_path / 'iter_0000004'} is damaged (")
+    assert out.endswith(f"resuming from the newest intact checkpoint, {tmp_path / 'iter_0000002'} "
+                        "(runtime.resume_from_last_intact)\n")
+
+
+def test_a_damaged_newest_checkpoint_without_an_intact_one_says_so(tmp_path):
+    _save(tmp_path, 4)
+    _truncate_newest(tmp_path)
+    with pytest.raises(ConfigError, match=f"; no older checkpoint in {tmp_path} is intact$"):
+        resolve_and_verify(tmp_path, key=KEY, fall_back_to_intact=True)

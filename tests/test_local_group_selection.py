@@ -62,3 +62,48 @@ def test_an_error_raised_in_this_process_is_described_by_type_message_and_innerm
         line = _fail_here.__code__.co_firstlineno + 1
         assert describe_local_error(error) == (
             f"ValueError: bad value (at test_local_group_selection.py:{line} in _fail_here)")
+
+
+class _CheckpointFailed(BaseException):
+    """Like torch.distributed.checkpoint's CheckpointException (a full disk during a save): no Exception."""
+
+
+class _Rank:
+    ROLE = ""
+
+    def __init__(self, config, rank_info, *, model_dir, ref_model_dir):
+        pass
+
+    def address(self):
+        from mindspeed_rl.workers.supervision import WorkerAddress
+
+        return WorkerAddress(rank=0, host="h", pid=42)
+
+    def save(self):
+        raise _CheckpointFailed("unexpected pos 704 vs 598")
+
+    def stop(self):
+        import signal
+
+        from mindspeed_rl.interrupts import RunInterrupted
+
+        raise RunInterrupted(signal.SIGTERM)
+
+
+def test_an_in_process_rank_failing_with_any_base_exception_is_one_worker_failure_line_but_a_stop_is_not():
+    import pytest
+
+    from mindspeed_rl.interrupts import RunInterrupted
+    from mindspeed_rl.workers.local_group import LocalActorGroup
+    from mindspeed_rl.workers.supervision import WorkerFailure
+
+    group = LocalActorGroup(config=load("grpo_tiny_cpu"), env_vars={}, model_dir="", ref_model_dir="", threads=0,
+                            worker_class=_Rank)
+    try:
+        with pytest.raises(WorkerFailure) as info:
+            group.call("save")
+        assert str(info.value).startswith("rank 0 (host h, pid 42) failed in save: _CheckpointFailed: unexpected pos")
+        with pytest.raises(RunInterrupted):
+            group.call("stop")
+    finally:
+        group._closed.set()  # the watchdog thread; kill() would also end this process's torch.distributed world

@@ -123,9 +123,10 @@ def _prune(root: Path, *, keep_last_n: int | None, keep: str) -> None:
 
 
 def is_checkpoint_dir(path: str | os.PathLike) -> bool:
-    """True if `path` is one of our checkpoints or a save root with a `latest` pointer (not an HF dir)."""
+    """True if `path` is one of our checkpoints or a save root (a `latest` pointer, or `iter_*` checkpoints
+    whose pointer is gone); not an HF dir."""
     path = Path(path)
-    return (path / MANIFEST_NAME).is_file() or (path / LATEST_NAME).is_file()
+    return (path / MANIFEST_NAME).is_file() or _is_save_root(path)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,17 +135,69 @@ class VerifiedCheckpoint:
     iteration: int
 
 
-def resolve_and_verify(load_path: str | os.PathLike, *, key: str) -> VerifiedCheckpoint:
-    """The checkpoint `load_path` names (itself, or its save root's `latest`), every file checked.
+def resolve_and_verify(load_path: str | os.PathLike, *, key: str,
+                       fall_back_to_intact: bool = False) -> VerifiedCheckpoint:
+    """The checkpoint `load_path` names (itself, or its save root's `latest`, or without `latest` the newest
+    complete `iter_*`, said in one line), every file checked.
 
-    Raises ConfigError(key, ...) naming the first file that is missing, of the wrong size or checksum.
-    """
+    A file missing, of the wrong size or checksum raises ConfigError(key, ...) naming it; in a save root the
+    message also names the newest older checkpoint that is intact and how to resume from it, and with
+    `fall_back_to_intact` that one is returned instead (said in one line)."""
     path = Path(load_path)
-    if (path / LATEST_NAME).is_file() and not (path / MANIFEST_NAME).is_file():
-        name = (path / LATEST_NAME).read_text().strip()
+    if (path / MANIFEST_NAME).is_file() or not _is_save_root(path):
+        return _verify(path, key)
+    newest = _newest(path, key)
+    try:
+        return _verify(newest, key)
+    except ConfigError as error:
+        intact = next((checkpoint for checkpoint in _intact_before(path, newest, key)), None)
+        if intact is None:
+            raise ConfigError(key, f"{error.message}; no older checkpoint in {path} is intact") from None
+        if not fall_back_to_intact:
+            raise ConfigError(key, f"{error.message}; the newest intact checkpoint is {intact.path}: resume from it "
+                                   f"with {key}={intact.path}, or set runtime.resume_from_last_intact=true") from None
+        print(f"[checkpoint] {newest} is damaged ({error.message}); resuming from the newest intact checkpoint, "
+              f"{intact.path} (runtime.resume_from_last_intact)", flush=True)
+        return intact
+
+
+def _is_save_root(path: Path) -> bool:
+    return (path / LATEST_NAME).is_file() or (path.is_dir() and any(_ITER_DIR.match(p.name) for p in path.iterdir()))
+
+
+def _saved_iterations(root: Path) -> list[Path]:
+    """The complete checkpoints (renamed into place with a manifest) under a save root, newest first."""
+    found = [p for p in root.iterdir() if _ITER_DIR.match(p.name) and (p / MANIFEST_NAME).is_file()]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def _newest(root: Path, key: str) -> Path:
+    """The checkpoint `latest` names; without it, the newest complete one."""
+    if (root / LATEST_NAME).is_file():
+        name = (root / LATEST_NAME).read_text().strip()
         if not _ITER_DIR.match(name):
-            raise ConfigError(key, f"{path / LATEST_NAME} names {name!r}, expected iter_NNNNNNN")
-        path = path / name
+            raise ConfigError(key, f"{root / LATEST_NAME} names {name!r}, expected iter_NNNNNNN")
+        return root / name
+    saved = _saved_iterations(root)
+    if not saved:
+        raise ConfigError(key, f"{root} has no `{LATEST_NAME}` pointer and no complete checkpoint (an "
+                               f"iter_NNNNNNN directory with its {MANIFEST_NAME})")
+    print(f"[checkpoint] {root} has no `{LATEST_NAME}` pointer: resuming from its newest complete checkpoint, "
+          f"{saved[0].name}", flush=True)
+    return saved[0]
+
+
+def _intact_before(root: Path, newest: Path, key: str):
+    """The save root's checkpoints older than `newest` that pass verification, newest first."""
+    for candidate in _saved_iterations(root):
+        if candidate.name < newest.name:
+            try:
+                yield _verify(candidate, key)
+            except ConfigError:
+                continue
+
+
+def _verify(path: Path, key: str) -> VerifiedCheckpoint:
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
         raise ConfigError(key, f"{manifest_path} is missing: not a complete mindspeed_rl checkpoint")

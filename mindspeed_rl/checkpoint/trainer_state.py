@@ -45,20 +45,22 @@ class ResumePoint:
     state: dict
 
 
-def find_resume_point(load: str | None, *, finetune: bool, hf_config: dict) -> ResumePoint | None:
+def find_resume_point(load: str | None, *, finetune: bool, hf_config: dict,
+                      resume_from_last_intact: bool = False) -> ResumePoint | None:
     """The verified checkpoint `actor_config.load` names, or None when it is an HF dir / unset.
 
-    Runs before any worker starts: a partial, corrupt or other-model checkpoint fails here in one line."""
+    Runs before any worker starts: a partial, corrupt or other-model checkpoint fails here in one line, which
+    names the newest intact one (taken instead with `resume_from_last_intact`)."""
     if not load or not is_checkpoint_dir(load):
         return None
-    path = verify_same_model(load, hf_config, key=LOAD_KEY)
+    path = verify_same_model(load, hf_config, key=LOAD_KEY, fall_back_to_intact=resume_from_last_intact)
     state = json.loads((path / TRAINER_STATE_NAME).read_text())
     return ResumePoint(path=path, iteration=0 if finetune else int(state["iteration"]), state=state)
 
 
-def verify_same_model(checkpoint: str, hf_config: dict, *, key: str) -> Path:
+def verify_same_model(checkpoint: str, hf_config: dict, *, key: str, fall_back_to_intact: bool = False) -> Path:
     """The checkpoint's iter dir, verified against its manifest and against the model being built."""
-    verified = resolve_and_verify(checkpoint, key=key)
+    verified = resolve_and_verify(checkpoint, key=key, fall_back_to_intact=fall_back_to_intact)
     saved_config_path = verified.path / HF_SUBDIR / "config.json"
     saved_config = json.loads(saved_config_path.read_text())
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

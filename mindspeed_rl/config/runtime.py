@@ -48,11 +48,14 @@ class RuntimeConfig:
     # in this process, without Ray (workers/local_group.py): seconds less start-up and no Ray daemons.
     # false: start Ray and the rank as a Ray actor, as runs with more ranks do.
     local_single_rank: bool = True
+    # actor_config.load is a save root whose newest checkpoint is damaged (a file missing, truncated, corrupt):
+    # false stops the run naming the newest intact one; true resumes from that one, saying so.
+    resume_from_last_intact: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.local_single_rank, bool):
-            raise ConfigError(f"{self.SECTION_KEY}.local_single_rank",
-                              f"expected true or false, got {self.local_single_rank!r}")
+        for name in ("local_single_rank", "resume_from_last_intact"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{self.SECTION_KEY}.{name}", f"expected true or false, got {getattr(self, name)!r}")
         require_choice(self.SECTION_KEY, self, "device", DEVICES)
         require_non_negative(self.SECTION_KEY, self, "num_threads_per_rank")
         require_positive(self.SECTION_KEY, self, "log_interval", "max_ranks_per_cpu_core", "rpc_timeout_seconds",

@@ -11,19 +11,18 @@ lock file (harmless: nobody holds it) and a staging directory, which the next ge
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 from mindspeed_rl.checkpoint.store import fsync_path
 from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.locks import exclusive_lock
 
 MANIFEST_FILE = "assets.json"
 LOCK_FILE = ".lock"
@@ -55,7 +54,7 @@ def ensure_generated(data_dir: str | os.PathLike[str], task: str, params: dict[s
         _check_complete(final, task, params, required)
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(root / LOCK_FILE):
+    with exclusive_lock(root / LOCK_FILE):
         if final.is_dir():  # another process made it while this one waited for the lock
             _check_complete(final, task, params, required)
             return final
@@ -74,18 +73,6 @@ def ensure_generated(data_dir: str | os.PathLike[str], task: str, params: dict[s
             shutil.rmtree(staging, ignore_errors=True)
             raise
     return final
-
-
-@contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    # The lock file is never removed: unlinking it while another process waits on its descriptor would let
-    # a third process lock a new file of the same name, and two generators would run at once.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the flock
 
 
 def _remove_abandoned_staging(root: Path) -> None:

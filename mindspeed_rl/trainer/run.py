@@ -53,12 +53,17 @@ class PreparedRun:
 
 
 def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]:
+    with contextlib.ExitStack() as held:  # the run and save directories, held from prepare_run to the end
+        run = prepare_run(config, run_dir, held)
+        return _start_and_train(config, run, run_dir, progress)
+
+
+def _start_and_train(config: GRPOConfig, run: PreparedRun, run_dir: Path, progress: RunProgress) -> list[dict]:
     import ray
 
     from mindspeed_rl.workers.reward_workers import RewardWorkerGroup
     from mindspeed_rl.workers.start import start_actor_group
 
-    run = prepare_run(config, run_dir)
     actor_group, reward_group, completed = None, None, False
     try:
         in_process = start_hosts(config, run.device, progress)
@@ -90,14 +95,16 @@ def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]
             ray.shutdown()
 
 
-def prepare_run(config: GRPOConfig, run_dir: Path) -> PreparedRun:
-    """Every check that can fail on user input, in the order that fails cheapest first; the data loaded."""
+def prepare_run(config: GRPOConfig, run_dir: Path, held: contextlib.ExitStack) -> PreparedRun:
+    """Every check that can fail on user input, in the order that fails cheapest first; the data loaded. The run
+    and save directories are held (`held`) from here on: a second run on either is refused."""
     from transformers import AutoTokenizer
 
     from mindspeed_rl.accelerator import detect_device
 
     mt, ac = config.megatron_training, config.actor_config
     setup.check_host(config, run_dir)  # a missing device or an unwritable run dir fails before any file is read
+    setup.hold_run_directories(config, run_dir, held)
     model_dir, ref_dir, data_path = setup.resolve_assets(config)
     check_prompt_rows(data_path, map_keys=dict(mt.map_keys))  # bad rows fail before any model file is read
     hf_config = setup.read_hf_config(model_dir)
@@ -106,7 +113,8 @@ def prepare_run(config: GRPOConfig, run_dir: Path) -> PreparedRun:
     setup.check_tokenizer_fits_model(tokenizer, hf_config, model_dir)
     resolve_reward_model(config, model_dir, len(tokenizer))  # rewards.<name>.model_path, checked before any worker
     # A partial, corrupt or other-model checkpoint stops here, before any worker starts.
-    resume = find_resume_point(ac.load, finetune=ac.finetune, hf_config=hf_config)
+    resume = find_resume_point(ac.load, finetune=ac.finetune, hf_config=hf_config,
+                               resume_from_last_intact=config.runtime.resume_from_last_intact)
     ref_checkpoint = setup.reference_checkpoint(config, hf_config)
     setup.check_run_dir_metrics(run_dir / config.runtime.metrics_file, resume_iteration=resume.iteration if resume else 0)
     dataset = load_prompt_dataset(data_path, tokenizer=tokenizer, prompt_type=mt.prompt_type, map_keys=dict(mt.map_keys),

@@ -17,6 +17,7 @@ MODEL_DIR_KEY = "megatron_training.tokenizer_name_or_path"
 DATA_PATH_KEY = "megatron_training.data_path"
 REF_DIR_KEY = "rl_config.integrated_mode_config.ref_model_load_path"
 RUN_DIR_KEY = "hydra.run.dir"
+SAVE_DIR_KEY = "actor_config.save"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -233,6 +234,18 @@ def check_run_dir_writable(run_dir: Path) -> None:
     except OSError as error:
         raise ConfigError(RUN_DIR_KEY, f"{run_dir} is not a writable directory ({error.strerror or error}); "
                                        "metrics.jsonl and the plots go there: choose another run directory") from None
+
+
+def hold_run_directories(config: GRPOConfig, run_dir: Path, held) -> None:
+    """Hold the run directory (metrics.jsonl, plots) and the save directory for this run (`held`, an
+    ExitStack, lets go): two runs writing one of them would interleave their records or remove each other's
+    checkpoint staging."""
+    from mindspeed_rl.locks import hold_directory
+
+    held.enter_context(hold_directory(run_dir, key=RUN_DIR_KEY))
+    save = config.actor_config.save
+    if save and Path(save).resolve() != Path(run_dir).resolve():
+        held.enter_context(hold_directory(Path(save), key=SAVE_DIR_KEY))
 
 
 def start_ray(config: GRPOConfig, device: str, threads_per_rank: int, *, attempts: int = 2) -> None:

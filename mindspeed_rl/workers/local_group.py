@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from mindspeed_rl.interrupts import RunInterrupted
 from mindspeed_rl.workers.actor_group import GRACEFUL_SHUTDOWN_SECONDS, RankGroupBase
 from mindspeed_rl.workers.actor_hybrid_worker import RankInfo
 # Imported now (they import vLLM's segment cleanup): the watchdog removes the segments while the hung thread
@@ -138,7 +139,10 @@ class LocalActorGroup(RankGroupBase):
         self._current = _Call(method, started, self.deadlines.seconds(method), threading.get_ident())
         try:
             result = run()
-        except Exception as error:  # the rank's own error, as the Ray path reports a RayTaskError
+        except (RunInterrupted, KeyboardInterrupt, SystemExit):
+            raise  # a stop, not the rank's failure
+        except BaseException as error:  # the rank's own error, as the Ray path reports a RayTaskError (torch's
+            # CheckpointException, e.g. a save on a full disk, is a BaseException, not an Exception)
             raise WorkerFailure(f"{self.addresses[0].describe()} failed in {method}: "
                                 f"{describe_local_error(error)}") from None
         finally:
