@@ -11,7 +11,9 @@ import ray
 
 from mindspeed_rl.config import ConfigError
 from mindspeed_rl.workers.fault_injection import FaultSpec
-from mindspeed_rl.workers.supervision import Deadlines, describe_worker_error, silent_ranks, start_heartbeat
+from mindspeed_rl.workers.group import RayActorGroup, wait_all
+from mindspeed_rl.workers.supervision import (Deadlines, HeartbeatWatch, WorkerAddress, WorkerFailure,
+                                              describe_worker_error, silent_ranks, start_heartbeat)
 
 
 def test_a_deadline_is_the_base_until_an_rpc_has_run_slowly():
@@ -67,6 +69,9 @@ class Beating:
     def die(self):
         os._exit(3)
 
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
 
 def test_heartbeats_tell_a_stopped_process_from_a_live_one(local_ray):
     ranks = [Beating.remote("hb-test", 0), Beating.remote("hb-test", 1)]
@@ -81,6 +86,57 @@ def test_heartbeats_tell_a_stopped_process_from_a_live_one(local_ray):
         os.kill(pids[0], signal.SIGKILL)
         for r in ranks:
             ray.kill(r)
+
+
+def test_the_heartbeat_watch_names_a_stopped_rank_after_its_timeout_and_never_a_rank_that_never_beat(local_ray):
+    ranks = [Beating.remote("watch-test", 0), Beating.remote("watch-test", 1)]
+    pids = ray.get([r.pid.remote() for r in ranks])
+    watch = HeartbeatWatch("watch-test", timeout_seconds=1.0, poll_seconds=0.1)
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            assert watch.silent([0, 1, 5]) == [], "live ranks, and rank 5 has never beaten"
+            time.sleep(0.1)
+        os.kill(pids[0], signal.SIGSTOP)
+        stopped = time.monotonic()
+        while not watch.silent([0, 1, 5]):
+            assert time.monotonic() - stopped < 3.0, "the stopped rank is named within its timeout and a poll"
+            time.sleep(0.1)
+        assert time.monotonic() - stopped >= 1.0
+    finally:
+        os.kill(pids[0], signal.SIGKILL)
+        for r in ranks:
+            ray.kill(r)
+
+
+class _Group:
+    """What wait_all reads of a rank group, with RayActorGroup's own messages."""
+
+    def __init__(self, run_key: str, actors, deadline_seconds: float):
+        self.run_key = run_key
+        self.deadlines = Deadlines(rpc_timeout_seconds=deadline_seconds, initialize_timeout_seconds=deadline_seconds)
+        self.heartbeats = HeartbeatWatch(run_key, timeout_seconds=60.0)
+        self.addresses = [WorkerAddress(rank=r, host="h", pid=pid) for r, pid in
+                          enumerate(ray.get([a.pid.remote() for a in actors]))]
+
+    _hang_message = RayActorGroup._hang_message
+    _failure_message = RayActorGroup._failure_message
+    _frozen_message = RayActorGroup._frozen_message
+
+
+def test_a_rank_that_beats_but_never_finishes_is_reported_at_the_rpc_deadline(local_ray):
+    actors = [Beating.remote("deadline-test", 0)]
+    group = _Group("deadline-test", actors, deadline_seconds=2.0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerFailure) as raised:
+            wait_all([(group, "update", [actors[0].sleep.remote(30)])])
+        assert str(raised.value) == ("rank 0 (host h, pid %d) did not finish update within 2 s "
+                                     "(runtime.rpc_timeout_seconds, or 4x the slowest earlier update); each is still "
+                                     "alive (heartbeat)" % group.addresses[0].pid)
+        assert time.monotonic() - started < 10
+    finally:
+        ray.kill(actors[0])
 
 
 def test_a_raising_worker_is_described_by_its_type_message_and_frame(local_ray):

@@ -37,6 +37,9 @@ class RuntimeConfig:
     # builds) has its own limit.
     rpc_timeout_seconds: float = 1800.0
     initialize_timeout_seconds: float = 3600.0
+    # A Ray rank whose heartbeat (a thread beating every second) stops this long is reported at once, whatever
+    # the RPC deadline: a stopped or frozen process (SIGSTOP, a hung host), not a slow phase.
+    heartbeat_timeout_seconds: float = 60.0
     # Every torch.distributed group in the workers (gloo/nccl/hccl): a rank never waits longer.
     collective_timeout_seconds: float = 1800.0
     # Ray must place every rank within this time, else the run says which resource is missing.
@@ -60,6 +63,9 @@ class RuntimeConfig:
         require_non_negative(self.SECTION_KEY, self, "num_threads_per_rank")
         require_positive(self.SECTION_KEY, self, "log_interval", "max_ranks_per_cpu_core", "rpc_timeout_seconds",
                          "initialize_timeout_seconds", "collective_timeout_seconds", "placement_timeout_seconds")
+        if self.heartbeat_timeout_seconds < 3:
+            raise ConfigError(f"{self.SECTION_KEY}.heartbeat_timeout_seconds",
+                              f"must be >= 3 (a rank beats every second), got {self.heartbeat_timeout_seconds}")
         if not self.metrics_file:
             raise ConfigError(f"{self.SECTION_KEY}.metrics_file", "must be a file name, got ''")
 

@@ -20,8 +20,8 @@ from mindspeed_rl.workers.actor_hybrid_worker import RankInfo
 from mindspeed_rl.workers.placement import place_ranks
 from mindspeed_rl.workers.processes import (descendants, free_port, mapped_shm_segments, remove_shm_segments,
                                             sigkill_rank_processes, wait_for_exit)
-from mindspeed_rl.workers.supervision import (Deadlines, WorkerAddress, WorkerFailure, deadline_text,
-                                              describe_worker_error, silent_ranks)
+from mindspeed_rl.workers.supervision import (Deadlines, HeartbeatWatch, WorkerAddress, WorkerFailure,
+                                              deadline_text, describe_worker_error, silent_ranks)
 
 _EXIT_WAIT_SECONDS = 10.0
 
@@ -38,6 +38,7 @@ class RayActorGroup(RankGroupBase):
         self.run_key = f"run-{uuid.uuid4().hex[:12]}"
         self.deadlines = Deadlines(rpc_timeout_seconds=runtime.rpc_timeout_seconds,
                                    initialize_timeout_seconds=runtime.initialize_timeout_seconds)
+        self.heartbeats = HeartbeatWatch(self.run_key, timeout_seconds=runtime.heartbeat_timeout_seconds)
         self.master_port = free_port()
         self.addresses: list[WorkerAddress] = []
         self.shm_segments: set[str] = set()
@@ -90,6 +91,12 @@ class RayActorGroup(RankGroupBase):
             # A collective timeout on one rank is usually another rank that stopped: name that one too.
             message += "; not responding: " + ", ".join(self.addresses[r].describe() for r in silent)
         return message
+
+    def _frozen_message(self, method: str, frozen: list[int], waiting: list[int]) -> str:
+        others = [r for r in waiting if r not in frozen]
+        tail = f"; ranks {others} were waiting for it" if others else ""
+        return (", ".join(self.addresses[r].describe() for r in frozen) + f" stopped responding in {method} (no "
+                f"heartbeat for {self.heartbeats.timeout_seconds:.0f} s, runtime.heartbeat_timeout_seconds){tail}")
 
     def _hang_message(self, method: str, waiting: list[int], deadline_seconds: float) -> str:
         silent = silent_ranks(self.run_key, waiting)
@@ -152,6 +159,7 @@ def wait_all(calls: list[tuple["RayActorGroup", str, list]]) -> list[list[Any]]:
                     if silent:
                         message += "; not responding: " + ", ".join(other_group.addresses[r].describe() for r in silent)
                 raise WorkerFailure(message) from None
+        _raise_if_frozen(calls, pending)
         if pending and time.monotonic() - started > deadline_seconds:
             waiting = {index: sorted(r for i, r in pending.values() if i == index) for index, _ in pending.values()}
             # The group with a silent rank is the culprit; the other group's ranks are waiting for it.
@@ -161,3 +169,12 @@ def wait_all(calls: list[tuple["RayActorGroup", str, list]]) -> list[list[Any]]:
     for group, method, _ in calls:
         group.deadlines.observe(method, time.monotonic() - started)
     return results
+
+
+def _raise_if_frozen(calls: list[tuple["RayActorGroup", str, list]], pending: dict) -> None:
+    """A rank whose heartbeat stopped (SIGSTOP, a frozen host) ends the wait at once, whatever the deadline."""
+    for index, (group, method, _) in enumerate(calls):
+        waiting = sorted(r for i, r in pending.values() if i == index)
+        frozen = group.heartbeats.silent(waiting)
+        if frozen:
+            raise WorkerFailure(group._frozen_message(method, frozen, waiting))

@@ -110,6 +110,32 @@ def silent_ranks(run_key: str, ranks: list[int], *, watch_seconds: float = 3 * H
     return [rank for rank in ranks if after[rank] is None or after[rank] == before[rank]]
 
 
+class HeartbeatWatch:
+    """Which ranks' heartbeats have not moved for `timeout_seconds` (a stopped or frozen process), read at most
+    once a `poll_seconds`. A rank that never beat is not judged here: the RPC deadline covers it."""
+
+    def __init__(self, run_key: str, *, timeout_seconds: float, poll_seconds: float = HEARTBEAT_SECONDS):
+        self.run_key, self.timeout_seconds, self.poll_seconds = run_key, timeout_seconds, poll_seconds
+        self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last value, when it was first seen)
+        self._polled = float("-inf")
+
+    def silent(self, ranks: list[int]) -> list[int]:
+        now = time.monotonic()
+        if not ranks or now - self._polled < self.poll_seconds:
+            return []
+        self._polled = now
+        silent = []
+        for rank, value in read_heartbeats(self.run_key, ranks).items():
+            seen = self._seen.get(rank)
+            if value is None:
+                continue
+            if seen is None or seen[0] != value:
+                self._seen[rank] = (value, now)
+            elif now - seen[1] >= self.timeout_seconds:
+                silent.append(rank)
+        return silent
+
+
 # -- messages -------------------------------------------------------------------------------------
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
