@@ -122,6 +122,7 @@ class _Group:
     _hang_message = RayActorGroup._hang_message
     _failure_message = RayActorGroup._failure_message
     _frozen_message = RayActorGroup._frozen_message
+    _stopped_message = RayActorGroup._stopped_message
 
 
 def test_a_rank_that_beats_but_never_finishes_is_reported_at_the_rpc_deadline(local_ray):

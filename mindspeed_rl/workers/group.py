@@ -93,21 +93,21 @@ class RayActorGroup(RankGroupBase):
         return message
 
     def _frozen_message(self, method: str, frozen: list[int], waiting: list[int]) -> str:
-        others = [r for r in waiting if r not in frozen]
-        tail = f"; ranks {others} were waiting for it" if others else ""
-        return (", ".join(self.addresses[r].describe() for r in frozen) + f" stopped responding in {method} (no "
-                f"heartbeat for {self.heartbeats.timeout_seconds:.0f} s, runtime.heartbeat_timeout_seconds){tail}")
+        return self._stopped_message(method, frozen, waiting, f"(no heartbeat for {self.heartbeats.timeout_seconds:.0f}"
+                                                              " s, runtime.heartbeat_timeout_seconds)")
 
     def _hang_message(self, method: str, waiting: list[int], deadline_seconds: float) -> str:
         silent = silent_ranks(self.run_key, waiting)
         limit = deadline_text(method, deadline_seconds)
         if silent:
-            others = [r for r in waiting if r not in silent]
-            tail = f"; ranks {others} were waiting for it" if others else ""
-            return (", ".join(self.addresses[r].describe() for r in silent)
-                    + f" stopped responding in {method} (no heartbeat) and did not finish within {limit}{tail}")
+            return self._stopped_message(method, silent, waiting, f"(no heartbeat) and did not finish within {limit}")
         return (", ".join(self.addresses[r].describe() for r in waiting)
                 + f" did not finish {method} within {limit}; each is still alive (heartbeat)")
+
+    def _stopped_message(self, method: str, stopped: list[int], waiting: list[int], why: str) -> str:
+        others = [r for r in waiting if r not in stopped]
+        tail = f"; ranks {others} were waiting for it" if others else ""
+        return ", ".join(self.addresses[r].describe() for r in stopped) + f" stopped responding in {method} {why}{tail}"
 
     # -- endings ------------------------------------------------------------------------------------
     def kill(self) -> None:
