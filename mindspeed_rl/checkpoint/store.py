@@ -21,6 +21,7 @@ from mindspeed_rl.config.errors import ConfigError
 FORMAT_TAG = "mindspeed_rl.checkpoint/1"
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
+TRAINER_STATE_NAME = "trainer_state.json"  # written by the driver into a save before its manifest
 TMP_PREFIX = ".tmp_"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _HASH_CHUNK_BYTES = 1 << 20
@@ -162,7 +163,13 @@ def resolve_and_verify(load_path: str | os.PathLike, *, key: str,
 
 
 def _is_save_root(path: Path) -> bool:
-    return (path / LATEST_NAME).is_file() or (path.is_dir() and any(_ITER_DIR.match(p.name) for p in path.iterdir()))
+    """`latest`, or an `iter_*` of ours (its manifest, or the trainer state written before it; Megatron's own
+    `iter_*` dirs hold `mp_rank_*` and neither)."""
+    if (path / LATEST_NAME).is_file():
+        return True
+    return path.is_dir() and any(
+        _ITER_DIR.match(p.name) and ((p / MANIFEST_NAME).is_file() or (p / TRAINER_STATE_NAME).is_file())
+        for p in path.iterdir())
 
 
 def _saved_iterations(root: Path) -> list[Path]:

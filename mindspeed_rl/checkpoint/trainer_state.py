@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from mindspeed_rl.checkpoint.store import begin_save, commit_save, is_checkpoint_dir, resolve_and_verify
+from mindspeed_rl.checkpoint.store import (TRAINER_STATE_NAME, begin_save, commit_save,
+                                         is_checkpoint_dir, resolve_and_verify)
 from mindspeed_rl.config.errors import ConfigError
 
-TRAINER_STATE_NAME = "trainer_state.json"
 HF_SUBDIR = "hf"
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
