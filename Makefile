@@ -57,3 +57,8 @@ ablate: venv
 .PHONY: bench-async
 bench-async: venv
 	$(PY) benchmarks/bench_async_generation.py --json bench_async_generation.json
+
+# The demo for 2000 iterations: RSS slope per 100 iterations and the drift of the iteration time.
+.PHONY: bench-soak
+bench-soak: venv
+	$(PY) benchmarks/bench_soak.py --json bench_soak.json

@@ -32,6 +32,15 @@ def test_ledger_records_what_the_offloader_holds():
     }, "no allocator on CPU: no allocator_bytes / unaccounted_bytes keys"
 
 
+def test_the_ledger_keeps_the_latest_record_of_each_phase_however_long_the_run():
+    ledger = MemoryLedger(lambda: {"train_params": 1}, get_accelerator("cpu"))
+    for iteration in range(1000):
+        ledger.record("update", extra={"activations": iteration})
+        ledger.record("after_update")
+    assert len(ledger.records) == 2
+    assert ledger.latest("update").bytes_by_category["activations"] == 999
+
+
 def test_activation_meter_counts_saved_tensors_once_and_not_parameters():
     weight = torch.nn.Parameter(torch.randn(1000))
     x = torch.randn(1000)

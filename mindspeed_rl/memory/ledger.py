@@ -49,11 +49,12 @@ class LedgerRecord:
 
 @dataclass
 class MemoryLedger:
-    """Records snapshots of `read_states()` (bytes per category) under phase names."""
+    """Records snapshots of `read_states()` (bytes per category) under phase names; keeps the latest of each
+    phase only, so a run of any length holds a bounded ledger (each record is in that iteration's metrics)."""
 
     read_states: Callable[[], dict[str, int]]
     accelerator: Accelerator
-    records: list[LedgerRecord] = field(default_factory=list)
+    records: dict[str, LedgerRecord] = field(default_factory=dict)
 
     def record(self, phase: str, extra: dict[str, int] | None = None) -> LedgerRecord:
         self.accelerator.synchronize()  # pending frees and copies must have landed before counting
@@ -63,11 +64,11 @@ class MemoryLedger:
         if entry.allocator_bytes is not None and entry.allocator_bytes < entry.total_bytes:
             logger.warning("memory ledger at %s counts %d bytes but the allocator holds %d: a category is "
                            "counted twice or not really freed", phase, entry.total_bytes, entry.allocator_bytes)
-        self.records.append(entry)
+        self.records[phase] = entry
         return entry
 
     def latest(self, phase: str) -> LedgerRecord | None:
-        return next((r for r in reversed(self.records) if r.phase == phase), None)
+        return self.records.get(phase)
 
 
 class _Saved:

@@ -35,7 +35,7 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
     rollouts = Rollouts(actor_group, dataset, sampler or make_sampler(config, dataset), config)
     scoring = Scoring(config, tokenizer, actor_group, reward_group)
     record = Recorder(config, run_dir, prediction or setup.memory_prediction(
-        config, setup.read_hf_config(hf_dir), quiet=True))  # a library caller: the plan of the checkpoint
+        config, setup.read_hf_config(hf_dir), quiet=True), start_iteration=start_iteration)
     try:
         for iteration in range(start_iteration, config.megatron_training.train_iters + 1):
             progress.iteration = iteration
@@ -53,8 +53,7 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
                 save_checkpoint(config, actor_group, iteration, rollouts.resume_sampler, progress, hf_dir)
     finally:
         record.close()
-    record.finish(actor_group, hf_dir)
-    return record.history
+    return record.finish(actor_group, hf_dir)
 
 
 class Rollouts:
@@ -121,13 +120,14 @@ class Scoring:
 
 class Recorder:
     """Each iteration's metrics: derived, compared with the planner, written to the sinks, printed; and at
-    the end the curves, the memory timeline and the HF export."""
+    the end the curves, the memory timeline and the HF export. Nothing is kept per iteration in memory (a
+    week-long run would hold gigabytes): the end of the run reads its records back from metrics.jsonl."""
 
-    def __init__(self, config: GRPOConfig, run_dir: Path, prediction):
+    def __init__(self, config: GRPOConfig, run_dir: Path, prediction, *, start_iteration: int = 1):
         self.config, self.run_dir, self.prediction = config, run_dir, prediction
+        self.start_iteration = start_iteration
         self.sinks = MetricsSinks(run_dir, metrics_file=config.runtime.metrics_file,
                                   use_tensorboard=config.rl_config.use_tensorboard)
-        self.history: list[dict] = []
 
     def __call__(self, iteration: int, started: float, batch: RolloutBatch, rewards: RuleRewards,
                  accuracy_value: float, metrics: dict) -> None:
@@ -136,7 +136,6 @@ class Recorder:
         metrics.update(iteration_metrics(self.config, batch, metrics, rewards, accuracy_value))
         if self.prediction is not None:  # the planner's bytes at this iteration's sequence width, beside the ledger's
             metrics.update(self.prediction.with_seq_length(batch.input_ids.shape[1]).ledger_metrics())
-        self.history.append(metrics)
         self.sinks.write(metrics)
         if iteration % self.config.runtime.log_interval == 0:
             print(format_line(metrics), flush=True)
@@ -144,14 +143,20 @@ class Recorder:
     def close(self) -> None:
         self.sinks.close()
 
-    def finish(self, actor_group: ActorGroup, hf_dir: str) -> None:
-        if self.history:
-            plot_curves(self.history, self.run_dir, self.config)
+    def finish(self, actor_group: ActorGroup, hf_dir: str) -> list[dict]:
+        """This run's records (read back from metrics.jsonl), after drawing them and exporting the actor."""
+        from mindspeed_rl.memory.timeline import read_jsonl
+
+        path = self.sinks.metrics_path
+        history = [r for r in read_jsonl(path) if r["iteration"] >= self.start_iteration] if path.is_file() else []
+        if history:
+            plot_curves(history, self.run_dir, self.config)
         if self.config.megatron_training.save_hf:
             from mindspeed_rl.checkpoint.hf_export import export_run_actor
 
-            path = export_run_actor(actor_group, run_dir=self.run_dir, config_dir=hf_dir)
-            print(f"[export] HF checkpoint: {path}", flush=True)
+            exported = export_run_actor(actor_group, run_dir=self.run_dir, config_dir=hf_dir)
+            print(f"[export] HF checkpoint: {exported}", flush=True)
+        return history
 
 
 def make_sampler(config: GRPOConfig, dataset: PromptDataset) -> PromptSampler:
