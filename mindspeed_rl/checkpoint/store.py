@@ -7,6 +7,7 @@ loader looks at, and `latest` still names the previous checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -61,6 +62,21 @@ def begin_save(save_root: str | os.PathLike, iteration: int) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir()
     return tmp
+
+
+def check_writable(directory: Path, probe_bytes: int = 1 << 20) -> None:
+    """Raise the OSError the disk gives for a write of `probe_bytes` into `directory` (none when it takes it)."""
+    probe = Path(directory) / ".write_probe"
+    try:
+        with open(probe, "wb") as handle:
+            handle.write(bytes(probe_bytes))
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(directory)) from None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
 
 
 def discard_unfinished_saves(save_root: str | os.PathLike | None) -> None:

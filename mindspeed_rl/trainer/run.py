@@ -17,7 +17,7 @@ from mindspeed_rl.interrupts import RunInterrupted
 from mindspeed_rl.trainer import setup
 from mindspeed_rl.trainer.grpo_trainer import make_sampler, train
 from mindspeed_rl.trainer.reward_model import resolve_reward_model
-from mindspeed_rl.trainer.stopping import WORKER_FAILURE_EXIT_CODE, RunProgress, RunStopped
+from mindspeed_rl.trainer.stopping import DISK_ERRNOS, WORKER_FAILURE_EXIT_CODE, RunProgress, RunStopped
 from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics
 from mindspeed_rl.workers.supervision import WorkerFailure
 
@@ -35,6 +35,10 @@ def run_grpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
             raise RunStopped(128 + interrupt.signum, progress.interrupted_line(interrupt.signum)) from None
         except WorkerFailure as failure:
             raise RunStopped(WORKER_FAILURE_EXIT_CODE, progress.worker_failure_line(failure)) from None
+        except OSError as error:
+            if error.errno not in DISK_ERRNOS:
+                raise
+            raise RunStopped(WORKER_FAILURE_EXIT_CODE, progress.disk_failure_line(error)) from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -47,8 +47,8 @@ def append_jsonl(path: Path, record: dict) -> None:
             os.fsync(fd)
         except OSError as error:
             os.ftruncate(fd, size_before)
-            raise OSError(error.errno, f"{path}: could not append a metrics record ({error.strerror or error}); "
-                                       f"the file was cut back to its {size_before} bytes of whole records") from error
+            raise OSError(error.errno, f"{error.strerror or error}; the file was cut back to its {size_before} bytes "
+                                       "of whole records", str(path)) from error
     finally:
         os.close(fd)
 

@@ -1,8 +1,10 @@
-"""How a run ends when it does not finish: Ctrl-C / SIGTERM (mindspeed_rl/interrupts.py), or a
-worker that failed (workers/supervision.py). The CLI prints one line and exits 128 + the signal
-number (130, 143), or 1 for a worker failure."""
+"""How a run ends when it does not finish: Ctrl-C / SIGTERM (mindspeed_rl/interrupts.py), a worker
+that failed (workers/supervision.py), or a disk that refused a write (full, over quota, read-only, failing).
+The CLI prints one line and exits 128 + the signal number (130, 143), or 1 for a failure."""
 from __future__ import annotations
 
+import errno
+import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +12,8 @@ from pathlib import Path
 from mindspeed_rl.checkpoint.store import LATEST_NAME
 
 WORKER_FAILURE_EXIT_CODE = 1
+# A write the disk refused: no space, over quota, a read-only filesystem, an I/O error, a file-size limit.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
 
 
 class RunStopped(Exception):
@@ -41,6 +45,18 @@ class RunProgress:
         where = f"iteration {self.iteration}" if self.iteration else self.phase
         return f"worker failure during {where}: {failure}; last checkpoint: {self.last_checkpoint_text()}"
 
+    def disk_failure_line(self, error: OSError) -> str:
+        where = f"iteration {self.iteration}" if self.iteration else self.phase
+        return f"disk error during {where}: {describe_disk_error(error)}; last checkpoint: {self.last_checkpoint_text()}"
+
     def interrupted_line(self, signum: int) -> str:
         where = f"at iteration {self.iteration}" if self.iteration else f"during {self.phase}"
         return f"interrupted by {signal.Signals(signum).name} {where}; last checkpoint: {self.last_checkpoint_text()}"
+
+
+def describe_disk_error(error: OSError) -> str:
+    """`PATH: what the disk said (ENOSPC)` in one line."""
+    name = errno.errorcode.get(error.errno, str(error.errno))
+    if error.filename:
+        return f"{error.filename}: {error.strerror or os.strerror(error.errno)} ({name})"
+    return f"{error.strerror or error} ({name})"
