@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 TENSORBOARD_SUBDIR = "tensorboard"
@@ -41,14 +42,16 @@ def append_jsonl(path: Path, record: dict) -> None:
     data = (json.dumps(record) + "\n").encode("utf-8")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        size_before = os.fstat(fd).st_size
+        status = os.fstat(fd)
         try:
             _write_all(fd, data)
             os.fsync(fd)
         except OSError as error:
-            os.ftruncate(fd, size_before)
-            raise OSError(error.errno, f"{error.strerror or error}; the file was cut back to its {size_before} bytes "
-                                       "of whole records", str(path)) from error
+            what = error.strerror or str(error)
+            if stat.S_ISREG(status.st_mode):  # a device or a pipe cannot be cut back
+                os.ftruncate(fd, status.st_size)
+                what += f"; the file was cut back to its {status.st_size} bytes of whole records"
+            raise OSError(error.errno, what, str(path)) from error
     finally:
         os.close(fd)
 

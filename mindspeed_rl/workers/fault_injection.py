@@ -5,6 +5,8 @@ The CALL-th call (1-based) of worker METHOD on rank RANK, before it runs, does A
   kill   - SIGKILLs its own process (a crash, the OOM killer)
   stop   - SIGSTOPs its own process (a hang: the process is alive and does nothing)
   sleep  - sleeps for an hour (a long phase; the test sends Ctrl-C / SIGTERM meanwhile)
+  full_disk - limits its own process's files to 1 MB (RLIMIT_FSIZE, SIGXFSZ ignored): from then on a write past
+           it fails as on a full disk (EFBIG), whichever directory it goes to
 ROLE (`actor_train`, `actor_infer`) picks one group of a disaggregated actor, whose two groups share the
 method names; without it every group's ranks qualify.
 A one-rank run's rank is the driver process itself (workers/local_group.py): `kill` and `stop` hit the
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 
 FAULT_ENV_VAR = "MINDSPEED_RL_INJECT_FAULT"
 FAULT_LOG_ENV_VAR = "MINDSPEED_RL_INJECT_FAULT_LOG"
-ACTIONS = ("raise", "kill", "stop", "sleep")
+ACTIONS = ("raise", "kill", "stop", "sleep", "full_disk")
+FULL_DISK_BYTES = 1_000_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +64,11 @@ def inject(spec: FaultSpec, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     if spec.action == "sleep":
         time.sleep(3600)
+    if spec.action == "full_disk":
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the writer at the limit
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FULL_DISK_BYTES, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
 def worker_class_with_faults(text: str | None, base: type) -> type:
