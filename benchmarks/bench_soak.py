@@ -6,7 +6,9 @@ Runs `cli/train_grpo.py --config-name grpo_tiny_cpu` (one rank, in the CLI's pro
 whole run's) for `--iterations` iterations, reads the process's RSS at every `[iter` line, and prints:
 - the RSS slope, MB per 100 iterations, by least squares over the iterations after `--warmup` (target <= 0.2);
 - the median seconds per iteration (`timing/all` in metrics.jsonl) of the first and the last 100 iterations after
-  the warm-up, and their drift in percent (target <= 2%).
+  the warm-up, and their drift in percent (target <= 2%);
+- the same for the CPU seconds the process itself spent per iteration (user + system, all its threads), which
+  other load on a shared machine moves far less than the wall time: more work per iteration shows there.
 The machine's load average is printed beside the figures: a busy machine moves the times, not the RSS.
 """
 from __future__ import annotations
@@ -29,8 +31,8 @@ ITER_LINE = re.compile(r"^\[iter\s+(\d+)\]")
 WINDOW = 100
 
 
-def soak(iterations: int, run_dir: Path) -> tuple[list[tuple[int, int]], list[dict]]:
-    """(iteration, RSS bytes) at each iteration's line, and the run's metrics records."""
+def soak(iterations: int, run_dir: Path) -> tuple[list[tuple[int, int, float]], list[dict]]:
+    """(iteration, RSS bytes, CPU seconds so far) at each iteration's line, and the run's metrics records."""
     argv = [sys.executable, "cli/train_grpo.py", "--config-name", "grpo_tiny_cpu",
             f"megatron_training.train_iters={iterations}", "runtime.memory_timeline=false", f"hydra.run.dir={run_dir}"]
     process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -38,15 +40,17 @@ def soak(iterations: int, run_dir: Path) -> tuple[list[tuple[int, int]], list[di
     for line in process.stdout:
         match = ITER_LINE.match(line)
         if match:
-            rss.append((int(match.group(1)), psutil.Process(process.pid).memory_info().rss))
+            watched = psutil.Process(process.pid)
+            cpu = watched.cpu_times()
+            rss.append((int(match.group(1)), watched.memory_info().rss, cpu.user + cpu.system))
     if process.wait() != 0:
         raise SystemExit(f"the demo exited {process.returncode}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return rss, records
 
 
-def slope_mb_per_100(points: list[tuple[int, int]]) -> float:
-    xs, ys = [x for x, _ in points], [y / 1e6 for _, y in points]
+def slope_mb_per_100(points: list[tuple[int, int, float]]) -> float:
+    xs, ys = [x for x, _, _ in points], [y / 1e6 for _, y, _ in points]
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
     covariance = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
     return 100 * covariance / sum((x - mean_x) ** 2 for x in xs)
@@ -65,12 +69,16 @@ def main(argv=None) -> int:
     rss, records = soak(args.iterations, Path(tempfile.mkdtemp(prefix="bench_soak-")) / "run")
     measured = [r for r in records if r["iteration"] > args.warmup]
     first, last = (statistics.median(r["timing/all"] for r in part) for part in (measured[:WINDOW], measured[-WINDOW:]))
+    cpu = [(i, now - before) for (_, _, before), (i, _, now) in zip(rss, rss[1:]) if i > args.warmup]
+    cpu_first, cpu_last = (statistics.median(s for _, s in part) for part in (cpu[:WINDOW], cpu[-WINDOW:]))
     result = {
         "iterations": args.iterations, "warmup": args.warmup,
         "rss_mb_first": rss[args.warmup][1] / 1e6, "rss_mb_last": rss[-1][1] / 1e6,
         "rss_slope_mb_per_100_iterations": slope_mb_per_100([p for p in rss if p[0] > args.warmup]),
         "seconds_per_iteration_first": first, "seconds_per_iteration_last": last,
         "drift_percent": 100 * (last - first) / first,
+        "cpu_seconds_per_iteration_first": cpu_first, "cpu_seconds_per_iteration_last": cpu_last,
+        "cpu_drift_percent": 100 * (cpu_last - cpu_first) / cpu_first,
         "wall_seconds": time.perf_counter() - started, "load_average": (load_before, os.getloadavg()[0]),
     }
     print(f"RSS {result['rss_mb_first']:.1f} -> {result['rss_mb_last']:.1f} MB, slope "
@@ -78,6 +86,8 @@ def main(argv=None) -> int:
     print(f"seconds per iteration, median of the first / last {WINDOW} after the warm-up: {first:.3f} / {last:.3f} "
           f"({result['drift_percent']:+.1f}%, target <= 2%); load {result['load_average'][0]:.1f} -> "
           f"{result['load_average'][1]:.1f}; {result['wall_seconds']:.0f} s")
+    print(f"CPU seconds per iteration (the process's own), first / last {WINDOW}: {cpu_first:.3f} / {cpu_last:.3f} "
+          f"({result['cpu_drift_percent']:+.1f}%)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0
