@@ -47,3 +47,31 @@ def test_a_write_past_the_limit_leaves_only_whole_lines_and_names_the_file(tmp_p
     # The limit cut the failing record mid-line (1000 is not a multiple of the record length).
     assert len(text.encode()) < 1000 < len(text.encode()) + len(json.dumps(records[0])) + 1
 
+
+
+_TENSORBOARD_CHILD = textwrap.dedent("""
+    import resource, signal, sys
+    from pathlib import Path
+    from mindspeed_rl.trainer.sinks import MetricsSinks
+
+    sinks = MetricsSinks(Path(sys.argv[1]), metrics_file="metrics.jsonl", use_tensorboard=True)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    # TensorBoard's event records are larger than the JSON line: its file reaches the limit first.
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20000, resource.RLIM_INFINITY))
+    for iteration in range(1, 10000):
+        try:
+            sinks.write({"iteration": iteration, **{f"metric_{i}": 0.5 for i in range(30)}})
+        except OSError as error:
+            print(f"ERRNO {error.errno}")
+            print(f"FILENAME {error.filename}")
+            sys.exit(0)
+    print("NEVER_FAILED")
+""")
+
+
+def test_a_full_disk_under_tensorboard_names_its_directory_without_a_thread_traceback(tmp_path):
+    done = subprocess.run([sys.executable, "-c", _TENSORBOARD_CHILD, str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["ERRNO 27", f"FILENAME {tmp_path / 'tensorboard'}"]  # EFBIG, a disk errno
+    assert "Traceback" not in done.stderr

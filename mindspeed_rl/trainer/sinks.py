@@ -2,9 +2,11 @@
 (`rl_config.use_tensorboard`, the real `tensorboard` writer through torch's SummaryWriter)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
+import threading
 from pathlib import Path
 
 TENSORBOARD_SUBDIR = "tensorboard"
@@ -13,24 +15,58 @@ TENSORBOARD_SUBDIR = "tensorboard"
 class MetricsSinks:
     def __init__(self, run_dir: Path, *, metrics_file: str, use_tensorboard: bool):
         self.metrics_path = run_dir / metrics_file
+        self.tensorboard_dir = run_dir / TENSORBOARD_SUBDIR
         self.tensorboard = None
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_SUBDIR))
+            _quiet_tensorboard_thread_errors()
+            with errors_name(self.tensorboard_dir):
+                self.tensorboard = SummaryWriter(log_dir=str(self.tensorboard_dir))
 
     def write(self, record: dict) -> None:
         append_jsonl(self.metrics_path, record)
         if self.tensorboard is not None:
             step = int(record["iteration"])
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(key, value, global_step=step)
-            self.tensorboard.flush()
+            with errors_name(self.tensorboard_dir):
+                for key, value in record.items():
+                    if key != "iteration" and isinstance(value, (int, float)):
+                        self.tensorboard.add_scalar(key, value, global_step=step)
+                self.tensorboard.flush()
 
     def close(self) -> None:
         if self.tensorboard is not None:
-            self.tensorboard.close()
+            writer, self.tensorboard = self.tensorboard, None  # closed once, even when closing fails
+            with errors_name(self.tensorboard_dir):
+                writer.close()
+
+
+@contextlib.contextmanager
+def errors_name(path: Path):
+    """An OSError without a file name gets `path`: TensorBoard's writer thread re-raises the disk's error on the
+    next flush without saying which file it was writing."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename or error.errno is None:
+            raise
+        raise OSError(error.errno, error.strerror or str(error), str(path)) from error
+
+
+def _quiet_tensorboard_thread_errors() -> None:
+    """TensorBoard's writer thread prints its error's traceback as it dies and the writer raises the same error
+    on the next flush in the trainer's thread, which ends the run with one line; the thread's copy is dropped."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, Exception):
+            return
+        previous(args)
+
+    hook.quiets_tensorboard = True
+    threading.excepthook = hook
 
 
 def append_jsonl(path: Path, record: dict) -> None:
