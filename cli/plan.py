@@ -1,6 +1,6 @@
 """Plan a run's device memory before launching it:
 ``python cli/plan.py --config-name NAME [key=value ...] [--device-memory 64GiB] [--json FILE|-]
-[--h2d-gbps 25] [--link-gbps 50]``.
+[--h2d-gbps 25] [--link-gbps 50] [--profile cpu|accelerator]``.
 
 Composes the config exactly like ``cli/train_grpo.py`` (Hydra, the same overrides, ``load_config``), then prints,
 per device and per phase, the bytes of every state group (train params, grads, optimizer states, reference,
@@ -39,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="host <-> device copy bandwidth in GB/s (1e9 bytes/s); default %(default)s")
     parser.add_argument("--link-gbps", type=float, default=50.0,
                         help="device <-> device bandwidth per rank and direction in GB/s; default %(default)s")
+    parser.add_argument("--profile", choices=("cpu", "accelerator"), default=None,
+                        help="whose activations the update keeps: cpu = this engine's CPU path (unfused kernels, "
+                             "measured); accelerator = the published per-layer count with fused RMSNorm/SwiGLU and "
+                             "flash attention (Korthikanti et al. 2022, Table 2, adjusted for GQA and SwiGLU). "
+                             "Default: accelerator with --device-memory when the recipe selects use_fused_rmsnorm and "
+                             "use_fused_swiglu, cpu otherwise")
     return parser
 
 
@@ -84,12 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         arch = architecture(source)
         link, h2d = args.link_gbps * 1e9, args.h2d_gbps * 1e9
         try:
-            plan, switch = plan_config(config, arch, device_memory=device_memory, link_bytes_per_second=link)
+            plan, switch = plan_config(config, arch, device_memory=device_memory, link_bytes_per_second=link,
+                                       profile=args.profile)
         except ValueError as error:
             raise ConfigError("actor_config", str(error)) from None
         suggestions = None
         if device_memory is not None and plan.fits() is False:
-            suggestions = suggest(cfg, arch, device_memory=device_memory)
+            suggestions = suggest(cfg, arch, device_memory=device_memory, profile=args.profile)
         report_args = dict(model_name=config.actor_config.model, source=source.source, switch=switch,
                            suggestions=suggestions, h2d_bytes_per_second=h2d, link_bytes_per_second=link)
         if args.json is None:

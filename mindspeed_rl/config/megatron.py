@@ -73,6 +73,10 @@ class MegatronTrainingConfig:
     # the same weights agree.
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    # Ours. Response tokens whose log-probs and entropy are computed at a time, in fp32, from the vocabulary
+    # shard (engines/vocab_parallel.py): the extra memory is about 12 x this x vocab/TP bytes, however long
+    # the sequences (1024 x 152064 / 2 x 12 = 0.9 GiB for Qwen2.5 at TP2).
+    logprob_chunk_tokens: int = 1024
     # Validated only: the label column is the one extra key, and the verifiers read it.
     dataset_additional_keys: list[str] = field(default_factory=lambda: ["labels"])
     # A .jsonl/.json/.parquet file, a directory of them, or a directory from cli/preprocess_data.py. null
@@ -97,7 +101,7 @@ class MegatronTrainingConfig:
 
     def __post_init__(self) -> None:
         prefix = self.SECTION_KEY
-        require_positive(prefix, self, "global_batch_size", "train_iters")
+        require_positive(prefix, self, "global_batch_size", "train_iters", "logprob_chunk_tokens")
         require_in_range(prefix, self, "attention_dropout", 0.0, 1.0, high_open=True)
         require_in_range(prefix, self, "hidden_dropout", 0.0, 1.0, high_open=True)
         require_only(prefix, self, "use_mcore_models", True, "the engine builds Megatron-core (mcore) models only")

@@ -105,28 +105,34 @@ def load_hf_into_megatron(model: torch.nn.Module, hf_state: dict[str, torch.Tens
             params[name].copy_(tensor)
 
 
-def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float,
-                                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of every response token (and optionally the entropy there), vocab-parallel aware.
+def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool,
+                                  chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of every response token (and optionally the entropy there), [b, response_width] fp32, 0 where
+    `mb.response_mask` is 0.
 
-    logits: [b, s, vocab/tp]. Position t predicts token t+1, so response token j of a sample
-    whose prompt has length p is scored at position p - 1 + j.
+    logits: [b, s, vocab/tp]. Position t predicts token t+1, so response token j of a sample whose prompt
+    has length p is scored at position p - 1 + j. Only those rows are taken (a copy in the logits' dtype);
+    the vocabulary stays sharded and the fp32 work is chunked (engines/vocab_parallel.py).
     """
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state as ps
 
-    logits = logits.float() / temperature
-    targets = torch.roll(mb.input_ids, shifts=-1, dims=1)
-    token_logprobs = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), targets)  # [b, s]
-    index = (mb.prompt_lengths.unsqueeze(1) - 1 + torch.arange(mb.response_width).unsqueeze(0))
-    index = index.clamp(max=mb.input_ids.shape[1] - 1)
-    logprobs = torch.gather(token_logprobs, 1, index) * mb.response_mask
-    entropy = None
-    if with_entropy:
-        full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-        log_p = torch.log_softmax(full, dim=-1)
-        token_entropy = -(log_p.exp() * log_p).sum(-1)
-        entropy = torch.gather(token_entropy, 1, index) * mb.response_mask
-    return logprobs, entropy
+    from mindspeed_rl.engines.vocab_parallel import vocab_parallel_logprobs
+
+    batch, width, vocab_local = logits.shape
+    positions = mb.prompt_lengths.unsqueeze(1) - 1 + torch.arange(mb.response_width, device=logits.device)
+    rows = (torch.arange(batch, device=logits.device).unsqueeze(1) * width + positions)[mb.response_mask.bool()]
+    targets = mb.input_ids.reshape(-1)[rows + 1]
+    group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+    token_logprobs, token_entropy = vocab_parallel_logprobs(
+        logits.reshape(-1, vocab_local)[rows], targets, temperature=temperature, chunk_tokens=chunk_tokens,
+        group=group, with_entropy=with_entropy)
+    selected = mb.response_mask.bool()
+
+    def place(values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(mb.response_mask.shape, dtype=torch.float32, device=logits.device)
+        return out.masked_scatter(selected, values)
+
+    return place(token_logprobs), (place(token_entropy) if with_entropy else None)
 
 
 def _pad_sequence(ids: torch.Tensor, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +156,7 @@ class MegatronEngine:
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.ep = ps.get_expert_model_parallel_world_size()
+        self.logprob_chunk_tokens = options.logprob_chunk_tokens
         with accelerator.megatron_context():
             module = build_gpt_model(spec, params_dtype=params_dtype, tp=self.tp, pp=self.pp, ep=self.ep,
                                      options=options)
@@ -239,7 +246,8 @@ class MegatronEngine:
         """[num_samples, response_width] log-probs of the response tokens, on every rank."""
 
         def collect(mb: MicroBatch, logits: torch.Tensor, non_loss_data: bool = True):
-            return response_logprobs_from_logits(logits, mb, temperature, with_entropy=False)[0]
+            return response_logprobs_from_logits(logits, mb, temperature, with_entropy=False,
+                                                 chunk_tokens=self.logprob_chunk_tokens)[0]
 
         self.model.eval()
         micro_batches = batch.micro_batches(micro_batch_size, self.accelerator.device)
@@ -265,7 +273,8 @@ class MegatronEngine:
         dp_size = ps.get_data_parallel_world_size()
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
-            logprobs, entropy = response_logprobs_from_logits(logits, mb, temperature, with_entropy=True)
+            logprobs, entropy = response_logprobs_from_logits(logits, mb, temperature, with_entropy=True,
+                                                              chunk_tokens=self.logprob_chunk_tokens)
             loss, stats = loss_fn(logprobs, entropy, mb)
             # The schedule divides by the number of micro-batches and DDP averages over DP ranks;
             # our loss is already a mini-batch token mean, so undo both.

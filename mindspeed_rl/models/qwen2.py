@@ -94,8 +94,12 @@ class ModelOptions:
     hidden_dropout: float = 0.0
     attention_softmax_in_fp32: bool = True
     kernel_fields: dict[str, bool] = field(default_factory=dict)
+    # Rows of logits turned into log-probs and entropy at a time (engines/vocab_parallel.py).
+    logprob_chunk_tokens: int = 1024
 
     def __post_init__(self) -> None:
+        if self.logprob_chunk_tokens < 1:
+            raise ValueError(f"logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")

@@ -86,6 +86,13 @@ class Architecture:
         return self.num_attention_heads * per_head
 
     @property
+    def kv_width(self) -> int:
+        """Rows of the key (or value) projection: the KV heads; with MLA the per-head keys the latent expands to."""
+        if self.is_mla:
+            return self.num_attention_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        return self.num_kv_heads * self.head_dim
+
+    @property
     def shared_expert_size(self) -> int:
         return self.num_shared_experts * self.moe_intermediate_size
 

@@ -86,7 +86,9 @@ def on_cpu(config: GRPOConfig, device_memory: int | None, device: str | None = N
 
 
 def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | None = None,
-                seq_length: int | None = None, device: str | None = None) -> PlanInputs:
+                seq_length: int | None = None, device: str | None = None, profile: str | None = None) -> PlanInputs:
+    """`profile` (ACTIVATION_PROFILES) None: accelerator off CPU when the recipe selects the fused RMSNorm and SwiGLU
+    kernels the published count assumes; otherwise cpu (the unfused path's measured amounts)."""
     mt, ac, rl, gen = config.megatron_training, config.actor_config, config.rl_config, config.generate_config
     cpu = on_cpu(config, device_memory, device)
     return PlanInputs(
@@ -98,6 +100,7 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
         sequence_parallel=mt.sequence_parallel, flash_attention=mt.use_flash_attn and not cpu,
         micro_batch_size=ac.micro_batch_size, mini_batch_samples=rl.mini_batch_size_in_samples,
         seq_length=seq_length or rl.max_prompt_length + gen.sampling_config.max_tokens,
+        response_length=gen.sampling_config.max_tokens,
         policy=ResidencyPolicy(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
                                offload_train_optimizer=gen.offload_train_optimizer,
                                has_reward_model=config.reward_model is not None),
@@ -106,18 +109,21 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
                        gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
                        max_model_len=gen.max_model_len),
         device_memory=device_memory, bucket_bytes=int(gen.resharding_bucket_mb * 2**20),
+        activation_profile=profile or ("accelerator" if not cpu and mt.use_fused_rmsnorm and mt.use_fused_swiglu
+                                       else "cpu"),
     )
 
 
 def plan_config(config: GRPOConfig, arch: Architecture, *, device_memory: int | None = None,
                 link_bytes_per_second: float = 50e9, with_switch: bool = True, seq_length: int | None = None,
-                device: str | None = None) -> tuple[MemoryPlan, SwitchPlan | None]:
+                device: str | None = None, profile: str | None = None) -> tuple[MemoryPlan, SwitchPlan | None]:
     """The memory plan of a config (and the switch's bytes from the resharding plan)."""
     if config.disaggregated:
         # Its phases and the switch assume one device holds every role's states in turn.
         raise ConfigError("actor_infer.device_mapping", "disaggregated roles: the planner models colocated roles "
                                                         "only (every state on one set of devices, taking turns)")
-    inputs = plan_inputs(config, arch, device_memory=device_memory, seq_length=seq_length, device=device)
+    inputs = plan_inputs(config, arch, device_memory=device_memory, seq_length=seq_length, device=device,
+                         profile=profile)
     switch = plan_switch(inputs, link_bytes_per_second=link_bytes_per_second) if with_switch else None
     staging = {r.rank: r.staging for r in switch.ranks} if switch else None
     return plan_memory(inputs, switch_staging=staging), switch
@@ -224,7 +230,8 @@ def _override_text(overrides: dict[str, object], cfg, base: GRPOConfig) -> tuple
 _ABSENT = object()
 
 
-def suggest(cfg, arch: Architecture, *, device_memory: int, limit: int = 5) -> list[Suggestion]:
+def suggest(cfg, arch: Architecture, *, device_memory: int, limit: int = 5,
+            profile: str | None = None) -> list[Suggestion]:
     """Override sets (valid configs: every check of load_config passes) whose plan fits `device_memory`: for each set
     of knobs, the nearest values that fit; fewest changed keys first. `cfg` is the composed Hydra tree."""
     from mindspeed_rl.config import load_config
@@ -242,7 +249,8 @@ def suggest(cfg, arch: Architecture, *, device_memory: int, limit: int = 5) -> l
         if not text or any(set(known) <= set(family) for known in first):
             continue  # this set of knobs, or a part of it, already fits
         try:
-            plan, _ = plan_config(_apply(base, overrides), arch, device_memory=device_memory, with_switch=False)
+            plan, _ = plan_config(_apply(base, overrides), arch, device_memory=device_memory, with_switch=False,
+                                  profile=profile)
         except (ConfigError, ValueError):
             continue
         if plan.fits():

@@ -7,18 +7,30 @@ are per rank; the table shows, like the ledger's metrics, the largest rank of ea
 largest rank's total.
 
 Activations (the update phase; forward-only phases save nothing for backward), bytes per token of a
-micro-batch of `micro_batch_size x seq_length` tokens, `e` the param dtype's bytes, `t` the train TP:
+micro-batch of `micro_batch_size x seq_length` tokens, `e` the param dtype's bytes, `t` the train TP, two
+profiles (`PlanInputs.activation_profile`):
+
+cpu (what this engine's CPU path keeps: Megatron's local spec, torch norms, unfused attention; measured)
     per layer   (16 + 2e) h [/t with sequence parallel] + 4e q/t + 5e f/t + c a/t s
+accelerator (the published count, Korthikanti et al. 2022 "Reducing Activation Recomputation in Large
+Transformer Models", Table 2: 34 s b h / t with sequence parallel, adjusted for GQA, SwiGLU, RMSNorm and
+no dropout, with the fused kernels MindSpeed/TE select: fused RMSNorm and SwiGLU keep their input only,
+flash attention its output and a logsumexp)
+    per layer   4e h [/t with sequence parallel] + (2e q + 2e kv + 3e f) / t + c a/t s
+                (the two norms' inputs 2eh, the QKV and fc1 inputs eh each; Q eq, K and V 2e kv, the
+                attention output eq; fc1's gate and up 2ef, fc2's input ef)
+both
     first stage + 8 (the token ids the embedding keeps)
-    last stage  + (8 + e) h + 4 V/t + 8 V (fp32 logits, and the full-vocabulary log-softmax of the entropy)
-with q = heads x head_dim, f the MLP width (MoE layers: top-k x the expert width + the shared experts'
-width, + 8 E for the router's fp32 logits and probabilities + 2e k h for the dispatched tokens), c = 4
-in fp32 and 4 + e otherwise (the attention probabilities in fp32; 0 with flash attention on an
-accelerator). A pipeline stage p of PP holds min(PP - p, micro-batches per step) micro-batches (1F1B).
-The coefficients were measured on this engine's path (Megatron local spec, torch norms, unfused
-attention, `with_entropy=True` in the loss) by varying each of h, f, head_dim, heads, seq, V, TP, PP and
-dtype on CPU; they reproduce the demos' measured `memory/update/activations_bytes` within 3%. MoE and MLA
-terms are estimates, not calibrated.
+    last stage  + (8 + e) h, and per response token + e V/t + 24 (the response rows of the logits, in their own
+                dtype and vocabulary-sharded, and four numbers per token: engines/vocab_parallel.py)
+with q = heads x head_dim, kv = KV heads x head_dim, f the MLP width (MoE layers: top-k x the expert width +
+the shared experts' width, + 8 E for the router's fp32 logits and probabilities + 2e k h for the dispatched
+tokens), c = 4 in fp32 and 4 + e otherwise (the attention probabilities in fp32; 0 with flash attention on
+an accelerator). A pipeline stage p of PP holds min(PP - p, micro-batches per step) micro-batches (1F1B).
+The cpu coefficients were measured on this engine's path (`with_entropy=True` in the loss) by varying each
+of h, f, head_dim, heads, seq, V, TP, PP and dtype on CPU; they reproduce the demos' measured
+`memory/update/activations_bytes` within 3%. The accelerator profile is the formula, not a measurement
+(no accelerator here); MoE and MLA terms are estimates, not calibrated.
 """
 from __future__ import annotations
 
@@ -36,6 +48,7 @@ from mindspeed_rl.planner.params import (reward_model_bytes, stage_layers, stage
 if TYPE_CHECKING:
     from mindspeed_rl.resharding.plan import InferLayout
 
+ACTIVATION_PROFILES = ("cpu", "accelerator")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 GIB = 1 << 30
 
@@ -71,14 +84,18 @@ class PlanInputs:
     micro_batch_size: int = 1
     mini_batch_samples: int = 1  # samples per optimizer step, over all DP ranks
     seq_length: int = 1  # prompt + response tokens of a micro-batch's rows
+    response_length: int | None = None  # response tokens of a row (scored by the loss); None: seq_length
     policy: ResidencyPolicy = field(default_factory=ResidencyPolicy)
     kv: KVCacheSpec = field(default_factory=lambda: KVCacheSpec(on_cpu=True))
     device_memory: int | None = None
     bucket_bytes: int = 64 << 20  # generate_config.resharding_bucket_mb
     # The reward model's architecture (rewards.<name>.model_path) when policy.has_reward_model; None: the actor's.
     reward_arch: Architecture | None = None
+    activation_profile: str = "cpu"  # ACTIVATION_PROFILES: which kernels' activations the update keeps
 
     def __post_init__(self) -> None:
+        if self.activation_profile not in ACTIVATION_PROFILES:
+            raise ValueError(f"activation_profile must be one of {ACTIVATION_PROFILES}, got {self.activation_profile!r}")
         if self.world_size % (self.tp * self.pp):
             raise ValueError(f"train TP*PP={self.tp * self.pp} must divide the world size {self.world_size}")
         if self.world_size % (self.infer_tp * self.infer_pp):
@@ -135,24 +152,28 @@ class ActivationTerms:
     moe_layer: float
     first_stage: float
     last_stage: float
+    last_stage_per_response_token: float
 
 
 def activation_terms(inputs: PlanInputs) -> ActivationTerms:
     arch, t = inputs.arch, inputs.tp
     e = 2 if inputs.bf16 else 4
     h, s = arch.hidden_size, inputs.padded_seq_length
-    h_part = (16 + 2 * e) * h / (t if inputs.sequence_parallel_effective else 1)
-    q_part = 4 * e * arch.q_width / t
+    h_split = t if inputs.sequence_parallel_effective else 1
     scores = 0.0 if inputs.flash_attention else (4 if e == 4 else 4 + e) * arch.num_attention_heads / t * s
-    attention = h_part + q_part + scores
-    dense = attention + 5 * e * arch.intermediate_size / t
+    if inputs.activation_profile == "cpu":
+        attention = (16 + 2 * e) * h / h_split + 4 * e * arch.q_width / t + scores
+        mlp_per_width = 5 * e
+    else:
+        attention = 4 * e * h / h_split + (2 * e * arch.q_width + 2 * e * arch.kv_width) / t + scores
+        mlp_per_width = 3 * e
+    dense = attention + mlp_per_width * arch.intermediate_size / t
     moe = attention
     if arch.is_moe:
-        moe += 5 * e * (arch.moe_topk * arch.moe_intermediate_size + arch.shared_expert_size) / t
+        moe += mlp_per_width * (arch.moe_topk * arch.moe_intermediate_size + arch.shared_expert_size) / t
         moe += 8 * arch.num_experts + 2 * e * arch.moe_topk * h
-    vocab = arch.vocab_size
-    return ActivationTerms(dense_layer=dense, moe_layer=moe, first_stage=8.0,
-                           last_stage=(8 + e) * h + 4 * vocab / t + 8 * vocab)
+    return ActivationTerms(dense_layer=dense, moe_layer=moe, first_stage=8.0, last_stage=(8 + e) * h,
+                           last_stage_per_response_token=e * arch.vocab_size / t + 24)
 
 
 def activation_bytes(inputs: PlanInputs, pp_rank: int) -> int:
@@ -163,7 +184,8 @@ def activation_bytes(inputs: PlanInputs, pp_rank: int) -> int:
     if pp_rank == 0:
         per_token += terms.first_stage
     if pp_rank == inputs.pp - 1:
-        per_token += terms.last_stage
+        response = min(inputs.seq_length, inputs.response_length or inputs.seq_length)
+        per_token += terms.last_stage + terms.last_stage_per_response_token * response / inputs.padded_seq_length
     in_flight = min(inputs.pp - pp_rank, inputs.micro_batches_per_step)
     return int(in_flight * inputs.micro_batch_size * inputs.padded_seq_length * per_token)
 

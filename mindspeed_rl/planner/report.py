@@ -35,6 +35,7 @@ def _layout_line(plan: MemoryPlan) -> list[str]:
         extras.append("sequence parallel")
     if i.flash_attention:
         extras.append("flash attention")
+    extras.append(f"{i.activation_profile} activation profile")
     stages = f" x PP{i.infer_pp}" if i.infer_pp > 1 else ""
     infer = f"infer TP{i.infer_tp}{stages} x DP{i.infer_dp}" + (" (expert parallel)" if i.infer_expert_parallel else "")
     if i.kv.on_cpu:
@@ -142,11 +143,25 @@ def _moves_text(plan: MemoryPlan, h2d: float) -> list[str]:
     return lines
 
 
+def activations_formula(i, terms) -> str:
+    e = 2 if i.bf16 else 4
+    moe = f" (MoE layer {terms.moe_layer:.0f} B, an uncalibrated estimate)" if i.arch.is_moe else ""
+    if i.activation_profile == "cpu":
+        layer = "per layer (16+2e)h[/t with SP] + 4e q/t + 5e f/t + c a s/t"
+        source = "coefficients measured on this engine's CPU path"
+    else:
+        layer = "per layer 4e h[/t with SP] + (2e q + 2e kv + 3e f)/t + c a s/t"
+        source = ("the published count with fused RMSNorm/SwiGLU and flash attention (Korthikanti et al. 2022, "
+                  "Table 2, adjusted for GQA and SwiGLU), not measured here")
+    return (f"activations ({i.activation_profile} profile; update, per micro-batch token, e={e}): {layer} = "
+            f"{terms.dense_layer:.0f} B{moe}; first stage +8 B; last stage +(8+e)h = {terms.last_stage:.0f} B, and "
+            f"per response token + eV/t + 24 = {terms.last_stage_per_response_token:.0f} B (the logits' response "
+            f"rows, vocabulary-sharded); x micro_batch_size x seq x min(PP - stage, micro-batches) in flight; "
+            f"{source} (mindspeed_rl/planner/memory.py)")
+
+
 def formulas(plan: MemoryPlan) -> list[str]:
     i = plan.inputs
-    e = 2 if i.bf16 else 4
-    terms = activation_terms(i)
-    moe = f" (MoE layer {terms.moe_layer:.0f} B, an uncalibrated estimate)" if i.arch.is_moe else ""
     return [
         "train params: the Megatron shard's elements x 2 (bf16; RMSNorm weights 4) or 4; with the distributed "
         "optimizer the DDP param buffer, padded",
@@ -161,10 +176,7 @@ def formulas(plan: MemoryPlan) -> list[str]:
         "KV cache: cpu_kvcache_space_gb on CPU; gpu_memory_utilization x device memory - inference weights on an "
         "accelerator (vLLM's own activation reserve not subtracted); per token 2 x layers (of the rank's vLLM stage) "
         "x KV heads per rank x head_dim x dtype (MLA: layers x (kv_lora_rank + rope dim) x dtype)",
-        f"activations (update, per micro-batch token, e={e}): per layer (16+2e)h[/t with SP] + 4e q/t + 5e f/t "
-        f"+ c a s/t = {terms.dense_layer:.0f} B{moe}; first stage +8 B; last stage "
-        f"+(8+e)h + 4V/t + 8V = {terms.last_stage:.0f} B; x micro_batch_size x seq x min(PP - stage, "
-        "micro-batches) in flight; coefficients measured on this engine's CPU path (mindspeed_rl/planner/memory.py)",
+        activations_formula(i, activation_terms(i)),
         "switch staging: min(received, bucket) + min(sent, bucket) (generate_config.resharding_bucket_mb)",
     ]
 
@@ -185,6 +197,7 @@ def json_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
                    "infer_expert_parallel": i.infer_expert_parallel,
                    "bf16": i.bf16, "infer_dtype": i.infer_dtype, "distributed_optimizer": i.distributed_optimizer,
                    "sequence_parallel": i.sequence_parallel_effective, "flash_attention": i.flash_attention,
+                   "activation_profile": i.activation_profile,
                    "micro_batch_size": i.micro_batch_size, "seq_length": i.padded_seq_length,
                    "micro_batches_per_step": i.micro_batches_per_step,
                    "offload_train_param": TRAIN_PARAMS not in i.policy.pinned,
