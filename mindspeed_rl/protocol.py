@@ -6,17 +6,52 @@ from dataclasses import dataclass, field, replace
 import torch
 
 
+@dataclass(frozen=True, kw_only=True)
+class Packing:
+    """Micro-batches of samples concatenated without padding (MindSpeed-RL's `use_remove_padding`); with
+    `max_tokens` (`use_dynamic_bsz`, `max_packing_token_size`) cut by token budget and balanced
+    (algorithms/seqlen_balancing.py), at most `max_samples` samples each (`dynamic_max_batch_size`)."""
+
+    max_tokens: int | None = None
+    max_samples: int | None = None
+    multiple: int = 1  # a packed row's length is rounded up to this (TP with sequence parallel)
+
+
 @dataclass(kw_only=True)
 class MicroBatch:
-    input_ids: torch.Tensor       # [b, s] prompt + response, right-padded with pad id
-    position_ids: torch.Tensor    # [b, s]
+    """b samples, either padded ([b, s] rows, right-padded) or packed (one [1, t] row of the b samples one after
+    another, `cu_seqlens` [b + 1 (+1 for a final padding segment)] their boundaries)."""
+
+    input_ids: torch.Tensor       # [b, s] or [1, t]
+    position_ids: torch.Tensor    # alike; packed: restarting at 0 for each sample
     prompt_lengths: torch.Tensor  # [b]
     response_mask: torch.Tensor   # [b, r] 1.0 on generated tokens
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample columns, sliced alike
+    sample_indices: list[int] = field(default_factory=list)  # the samples' rows in the batch it was cut from
+    cu_seqlens: torch.Tensor | None = None  # int32; None: padded
+    max_seqlen: int = 0
 
     @property
     def response_width(self) -> int:
         return self.response_mask.shape[1]
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    def sample_starts(self) -> torch.Tensor:
+        """[b] where each sample's first token is in the flattened `input_ids`."""
+        if self.packed:
+            return self.cu_seqlens[: len(self.prompt_lengths)].long()
+        width = self.input_ids.shape[1]
+        return torch.arange(self.input_ids.shape[0], device=self.input_ids.device) * width
+
+    def scored_rows(self) -> torch.Tensor:
+        """Rows of the flattened [tokens, vocab] logits that score a response token, in `response_mask` order:
+        position t predicts token t + 1, so response token j of a sample is scored at its prompt length - 1 + j."""
+        offsets = torch.arange(self.response_width, device=self.input_ids.device)
+        rows = (self.sample_starts() + self.prompt_lengths - 1).unsqueeze(1) + offsets
+        return rows[self.response_mask.bool()]
 
 
 @dataclass(kw_only=True)
@@ -67,17 +102,60 @@ class RolloutBatch:
             columns={k: v[index] for k, v in self.columns.items()},
         )
 
-    def micro_batches(self, micro_batch_size: int, device: torch.device) -> list[MicroBatch]:
-        """Equal-shape micro-batches (pipeline p2p needs one shape); the last may be smaller."""
-        out = []
-        for start in range(0, len(self), micro_batch_size):
-            part = self.select(slice(start, start + micro_batch_size))
-            b, s = part.input_ids.shape
-            out.append(MicroBatch(
-                input_ids=part.input_ids.to(device),
-                position_ids=torch.arange(s).unsqueeze(0).expand(b, s).contiguous().to(device),
-                prompt_lengths=part.prompt_lengths.to(device),
-                response_mask=part.response_mask.to(device),
-                extras={k: v.to(device) for k, v in part.columns.items()},
-            ))
-        return out
+    def sample_lengths(self) -> torch.Tensor:
+        """[B] prompt + response tokens of each sample (its row without the padding)."""
+        return self.prompt_lengths + self.response_mask.sum(dim=1).long()
+
+    def micro_batches(self, micro_batch_size: int, device: torch.device,
+                      packing: Packing | None = None) -> list[MicroBatch]:
+        """Padded: `micro_batch_size` samples each, all of the batch's width (pipeline p2p needs one shape); the
+        last may have fewer samples. Packed: the same groups (or, with `packing.max_tokens`, token-budget
+        groups) concatenated without padding."""
+        if packing is None:
+            groups = [list(range(start, min(start + micro_batch_size, len(self))))
+                      for start in range(0, len(self), micro_batch_size)]
+            return [self._padded(group, device) for group in groups]
+        if packing.max_tokens is None:
+            groups = [list(range(start, min(start + micro_batch_size, len(self))))
+                      for start in range(0, len(self), micro_batch_size)]
+        else:
+            from mindspeed_rl.algorithms.seqlen_balancing import token_budget_partitions
+
+            groups = token_budget_partitions(self.sample_lengths().tolist(), max_tokens=packing.max_tokens,
+                                             max_samples=packing.max_samples)
+        return [self._packed(group, device, packing.multiple) for group in groups]
+
+    def _padded(self, group: list[int], device: torch.device) -> MicroBatch:
+        part = self.select(torch.tensor(group, dtype=torch.long))
+        b, s = part.input_ids.shape
+        return MicroBatch(
+            input_ids=part.input_ids.to(device),
+            position_ids=torch.arange(s).unsqueeze(0).expand(b, s).contiguous().to(device),
+            prompt_lengths=part.prompt_lengths.to(device),
+            response_mask=part.response_mask.to(device),
+            extras={k: v.to(device) for k, v in part.columns.items()},
+            sample_indices=group,
+        )
+
+    def _packed(self, group: list[int], device: torch.device, multiple: int) -> MicroBatch:
+        part = self.select(torch.tensor(group, dtype=torch.long))
+        lengths = part.sample_lengths().tolist()
+        ids = [part.input_ids[i, :n] for i, n in enumerate(lengths)]
+        positions = [torch.arange(n) for n in lengths]
+        total = sum(lengths)
+        padding = -total % multiple
+        if padding:  # its own segment: causal attention keeps it out of every sample
+            ids.append(torch.zeros(padding, dtype=torch.long))
+            positions.append(torch.arange(padding))
+            lengths.append(padding)
+        cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return MicroBatch(
+            input_ids=torch.cat(ids).unsqueeze(0).to(device),
+            position_ids=torch.cat(positions).unsqueeze(0).to(device),
+            prompt_lengths=part.prompt_lengths.to(device),
+            response_mask=part.response_mask.to(device),
+            extras={k: v.to(device) for k, v in part.columns.items()},
+            sample_indices=group,
+            cu_seqlens=cu_seqlens.to(device),
+            max_seqlen=max(lengths),
+        )

@@ -734,3 +734,31 @@ def hf_mismatch_at(block_key: str, arch: ModelArchConfig, hf_config: dict) -> st
     with pytest.raises(ConfigError) as info:
         check_model_block_against_hf(arch, block_key, hf_config)
     return str(info.value)
+
+
+def test_packing_budgets_default_to_the_shared_keys_per_phase() -> None:
+    rl = load(TINY, "rl_config.use_remove_padding=true", "rl_config.use_dynamic_bsz=true",
+              "rl_config.max_packing_token_size=512", "rl_config.update_max_packing_token_size=1024",
+              "rl_config.ref_dynamic_max_batch_size=4").rl_config
+    assert rl.packing_budgets == {"ref": (512, 4), "actor": (512, None), "update": (1024, None)}
+
+
+def test_dynamic_batch_size_needs_packing() -> None:
+    assert config_error(TINY, "rl_config.use_dynamic_bsz=true").startswith(
+        "rl_config.use_dynamic_bsz: needs use_remove_padding: true")
+
+
+def test_a_packing_budget_below_the_longest_sample_names_its_key() -> None:
+    cfg = load(TINY)
+    longest = cfg.rl_config.max_prompt_length + cfg.generate_config.sampling_config.max_tokens
+    message = config_error(TINY, "rl_config.use_remove_padding=true", "rl_config.use_dynamic_bsz=true",
+                           f"rl_config.actor_max_packing_token_size={longest - 1}")
+    assert message == (f"rl_config.actor_max_packing_token_size: must be >= rl_config.max_prompt_length + "
+                       f"generate_config.sampling_config.max_tokens = {longest} (a sample is never split), "
+                       f"got {longest - 1}")
+
+
+def test_packed_attention_has_no_dropout() -> None:
+    assert config_error(TINY, "rl_config.use_remove_padding=true", "megatron_training.attention_dropout=0.1") == (
+        "megatron_training.attention_dropout: must be 0 with rl_config.use_remove_padding: packed attention runs "
+        "without dropout")

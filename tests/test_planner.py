@@ -376,8 +376,9 @@ def _storage_bytes(tensors) -> int:
     return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def _live_engine(world, arch, *, bf16: bool, distributed: bool):
+def _live_engine(world, arch, *, bf16: bool, distributed: bool, packed: bool = False):
     from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
+    from mindspeed_rl.models.qwen2 import ModelOptions
     from mindspeed_rl.resharding.layouts import hf_shapes
 
     spec = arch.to_spec()
@@ -386,10 +387,11 @@ def _live_engine(world, arch, *, bf16: bool, distributed: bool):
     settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                                  clip_grad=1.0, use_distributed_optimizer=distributed)
     return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                          accelerator=world, optimizer=settings)
+                          accelerator=world, optimizer=settings, options=ModelOptions(packed_sequences=packed))
 
 
-def _train_once(engine, vocab: int, *, samples: int, prompt: int, response: int, micro_batch_size: int):
+def _train_once(engine, vocab: int, *, samples: int, prompt: int, response: int, micro_batch_size: int,
+                packing=None):
     from mindspeed_rl.algorithms.grpo import GRPOLossConfig
     from mindspeed_rl.protocol import RolloutBatch
     from mindspeed_rl.workers.actor_hybrid_worker import train_on_mini_batch
@@ -404,7 +406,7 @@ def _train_once(engine, vocab: int, *, samples: int, prompt: int, response: int,
     batch.columns["advantages"] = torch.randn(samples, generator=generator)
     config = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.001, entropy_coeff=0.0,
                             token_level_loss=True)
-    train_on_mini_batch(engine, batch, config, micro_batch_size=micro_batch_size, temperature=1.0)
+    train_on_mini_batch(engine, batch, config, micro_batch_size=micro_batch_size, temperature=1.0, packing=packing)
 
 
 @pytest.mark.parametrize("arch, bf16, distributed", [
@@ -445,18 +447,36 @@ def test_the_vocabulary_costs_e_bytes_per_response_token_and_no_more(world):
     assert large - small == 4 * (4800 - 48) * 6 * 5  # fp32, 6 samples x 5 response tokens
 
 
-def _measured_activation_bytes(world, arch) -> int:
+def test_packed_activation_estimate_against_the_activation_meter(world):
+    """Packed micro-batches (per-sample attention: no score matrix), one of micro_batch_size samples and, with a
+    token budget, several of at most the budget's tokens."""
+    from mindspeed_rl.protocol import Packing
+
+    arch = _tiny(vocab_size=48, hidden_size=64, intermediate_size=320, num_hidden_layers=3, num_attention_heads=8,
+                 num_key_value_heads=2)
+    inputs = PlanInputs(arch=arch, world_size=1, micro_batch_size=6, mini_batch_samples=6, seq_length=50,
+                        response_length=20, packed=True)
+    measured = _measured_activation_bytes(world, arch, prompt=30, response=20, packing=Packing())
+    assert abs(activation_bytes(inputs, 0) - measured) / measured < 0.05, (activation_bytes(inputs, 0), measured)
+    budget = replace(inputs, packing_token_budget=100)  # 6 samples of 50 tokens: 3 micro-batches of 2
+    assert budget.micro_batches_per_step == 3
+    measured = _measured_activation_bytes(world, arch, prompt=30, response=20, packing=Packing(max_tokens=100))
+    assert abs(activation_bytes(budget, 0) - measured) / measured < 0.05, (activation_bytes(budget, 0), measured)
+
+
+def _measured_activation_bytes(world, arch, *, prompt: int = 7, response: int = 5, packing=None) -> int:
     import itertools as it
 
     from mindspeed_rl.memory import ActivationMeter
     from mindspeed_rl.memory.megatron_states import grad_buffer_tensors, optimizer_state_tensors, param_tensors
 
-    engine = _live_engine(world, arch, bf16=False, distributed=False)
-    _train_once(engine, arch.vocab_size, samples=6, prompt=7, response=5, micro_batch_size=6)
+    engine = _live_engine(world, arch, bf16=False, distributed=False, packed=packing is not None)
+    shape = dict(samples=6, prompt=prompt, response=response, micro_batch_size=6, packing=packing)
+    _train_once(engine, arch.vocab_size, **shape)
     keep = it.chain(param_tensors(engine.module), grad_buffer_tensors(engine.model),
                     optimizer_state_tensors(engine.optimizer))
     with ActivationMeter({t.untyped_storage()._cdata for t in keep}) as meter:
-        _train_once(engine, arch.vocab_size, samples=6, prompt=7, response=5, micro_batch_size=6)
+        _train_once(engine, arch.vocab_size, **shape)
     return meter.peak_bytes
 
 

@@ -113,6 +113,14 @@ class Accelerator:
 
         return resolve_kernels(request, self.name)
 
+    def varlen_causal_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                                cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
+        """Causal attention of packed samples, THD ([t, heads, head_dim]); see accelerator/varlen_attention.py."""
+        from mindspeed_rl.accelerator.varlen_attention import varlen_causal_attention
+
+        return varlen_causal_attention(self.name, query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                       scale=scale)
+
     def seed_model_parallel_rng(self, seed: int) -> None:
         if self.name == "cpu":
             from mindspeed_rl.accelerator.megatron_cpu import model_parallel_cpu_manual_seed

@@ -165,6 +165,7 @@ class GRPOConfig:
         self._check_model_sharding()
         self._check_batch_sizes()
         self._check_lengths()
+        self._check_packing()
 
     def _check_model_selection(self) -> None:
         actor_model = self.actor_config.model
@@ -326,6 +327,27 @@ class GRPOConfig:
                 f"must be <= model.{self.actor_config.model}.max_position_embeddings={max_positions}, "
                 f"got {max_model_len}",
             )
+
+    def _check_packing(self) -> None:
+        rl = self.rl_config
+        if not rl.use_remove_padding:
+            return
+        longest = rl.max_prompt_length + self.generate_config.sampling_config.max_tokens
+        for phase, (budget, _) in rl.packing_budgets.items() if rl.use_dynamic_bsz else ():
+            if budget < longest:
+                own = f"{phase}_max_packing_token_size"
+                key = own if getattr(rl, own) is not None else "max_packing_token_size"
+                raise ConfigError(f"rl_config.{key}", f"must be >= rl_config.max_prompt_length + generate_config."
+                                                      f"sampling_config.max_tokens = {longest} (a sample is never "
+                                                      f"split), got {budget}")
+        if self.megatron_training.attention_dropout > 0:
+            raise ConfigError("megatron_training.attention_dropout", "must be 0 with rl_config.use_remove_padding: "
+                                                                     "packed attention runs without dropout")
+        arch = self.selected_model
+        if arch is not None and arch.num_experts and self.actor_config.pipeline_model_parallel_size > 1:
+            raise ConfigError("rl_config.use_remove_padding", "packed sequences with pipeline parallelism are not "
+                                                              "supported for MoE models yet (Megatron's allgather "
+                                                              "dispatcher refuses variable shapes)")
 
     def _check_asset_paths(self) -> None:
         # The generator replaces both paths, so a path given beside it would be silently ignored; without

@@ -11,6 +11,10 @@ from mindspeed_rl.config.checks import (
 from mindspeed_rl.config.errors import ConfigError
 
 ADV_ESTIMATORS = ("group_norm",)
+PACKING_PHASES = ("ref", "actor", "update")  # MindSpeed-RL's prefixes: reference / old log-probs, the update
+PACKING_SIZE_KEYS = ("max_packing_token_size", "dynamic_max_batch_size",
+                     *(f"{phase}_{key}" for phase in PACKING_PHASES
+                       for key in ("max_packing_token_size", "dynamic_max_batch_size")))
 KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")
 KL_CTRL_TYPES = ("fixed",)
 
@@ -83,6 +87,34 @@ class RLConfig:
     integrated_mode_config: IntegratedModeConfig = field(default_factory=IntegratedModeConfig)
     # True: the loss is a mean over all response tokens of a micro-batch; False: per-sequence mean first.
     token_level_loss: bool = True
+    # Packed sequences (MindSpeed-RL's keys and meanings): the Megatron forward and backward take the samples
+    # of a micro-batch concatenated without padding (attention within each sample, positions restarting).
+    use_remove_padding: bool = False
+    # With use_remove_padding: micro-batches cut by token budget (balanced, Karmarkar-Karp) instead of by
+    # sample count; every sample's prompt + response must fit the budget.
+    use_dynamic_bsz: bool = False
+    max_packing_token_size: int = 4096
+    # Per phase (reference log-probs, the actor's old log-probs, the update); null: max_packing_token_size.
+    ref_max_packing_token_size: Optional[int] = None
+    actor_max_packing_token_size: Optional[int] = None
+    update_max_packing_token_size: Optional[int] = None
+    # At most this many samples in a token-budget micro-batch; null: no cap. Per phase alike.
+    dynamic_max_batch_size: Optional[int] = None
+    ref_dynamic_max_batch_size: Optional[int] = None
+    actor_dynamic_max_batch_size: Optional[int] = None
+    update_dynamic_max_batch_size: Optional[int] = None
+
+    @property
+    def packing_budgets(self) -> dict[str, tuple[int, int | None]]:
+        """Per PACKING_PHASES: (the token budget, the sample cap or None) of its token-budget micro-batches, the
+        phase's own keys or else max_packing_token_size and dynamic_max_batch_size."""
+        own = {
+            "ref": (self.ref_max_packing_token_size, self.ref_dynamic_max_batch_size),
+            "actor": (self.actor_max_packing_token_size, self.actor_dynamic_max_batch_size),
+            "update": (self.update_max_packing_token_size, self.update_dynamic_max_batch_size),
+        }
+        return {phase: (tokens or self.max_packing_token_size, samples or self.dynamic_max_batch_size)
+                for phase, (tokens, samples) in own.items()}
 
     @property
     def mini_batch_size_in_samples(self) -> int:
@@ -102,6 +134,7 @@ class RLConfig:
             "epochs",
             "clip_ratio",
             "verifier_timeout_seconds",
+            *PACKING_SIZE_KEYS,
         )
         require_non_negative(prefix, self, "init_kl_coef", "entropy_coeff")
         require_choice(prefix, self, "adv_estimator", ADV_ESTIMATORS)
@@ -113,6 +146,9 @@ class RLConfig:
                 "must be >= 2: group_norm advantages normalise over the samples of one prompt "
                 f"(the std of a single sample is undefined), got {self.n_samples_per_prompt}",
             )
+        if self.use_dynamic_bsz and not self.use_remove_padding:
+            raise ConfigError(f"{prefix}.use_dynamic_bsz", "needs use_remove_padding: true (token-budget micro-batches "
+                                                          "are packed; padded ones are cut by sample count)")
         # use_integrated_worker is checked with the role sections (GRPOConfig, config/resources.py).
         self._check_rewards()
 

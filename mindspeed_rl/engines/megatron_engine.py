@@ -6,7 +6,7 @@ go through the same path as on a cluster.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable, Iterator
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from mindspeed_rl.accelerator import Accelerator
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, transformer_config
 from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
-from mindspeed_rl.protocol import MicroBatch, RolloutBatch
+from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -66,6 +66,10 @@ def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: 
     config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp, ep=ep, options=options)
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
                                           qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    if options.packed_sequences:
+        from mindspeed_rl.models.packed_attention import with_packed_attention
+
+        layer_spec = with_packed_attention(layer_spec)
     if config.sequence_parallel:
         from mindspeed_rl.accelerator.megatron_cpu import with_sequence_parallel_norms
 
@@ -110,17 +114,16 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
     """Log-prob of every response token (and optionally the entropy there), [b, response_width] fp32, 0 where
     `mb.response_mask` is 0.
 
-    logits: [b, s, vocab/tp]. Position t predicts token t+1, so response token j of a sample whose prompt
-    has length p is scored at position p - 1 + j. Only those rows are taken (a copy in the logits' dtype);
-    the vocabulary stays sharded and the fp32 work is chunked (engines/vocab_parallel.py).
+    logits: [b, s, vocab/tp] (packed: [1, t, vocab/tp]). Only the rows that score a response token are taken
+    (`MicroBatch.scored_rows`, a copy in the logits' dtype); the vocabulary stays sharded and the fp32 work
+    is chunked (engines/vocab_parallel.py).
     """
     from megatron.core import parallel_state as ps
 
     from mindspeed_rl.engines.vocab_parallel import vocab_parallel_logprobs
 
-    batch, width, vocab_local = logits.shape
-    positions = mb.prompt_lengths.unsqueeze(1) - 1 + torch.arange(mb.response_width, device=logits.device)
-    rows = (torch.arange(batch, device=logits.device).unsqueeze(1) * width + positions)[mb.response_mask.bool()]
+    vocab_local = logits.shape[-1]
+    rows = mb.scored_rows()
     targets = mb.input_ids.reshape(-1)[rows + 1]
     group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
     token_logprobs, token_entropy = vocab_parallel_logprobs(
@@ -133,6 +136,16 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
         return out.masked_scatter(selected, values)
 
     return place(token_logprobs), (place(token_entropy) if with_entropy else None)
+
+
+def _in_batch_order(outputs: list[torch.Tensor], micro_batches: list[MicroBatch]) -> torch.Tensor | None:
+    """The micro-batches' rows back in the batch's sample order (token-budget groups are not contiguous);
+    None where this pipeline stage computed nothing."""
+    if not outputs:
+        return None
+    order = torch.tensor([i for mb in micro_batches for i in mb.sample_indices], device=outputs[0].device)
+    rows = torch.cat(outputs)
+    return torch.empty_like(rows).index_copy_(0, order, rows)
 
 
 def _pad_sequence(ids: torch.Tensor, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,6 +170,7 @@ class MegatronEngine:
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.ep = ps.get_expert_model_parallel_world_size()
         self.logprob_chunk_tokens = options.logprob_chunk_tokens
+        self.packed_sequences = options.packed_sequences
         with accelerator.megatron_context():
             module = build_gpt_model(spec, params_dtype=params_dtype, tp=self.tp, pp=self.pp, ep=self.ep,
                                      options=options)
@@ -215,21 +229,26 @@ class MegatronEngine:
 
         from megatron.core import parallel_state as ps
 
-        # Sequence parallel (MoE with TP > 1) splits the sequence over TP ranks; tokens appended
-        # after the last one change no earlier logit (causal), so pad and cut the logits back.
-        multiple = self.tp if self.module.config.sequence_parallel else 1
-        width = micro_batches[0].input_ids.shape[1]
+        packed = micro_batches[0].packed
+        # Padded: sequence parallel (MoE with TP > 1) splits the sequence over TP ranks; tokens appended after
+        # the last one change no earlier logit (causal), so pad and cut the logits back. Packed rows come
+        # padded to the multiple already, and the stages exchange each one's shape (variable_seq_lengths).
+        multiple = self.tp if self.module.config.sequence_parallel and not packed else 1
+        width = max(mb.input_ids.shape[1] for mb in micro_batches)
         seq_length = -(-width // multiple) * multiple
 
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             mb = next(data_iterator)
+            if mb.packed:
+                return model(mb.input_ids, mb.position_ids, None,
+                             packed_seq_params=self._packed_seq_params(mb)), partial(loss_func, mb)
             ids, positions = _pad_sequence(mb.input_ids, mb.position_ids, seq_length)
             output = model(ids, positions, None)
             if ps.is_pipeline_last_stage() and seq_length != width:
                 output = output[:, :width]
             return output, partial(loss_func, mb)
 
-        assert all(mb.input_ids.shape[1] == width for mb in micro_batches), "pipeline p2p needs one shape"
+        assert packed or all(mb.input_ids.shape[1] == width for mb in micro_batches), "pipeline p2p needs one shape"
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro_batches),
@@ -241,8 +260,16 @@ class MegatronEngine:
             collect_non_loss_data=collect_non_loss_data,
         )
 
+    @staticmethod
+    def _packed_seq_params(mb: MicroBatch):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                               max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+
     @torch.no_grad()
-    def compute_logprobs(self, batch: RolloutBatch, *, micro_batch_size: int, temperature: float) -> torch.Tensor:
+    def compute_logprobs(self, batch: RolloutBatch, *, micro_batch_size: int, temperature: float,
+                         packing: Packing | None = None) -> torch.Tensor:
         """[num_samples, response_width] log-probs of the response tokens, on every rank."""
 
         def collect(mb: MicroBatch, logits: torch.Tensor, non_loss_data: bool = True):
@@ -250,13 +277,13 @@ class MegatronEngine:
                                                  chunk_tokens=self.logprob_chunk_tokens)[0]
 
         self.model.eval()
-        micro_batches = batch.micro_batches(micro_batch_size, self.accelerator.device)
+        micro_batches = self._micro_batches(batch, micro_batch_size, packing)
         with self.accelerator.megatron_context():
             outputs = self._run_schedule(micro_batches, collect, forward_only=True, collect_non_loss_data=True)
-        return self._from_last_stage(torch.cat(outputs) if outputs else None, batch.response_logprobs_shape)
+        return self._from_last_stage(_in_batch_order(outputs, micro_batches), batch.response_logprobs_shape)
 
     def train_step(self, batch: RolloutBatch, *, micro_batch_size: int, temperature: float,
-                   loss_fn: Callable) -> dict[str, float]:
+                   loss_fn: Callable, packing: Packing | None = None) -> dict[str, float]:
         """One optimizer step on `batch` (this DP rank's part of one mini-batch), then one LR step.
 
         loss_fn(logprobs, entropy, mb) -> (loss, stats) must already be normalised by the whole
@@ -268,7 +295,7 @@ class MegatronEngine:
         from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
         assert self.optimizer is not None, "train_step on a model built without optimizer"
-        micro_batches = batch.micro_batches(micro_batch_size, self.accelerator.device)
+        micro_batches = self._micro_batches(batch, micro_batch_size, packing)
         num_micro_batches = len(micro_batches)
         dp_size = ps.get_data_parallel_world_size()
 
@@ -294,6 +321,14 @@ class MegatronEngine:
         stats["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         stats["actor/lr"] = float(lr)
         return stats
+
+    def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int, packing: Packing | None) -> list[MicroBatch]:
+        if packing is not None:
+            if not self.packed_sequences:
+                raise ValueError("packed micro-batches need the model built with ModelOptions(packed_sequences=True)")
+            # With sequence parallel every packed row splits evenly over the TP ranks.
+            packing = replace(packing, multiple=self.tp if self.module.config.sequence_parallel else 1)
+        return batch.micro_batches(micro_batch_size, self.accelerator.device, packing)
 
     # -- pipeline helpers ----------------------------------------------------------------------
     def _from_last_stage(self, tensor: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:

@@ -96,6 +96,9 @@ class ModelOptions:
     kernel_fields: dict[str, bool] = field(default_factory=dict)
     # Rows of logits turned into log-probs and entropy at a time (engines/vocab_parallel.py).
     logprob_chunk_tokens: int = 1024
+    # Packed micro-batches (rl_config.use_remove_padding): the layers' core attention takes THD packs
+    # (models/packed_attention.py) and pipeline stages exchange each micro-batch's shape first.
+    packed_sequences: bool = False
 
     def __post_init__(self) -> None:
         if self.logprob_chunk_tokens < 1:
@@ -156,9 +159,22 @@ def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, p
         hidden_dropout=options.hidden_dropout,
         attention_dropout=options.attention_dropout,
         attention_softmax_in_fp32=options.attention_softmax_in_fp32,
+        **_packed_pipeline_fields(spec, options, pp),
         **fusions,
         **moe,
     )
+
+
+def _packed_pipeline_fields(spec: Qwen2Spec, options: ModelOptions, pp: int) -> dict:
+    """Packed micro-batches differ in length: pipeline stages then exchange each one's shape first. Megatron
+    refuses that with its allgather MoE dispatcher (ours, for any expert TP), and a dense model has no
+    dispatcher, so it is named alltoall only to pass the check."""
+    if not (options.packed_sequences and pp > 1):
+        return {}
+    if spec.is_moe:
+        raise ValueError("packed sequences (rl_config.use_remove_padding) with pipeline parallelism are not "
+                         "supported for MoE models yet: use pipeline_model_parallel_size 1 or padded batches")
+    return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
 
 
 def layers_of_stage(spec: Qwen2Spec, pp_rank: int, pp: int) -> range:

@@ -109,6 +109,8 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
                        gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
                        max_model_len=gen.max_model_len),
         device_memory=device_memory, bucket_bytes=int(gen.resharding_bucket_mb * 2**20),
+        packed=rl.use_remove_padding,
+        packing_token_budget=rl.packing_budgets["update"][0] if rl.use_dynamic_bsz else None,
         activation_profile=profile or ("accelerator" if not cpu and mt.use_fused_rmsnorm and mt.use_fused_swiglu
                                        else "cpu"),
     )

@@ -26,7 +26,9 @@ both
 with q = heads x head_dim, kv = KV heads x head_dim, f the MLP width (MoE layers: top-k x the expert width +
 the shared experts' width, + 8 E for the router's fp32 logits and probabilities + 2e k h for the dispatched
 tokens), c = 4 in fp32 and 4 + e otherwise (the attention probabilities in fp32; 0 with flash attention on
-an accelerator). A pipeline stage p of PP holds min(PP - p, micro-batches per step) micro-batches (1F1B).
+an accelerator or with packed sequences, whose per-sample attention keeps none: measured within 4%). A
+micro-batch holds micro_batch_size x seq_length tokens, or with use_dynamic_bsz its token budget. A pipeline
+stage p of PP holds min(PP - p, micro-batches per step) micro-batches (1F1B).
 The cpu coefficients were measured on this engine's path (`with_entropy=True` in the loss) by varying each
 of h, f, head_dim, heads, seq, V, TP, PP and dtype on CPU; they reproduce the demos' measured
 `memory/update/activations_bytes` within 3%. The accelerator profile is the formula, not a measurement
@@ -92,6 +94,9 @@ class PlanInputs:
     # The reward model's architecture (rewards.<name>.model_path) when policy.has_reward_model; None: the actor's.
     reward_arch: Architecture | None = None
     activation_profile: str = "cpu"  # ACTIVATION_PROFILES: which kernels' activations the update keeps
+    packed: bool = False  # rl_config.use_remove_padding: per-sample attention, no score matrix kept
+    # rl_config.use_dynamic_bsz: an update micro-batch holds at most this many tokens (update_max_packing_token_size)
+    packing_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.activation_profile not in ACTIVATION_PROFILES:
@@ -125,7 +130,18 @@ class PlanInputs:
 
     @property
     def micro_batches_per_step(self) -> int:
+        if self.packing_token_budget is not None:  # at the worst case every sample is seq_length long
+            tokens = self.mini_batch_samples // self.dp * self.seq_length
+            return max(1, -(-tokens // self.packing_token_budget))
         return max(1, self.mini_batch_samples // (self.dp * self.micro_batch_size))
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """The update micro-batch's tokens at the worst case: micro_batch_size rows of padded_seq_length, or the
+        token budget of a token-budget micro-batch."""
+        if self.packing_token_budget is not None:
+            return self.packing_token_budget
+        return self.micro_batch_size * self.padded_seq_length
 
     @property
     def padded_seq_length(self) -> int:
@@ -160,7 +176,8 @@ def activation_terms(inputs: PlanInputs) -> ActivationTerms:
     e = 2 if inputs.bf16 else 4
     h, s = arch.hidden_size, inputs.padded_seq_length
     h_split = t if inputs.sequence_parallel_effective else 1
-    scores = 0.0 if inputs.flash_attention else (4 if e == 4 else 4 + e) * arch.num_attention_heads / t * s
+    # Flash attention and the packed path's per-sample attention keep no score matrix.
+    scores = 0.0 if inputs.flash_attention or inputs.packed else (4 if e == 4 else 4 + e) * arch.num_attention_heads / t * s
     if inputs.activation_profile == "cpu":
         attention = (16 + 2 * e) * h / h_split + 4 * e * arch.q_width / t + scores
         mlp_per_width = 5 * e
@@ -187,7 +204,7 @@ def activation_bytes(inputs: PlanInputs, pp_rank: int) -> int:
         response = min(inputs.seq_length, inputs.response_length or inputs.seq_length)
         per_token += terms.last_stage + terms.last_stage_per_response_token * response / inputs.padded_seq_length
     in_flight = min(inputs.pp - pp_rank, inputs.micro_batches_per_step)
-    return int(in_flight * inputs.micro_batch_size * inputs.padded_seq_length * per_token)
+    return int(in_flight * inputs.tokens_per_micro_batch * per_token)
 
 
 # -- per rank -------------------------------------------------------------------------------------------

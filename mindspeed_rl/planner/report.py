@@ -46,8 +46,11 @@ def _layout_line(plan: MemoryPlan) -> list[str]:
     else:
         kv = f"KV cache = max_num_seqs {i.kv.max_num_seqs} x max_model_len {i.kv.max_model_len} tokens (no --device-memory)"
     flags = "/".join(str(not (s in i.policy.pinned)).lower() for s in (TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER))
-    return [f"  {train}, {', '.join(extras)}; update micro-batch {i.micro_batch_size} x {i.padded_seq_length} tokens, "
-            f"{i.micro_batches_per_step} per step per DP rank",
+    if i.packing_token_budget is not None:
+        micro = f"update micro-batches packed to at most {i.packing_token_budget} tokens"
+    else:
+        micro = f"update micro-batch {i.micro_batch_size} x {i.padded_seq_length} tokens" + (" (packed)" if i.packed else "")
+    return [f"  {train}, {', '.join(extras)}; {micro}, {i.micro_batches_per_step} per step per DP rank",
             f"  {infer}, {i.infer_dtype}; {kv}",
             f"  offload_train_param/grad/optimizer: {flags}; reference model: "
             f"{'yes' if i.policy.has_reference else 'no'}; reward: "
@@ -156,7 +159,8 @@ def activations_formula(i, terms) -> str:
     return (f"activations ({i.activation_profile} profile; update, per micro-batch token, e={e}): {layer} = "
             f"{terms.dense_layer:.0f} B{moe}; first stage +8 B; last stage +(8+e)h = {terms.last_stage:.0f} B, and "
             f"per response token + eV/t + 24 = {terms.last_stage_per_response_token:.0f} B (the logits' response "
-            f"rows, vocabulary-sharded); x micro_batch_size x seq x min(PP - stage, micro-batches) in flight; "
+            f"rows, vocabulary-sharded); x the micro-batch's tokens (micro_batch_size x seq, or the packing budget) x min(PP - stage, "
+            f"micro-batches) in flight; "
             f"{source} (mindspeed_rl/planner/memory.py)")
 
 
@@ -199,7 +203,8 @@ def json_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
                    "sequence_parallel": i.sequence_parallel_effective, "flash_attention": i.flash_attention,
                    "activation_profile": i.activation_profile,
                    "micro_batch_size": i.micro_batch_size, "seq_length": i.padded_seq_length,
-                   "micro_batches_per_step": i.micro_batches_per_step,
+                   "micro_batches_per_step": i.micro_batches_per_step, "packed": i.packed,
+                   "packing_token_budget": i.packing_token_budget,
                    "offload_train_param": TRAIN_PARAMS not in i.policy.pinned,
                    "offload_train_grad": TRAIN_GRADS not in i.policy.pinned,
                    "offload_train_optimizer": TRAIN_OPTIMIZER not in i.policy.pinned},

@@ -19,7 +19,8 @@ from mindspeed_rl.algorithms.grpo import GRPOLossConfig
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.memory.residency import GENERATE, IDLE, OLD_LOGPROB, REF_LOGPROB, REWARD, SWITCH, UPDATE
 from mindspeed_rl.protocol import RolloutBatch
-from mindspeed_rl.workers.actor_steps import MiniBatchShuffler, sampling_seed, train_dp_slice, train_on_mini_batch
+from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, packing_for, sampling_seed, train_dp_slice,
+                                            train_on_mini_batch)
 from mindspeed_rl.workers.phase_rpc import phase_rpc
 
 TRAIN_ROLE, INFER_ROLE = "actor_train", "actor_infer"
@@ -243,13 +244,15 @@ class ActorHybridWorkerBase:
     @phase_rpc(REF_LOGPROB)
     def compute_ref_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
         in_phase = self.ledger.record(REF_LOGPROB)
-        return self._forward_logprobs(self.reference, batch, self._forward_micro_batch_size(reference=True)), \
+        return self._forward_logprobs(self.reference, batch, self._forward_micro_batch_size(reference=True),
+                                      packing_for(self.config.rl_config, "ref")), \
             in_phase.metrics()
 
     @phase_rpc(OLD_LOGPROB)
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
         in_phase = self.ledger.record(OLD_LOGPROB)
-        return self._forward_logprobs(self.actor, batch, self._forward_micro_batch_size(reference=False)), \
+        return self._forward_logprobs(self.actor, batch, self._forward_micro_batch_size(reference=False),
+                                      packing_for(self.config.rl_config, "actor")), \
             in_phase.metrics()
 
     def _forward_micro_batch_size(self, *, reference: bool) -> int:
@@ -257,10 +260,11 @@ class ActorHybridWorkerBase:
         size = rl.ref_forward_micro_batch_size if reference else rl.actor_forward_micro_batch_size
         return size or self.config.actor_config.micro_batch_size
 
-    def _forward_logprobs(self, engine, batch: RolloutBatch, micro_batch_size: int) -> Shard:
+    def _forward_logprobs(self, engine, batch: RolloutBatch, micro_batch_size: int, packing) -> Shard:
         start, stop = train_dp_slice(len(batch))
         logprobs = engine.compute_logprobs(batch.select(slice(start, stop)), micro_batch_size=micro_batch_size,
-                                           temperature=self.config.generate_config.sampling_config.temperature)
+                                           temperature=self.config.generate_config.sampling_config.temperature,
+                                           packing=packing)
         return Shard(start=start, stop=stop, value=logprobs if self._reports_train_results() else None)
 
     @phase_rpc(UPDATE)
@@ -280,7 +284,8 @@ class ActorHybridWorkerBase:
                     steps.append(train_on_mini_batch(
                         self.actor, batch.select(order[first:first + mini_batch_size]), loss_config,
                         micro_batch_size=self.config.actor_config.micro_batch_size,
-                        temperature=self.config.generate_config.sampling_config.temperature))
+                        temperature=self.config.generate_config.sampling_config.temperature,
+                        packing=packing_for(rl, "update")))
             # Recorded after the steps: the optimizer creates its moments lazily at the first one.
             in_phase = self.ledger.record(UPDATE, extra={"activations": activations.peak_bytes})
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}

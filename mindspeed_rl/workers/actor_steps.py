@@ -6,7 +6,7 @@ import torch
 
 from mindspeed_rl.algorithms.grpo import GRPOLossConfig, count_loss_units, grpo_loss
 from mindspeed_rl.config import GRPOConfig
-from mindspeed_rl.protocol import MicroBatch, RolloutBatch
+from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
 
 
 class MiniBatchShuffler:
@@ -46,7 +46,7 @@ def train_dp_slice(num_samples: int) -> tuple[int, int]:
 
 
 def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossConfig, *, micro_batch_size: int,
-                        temperature: float) -> dict[str, float]:
+                        temperature: float, packing: Packing | None = None) -> dict[str, float]:
     """One GRPO optimizer step on this DP rank's slice of `mini_batch` (which every rank holds whole).
 
     The loss is normalised by the whole mini-batch's token count, known here without a collective;
@@ -63,7 +63,18 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
         )
 
     return engine.train_step(mini_batch.select(slice(start, stop)), micro_batch_size=micro_batch_size,
-                             temperature=temperature, loss_fn=loss_fn)
+                             temperature=temperature, loss_fn=loss_fn, packing=packing)
+
+
+def packing_for(rl, phase: str) -> Packing | None:
+    """How `phase` (config.rl.PACKING_PHASES) cuts its micro-batches: None padded (rl_config.use_remove_padding
+    off), packed by sample count, or with use_dynamic_bsz by the phase's token budget."""
+    if not rl.use_remove_padding:
+        return None
+    if not rl.use_dynamic_bsz:
+        return Packing()
+    max_tokens, max_samples = rl.packing_budgets[phase]
+    return Packing(max_tokens=max_tokens, max_samples=max_samples)
 
 
 def optimizer_steps_per_iteration(cfg: GRPOConfig) -> int:

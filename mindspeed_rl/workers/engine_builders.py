@@ -57,7 +57,8 @@ def model_options(config: GRPOConfig, accelerator, *, announce: bool):
         print(message, flush=True)
     return ModelOptions(sequence_parallel=mt.sequence_parallel, attention_dropout=mt.attention_dropout,
                         hidden_dropout=mt.hidden_dropout, attention_softmax_in_fp32=mt.attention_softmax_in_fp32,
-                        kernel_fields=kernels.transformer_fields, logprob_chunk_tokens=mt.logprob_chunk_tokens)
+                        kernel_fields=kernels.transformer_fields, logprob_chunk_tokens=mt.logprob_chunk_tokens,
+                        packed_sequences=config.rl_config.use_remove_padding)
 
 
 def params_dtype(config: GRPOConfig) -> torch.dtype:

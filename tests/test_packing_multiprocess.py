@@ -1,0 +1,78 @@
+"""Packed micro-batches at TP2 (with sequence parallel: packed rows rounded to a multiple of TP) and at PP2
+(stages exchange each packed micro-batch's shape): log-probs, GRPO loss stats and gradients equal the padded
+path's on the same batch and weights. Runs in 2 spawned processes (torch.multiprocessing, gloo); one spawn
+covers both layouts."""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from resharding_oracle import free_port
+from test_packing import _batch, _rollout_columns
+
+STATS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm")
+
+
+def _engine(checkpoint, accelerator, *, packed: bool, sequence_parallel: bool):
+    from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
+    from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+    from mindspeed_rl.models.qwen2 import ModelOptions
+
+    spec, state = load_hf_checkpoint(checkpoint)
+    settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
+                                 adam_eps=1e-8, clip_grad=1.0)
+    return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator,
+                          optimizer=settings,
+                          options=ModelOptions(packed_sequences=packed, sequence_parallel=sequence_parallel))
+
+
+def _check_layout(checkpoint, tp, pp, sequence_parallel):
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_rl.accelerator import get_accelerator
+    from mindspeed_rl.algorithms.grpo import GRPOLossConfig
+    from mindspeed_rl.protocol import Packing
+    from mindspeed_rl.workers.actor_steps import train_on_mini_batch
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    accelerator = get_accelerator("cpu")
+    accelerator.seed_model_parallel_rng(1)
+    padded = _engine(checkpoint, accelerator, packed=False, sequence_parallel=sequence_parallel)
+    packed = _engine(checkpoint, accelerator, packed=True, sequence_parallel=sequence_parallel)
+    batch = _rollout_columns(_batch(5, samples=8), seed=6)
+
+    want = padded.compute_logprobs(batch, micro_batch_size=2, temperature=1.0)
+    got = packed.compute_logprobs(batch, micro_batch_size=2, temperature=1.0, packing=Packing(max_tokens=30))
+    assert (got - want).abs().max().item() < 2e-5, (tp, pp, (got - want).abs().max().item())
+
+    config = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.05, entropy_coeff=0.01,
+                            token_level_loss=True)
+    want_stats = train_on_mini_batch(padded, batch, config, micro_batch_size=2, temperature=1.0)
+    got_stats = train_on_mini_batch(packed, batch, config, micro_batch_size=2, temperature=1.0,
+                                    packing=Packing(max_tokens=30))
+    for key in STATS:
+        assert abs(got_stats[key] - want_stats[key]) <= 1e-5 * abs(want_stats[key]) + 1e-6, (tp, pp, key)
+    want_grads = {name: p.main_grad for name, p in padded.module.named_parameters()}
+    for name, param in packed.module.named_parameters():
+        torch.testing.assert_close(param.main_grad, want_grads[name], rtol=1e-4, atol=1e-7)
+    ps.destroy_model_parallel()
+
+
+def _worker(rank, world_size, port, checkpoint):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        for tp, pp, sequence_parallel in ((2, 1, False), (2, 1, True), (1, 2, False)):
+            _check_layout(checkpoint, tp, pp, sequence_parallel)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_packed_equals_padded_at_tp2_with_sequence_parallel_and_at_pp2(tmp_path):
+    checkpoint = str(tmp_path / "model")
+    create_tiny_qwen2_checkpoint(checkpoint, vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=2,
+                                 num_attention_heads=4, num_query_groups=2, seed=3)
+    mp.spawn(_worker, args=(2, free_port(), checkpoint), nprocs=2, join=True)
