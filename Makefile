@@ -62,3 +62,9 @@ bench-async: venv
 .PHONY: bench-soak
 bench-soak: venv
 	$(PY) benchmarks/bench_soak.py --json bench_soak.json
+
+# The update at a realistic RL shape (vocabulary 32768, 21M parameters, long-tailed responses up to 512 tokens):
+# padded vs packed micro-batches, and the log-prob path before and after.
+.PHONY: bench-long
+bench-long: venv
+	$(PY) benchmarks/bench_long_responses.py --json bench_long_responses.json
