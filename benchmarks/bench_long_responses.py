@@ -80,7 +80,7 @@ def _update(engine, batch, *, micro_batch_size: int, packing) -> tuple[float, in
     from mindspeed_rl.workers.actor_steps import train_on_mini_batch
 
     config = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.01, entropy_coeff=0.0,
-                            token_level_loss=True)
+                            loss_agg_mode="token-mean")
     keep = itertools.chain(param_tensors(engine.module), grad_buffer_tensors(engine.model),
                            optimizer_state_tensors(engine.optimizer))
     started = time.perf_counter()

@@ -762,3 +762,23 @@ def test_packed_attention_has_no_dropout() -> None:
     assert config_error(TINY, "rl_config.use_remove_padding=true", "megatron_training.attention_dropout=0.1") == (
         "megatron_training.attention_dropout: must be 0 with rl_config.use_remove_padding: packed attention runs "
         "without dropout")
+
+
+def test_dapo_loss_options_reach_the_loss() -> None:
+    from mindspeed_rl.workers.actor_steps import loss_config_for
+
+    plain = loss_config_for(load(TINY), kl_coef=0.0)
+    assert (plain.clip_ratio, plain.clip_ratio_high, plain.loss_agg_mode) == (0.2, None, "token-mean")
+    dapo = loss_config_for(load(TINY, "rl_config.clip_higher_enable=true", "rl_config.clip_ratio_low=0.2",
+                                "rl_config.clip_ratio_high=0.28", "rl_config.loss_agg_mode=seq-mean-token-sum-norm"),
+                           kl_coef=0.0)
+    assert (dapo.clip_ratio, dapo.clip_ratio_high, dapo.loss_agg_mode, dapo.norm_length) == (
+        0.2, 0.28, "seq-mean-token-sum-norm", 4)  # the norm length is generate_config's max_tokens
+    assert loss_config_for(load(TINY, "rl_config.token_level_loss=false"), kl_coef=0.0).loss_agg_mode == \
+        "seq-mean-token-mean"
+
+
+def test_bad_dapo_options() -> None:
+    assert config_error(TINY, "rl_config.loss_agg_mode=token-sum").startswith("rl_config.loss_agg_mode: must be one of")
+    assert config_error(TINY, "rl_config.overlong_buffer_enable=true") == (
+        "rl_config.overlong_buffer: must be in (0, rollout_max_tokens=2048] when overlong_buffer_enable is true, got 0")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mindspeed_rl.algorithms import (
+    LOSS_AGG_MODES,
     GRPOLossConfig,
     count_loss_units,
     entropy_from_logits,
@@ -130,13 +131,13 @@ def _slice(batch: dict, rows: slice) -> dict:
     return {key: value[rows] for key, value in batch.items()}
 
 
-@pytest.mark.parametrize("token_level_loss", [True, False])
-def test_micro_batches_with_shared_denominator_sum_to_full_batch(token_level_loss):
+@pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
+def test_micro_batches_with_shared_denominator_sum_to_full_batch(loss_agg_mode):
     config = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.1,
-                            entropy_coeff=0.01, token_level_loss=token_level_loss)
+                            entropy_coeff=0.01, loss_agg_mode=loss_agg_mode, norm_length=7)
     batch = _random_batch(seed=1)
     full_loss, full_stats = grpo_loss(**batch, config=config)
-    denominator = count_loss_units(batch["response_mask"], token_level_loss)
+    denominator = count_loss_units(batch["response_mask"], loss_agg_mode, 7)
     micro = [grpo_loss(**_slice(batch, slice(i, i + 2)), config=config,
                        loss_scale_denominator=denominator) for i in range(0, 6, 2)]
     assert sum(loss for loss, _ in micro).item() == pytest.approx(full_loss.item(), abs=1e-6)
@@ -146,7 +147,7 @@ def test_micro_batches_with_shared_denominator_sum_to_full_batch(token_level_los
 
 def test_token_level_loss_hand_computation():
     config = GRPOLossConfig(clip_ratio=0.2, kl_penalty="kl", kl_coef=0.5,
-                            entropy_coeff=0.1, token_level_loss=True)
+                            entropy_coeff=0.1, loss_agg_mode="token-mean")
     batch = _random_batch(seed=2)
     loss, stats = grpo_loss(**batch, config=config)
     mask = batch["response_mask"]
@@ -161,7 +162,7 @@ def test_token_level_loss_hand_computation():
 
 def test_sequence_level_loss_hand_computation():
     config = GRPOLossConfig(clip_ratio=0.2, kl_penalty="mse", kl_coef=0.0,
-                            entropy_coeff=0.0, token_level_loss=False)
+                            entropy_coeff=0.0, loss_agg_mode="seq-mean-token-mean")
     # ratio 1 everywhere: per-token pg loss is -A. Sequence 0 has 3 tokens, sequence 1 one token.
     logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
@@ -171,7 +172,49 @@ def test_sequence_level_loss_hand_computation():
     # per-sequence means: -2 and -4; mean over sequences: -3 (a token mean would be -2.5).
     assert loss.item() == pytest.approx(-3.0)
     assert stats["actor/kl_loss"] == 0.0
-    assert count_loss_units(mask, token_level_loss=False) == 2
+    assert count_loss_units(mask, "seq-mean-token-mean") == 2
+
+
+@pytest.mark.parametrize("loss_agg_mode, expected", [
+    ("token-mean", -10.0 / 4),               # (-1 - 2 - 3 - 4) / 4 tokens
+    ("seq-mean-token-mean", (-2.0 - 4.0) / 2),  # sequence means -2 and -4
+    ("seq-mean-token-sum", (-6.0 - 4.0) / 2),   # sequence sums -6 and -4
+    ("seq-mean-token-sum-norm", (-6.0 - 4.0) / (2 * 5)),  # sums over 2 sequences x the constant length 5
+])
+def test_each_loss_aggregation_mode_against_hand_computation(loss_agg_mode, expected):
+    """verl's core_algos.agg_loss formulas, with the whole mini-batch's denominator (norm_length 5 for -norm)."""
+    config = GRPOLossConfig(clip_ratio=0.2, kl_coef=0.0, loss_agg_mode=loss_agg_mode, norm_length=5)
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, 0.0, 0.0]])
+    loss, _ = grpo_loss(logprobs=logprobs, old_logprobs=logprobs.clone(), ref_logprobs=None,
+                        advantages=torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]]),
+                        response_mask=torch.tensor([[1, 1, 1], [1, 0, 0]]), entropy=None, config=config)
+    assert loss.item() == pytest.approx(expected)
+
+
+def test_clip_higher_clips_the_ratio_asymmetrically():
+    """DAPO's clip-higher: ratio clamped to [1 - 0.2, 1 + 0.28]. Positive advantage: the gain stops at 1.28
+    (not 1.2); negative advantage: the loss stops at 0.8."""
+    old = torch.zeros(1, 4)
+    logprobs = torch.log(torch.tensor([[1.25, 1.40, 0.90, 0.70]]))
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 4)
+    loss, clipfrac, _ = ppo_clip_policy_loss(logprobs, old, advantages, mask, 0.2, 0.28)
+    assert loss[0].tolist() == pytest.approx([-1.25, -1.28, 0.90, 0.80])
+    assert clipfrac[0].tolist() == [0.0, 1.0, 0.0, 1.0]
+    symmetric, _, _ = ppo_clip_policy_loss(logprobs, old, advantages, mask, 0.2)
+    assert symmetric[0].tolist() == pytest.approx([-1.20, -1.20, 0.90, 0.80])
+
+
+def test_overlong_penalty_table():
+    """DAPO's soft overlong punishment, max length 20, buffer 8, factor 0.5: 0 up to 12 tokens, then linear to
+    -0.5 at 20, and -0.5 beyond."""
+    from mindspeed_rl.algorithms.dapo import overlong_penalty
+
+    lengths = torch.tensor([0, 12, 13, 16, 20, 25])
+    penalty = overlong_penalty(lengths, max_length=20, buffer=8, factor=0.5)
+    assert penalty.tolist() == pytest.approx([0.0, 0.0, -0.0625, -0.25, -0.5, -0.5])
+    with pytest.raises(ValueError, match="buffer must be in"):
+        overlong_penalty(lengths, max_length=20, buffer=0, factor=0.5)
 
 
 def test_gradient_flows_to_logprobs_only_at_valid_tokens():
@@ -188,8 +231,12 @@ def test_gradient_flows_to_logprobs_only_at_valid_tokens():
 def test_loss_config_and_argument_errors():
     with pytest.raises(ValueError, match="kl_penalty"):
         GRPOLossConfig(kl_penalty="nope")
-    with pytest.raises(ValueError, match="clip_ratio"):
+    with pytest.raises(ValueError, match="clip ratios must be > 0"):
         GRPOLossConfig(clip_ratio=0.0)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        GRPOLossConfig(loss_agg_mode="token-sum")
+    with pytest.raises(ValueError, match="norm_length"):
+        GRPOLossConfig(loss_agg_mode="seq-mean-token-sum-norm")
     batch = _random_batch(seed=4)
     batch["ref_logprobs"] = None
     with pytest.raises(ValueError, match="ref_logprobs"):

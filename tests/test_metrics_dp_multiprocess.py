@@ -21,7 +21,7 @@ from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.workers.actor_steps import train_on_mini_batch
 from resharding_oracle import free_port
 
-LOSS = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.05, entropy_coeff=0.01, token_level_loss=True)
+LOSS = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.05, entropy_coeff=0.01, loss_agg_mode="token-mean")
 LOSS_STATS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl")
 MICRO_BATCH = 2
 

@@ -123,8 +123,8 @@ def _rollout_columns(batch: RolloutBatch, seed: int) -> RolloutBatch:
     return batch
 
 
-@pytest.mark.parametrize("token_level_loss", [True, False], ids=["token-mean", "sequence-mean"])
-def test_a_packed_grpo_update_equals_the_padded_update(engines, token_level_loss):
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_a_packed_grpo_update_equals_the_padded_update(engines, loss_agg_mode):
     from mindspeed_rl.algorithms.grpo import GRPOLossConfig
     from mindspeed_rl.workers.actor_steps import train_on_mini_batch
 
@@ -133,7 +133,7 @@ def test_a_packed_grpo_update_equals_the_padded_update(engines, token_level_loss
         param.data.copy_(dict(padded.module.named_parameters())[name].data)
     batch = _rollout_columns(_batch(2, samples=8), seed=4)
     config = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.05, entropy_coeff=0.01,
-                            token_level_loss=token_level_loss)
+                            loss_agg_mode=loss_agg_mode)
     want = train_on_mini_batch(padded, batch, config, micro_batch_size=3, temperature=1.0)
     got = train_on_mini_batch(packed, batch, config, micro_batch_size=3, temperature=1.0,
                               packing=Packing(max_tokens=40))

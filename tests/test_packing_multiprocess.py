@@ -48,7 +48,7 @@ def _check_layout(checkpoint, tp, pp, sequence_parallel):
     assert (got - want).abs().max().item() < 2e-5, (tp, pp, (got - want).abs().max().item())
 
     config = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.05, entropy_coeff=0.01,
-                            token_level_loss=True)
+                            loss_agg_mode="token-mean")
     want_stats = train_on_mini_batch(padded, batch, config, micro_batch_size=2, temperature=1.0)
     got_stats = train_on_mini_batch(packed, batch, config, micro_batch_size=2, temperature=1.0,
                                     packing=Packing(max_tokens=30))

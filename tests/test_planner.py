@@ -405,7 +405,7 @@ def _train_once(engine, vocab: int, *, samples: int, prompt: int, response: int,
         batch.columns[column] = torch.zeros(batch.response_logprobs_shape)
     batch.columns["advantages"] = torch.randn(samples, generator=generator)
     config = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.001, entropy_coeff=0.0,
-                            token_level_loss=True)
+                            loss_agg_mode="token-mean")
     train_on_mini_batch(engine, batch, config, micro_batch_size=micro_batch_size, temperature=1.0, packing=packing)
 
 

@@ -2,6 +2,7 @@
 
 from mindspeed_rl.algorithms.grpo import (
     KL_PENALTY_KINDS,
+    LOSS_AGG_MODES,
     GRPOLossConfig,
     aggregate_loss,
     count_loss_units,
@@ -16,6 +17,7 @@ from mindspeed_rl.algorithms.grpo import (
 
 __all__ = [
     "KL_PENALTY_KINDS",
+    "LOSS_AGG_MODES",
     "GRPOLossConfig",
     "aggregate_loss",
     "count_loss_units",

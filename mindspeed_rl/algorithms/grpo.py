@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from mindspeed_rl.config.rl import LOSS_AGG_MODES  # verl's names (core_algos.agg_loss); formulas: aggregate_loss
+
 KL_PENALTY_KINDS: tuple[str, ...] = ("kl", "abs", "mse", "low_var_kl")
 
 # exp() of a log-ratio beyond this overflows float32 long before it carries information.
@@ -84,21 +86,25 @@ def ppo_clip_policy_loss(
     advantages: Tensor,
     response_mask: Tensor,
     clip_ratio: float,
+    clip_ratio_high: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token PPO-clip loss ``max(-A*ratio, -A*clip(ratio, 1-eps, 1+eps))``.
+    """Per-token PPO-clip loss ``max(-A*ratio, -A*clip(ratio, 1-eps_low, 1+eps_high))``.
 
+    ``clip_ratio`` is eps_low and, unless ``clip_ratio_high`` is given, eps_high too; DAPO's clip-higher
+    (Yu et al. 2025) raises eps_high alone, so low-probability tokens of good samples can grow.
     ``advantages`` is per token ``[batch, len]`` or per sequence ``[batch]`` (broadcast over
     the response). Returns ``(loss, clipfrac, approx_kl)`` per token, zero at padded positions:
     ``clipfrac`` is 1 where the clipped branch was taken, ``approx_kl = old - logp``.
     """
-    if clip_ratio <= 0:
-        raise ValueError(f"clip_ratio must be > 0, got {clip_ratio}")
+    clip_ratio_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    if clip_ratio <= 0 or clip_ratio_high <= 0:
+        raise ValueError(f"clip ratios must be > 0, got {clip_ratio} and {clip_ratio_high}")
     if advantages.dim() == logprobs.dim() - 1:
         advantages = advantages.unsqueeze(-1)
     log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio_high)
     valid = response_mask.bool()
     zeros = torch.zeros_like(logprobs)
     loss = torch.where(valid, torch.maximum(unclipped, clipped), zeros)
@@ -121,16 +127,22 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 class GRPOLossConfig:
     """GRPO actor-loss knobs (MindSpeed-RL ``rl_config`` names and defaults)."""
 
-    clip_ratio: float = 0.2
+    clip_ratio: float = 0.2  # eps_low, and eps_high unless clip_ratio_high is set
+    clip_ratio_high: Optional[float] = None
     kl_penalty: str = "low_var_kl"
     kl_coef: float = 0.001
     entropy_coeff: float = 0.0
-    # True: mean over all valid tokens of the batch; False: mean per sequence, then over sequences.
-    token_level_loss: bool = True
+    loss_agg_mode: str = "token-mean"  # LOSS_AGG_MODES
+    # seq-mean-token-sum-norm's constant length (Dr. GRPO: the maximum response length).
+    norm_length: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.clip_ratio <= 0:
-            raise ValueError(f"clip_ratio must be > 0, got {self.clip_ratio}")
+        if self.clip_ratio <= 0 or (self.clip_ratio_high is not None and self.clip_ratio_high <= 0):
+            raise ValueError(f"clip ratios must be > 0, got {self.clip_ratio} and {self.clip_ratio_high}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; valid: {list(LOSS_AGG_MODES)}")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and not (self.norm_length or 0) > 0:
+            raise ValueError("seq-mean-token-sum-norm needs norm_length > 0 (the maximum response length)")
         if self.kl_penalty not in KL_PENALTY_KINDS:
             raise ValueError(
                 f"unknown kl_penalty {self.kl_penalty!r}; valid kinds: {list(KL_PENALTY_KINDS)}"
@@ -141,26 +153,31 @@ class GRPOLossConfig:
             raise ValueError(f"entropy_coeff must be >= 0, got {self.entropy_coeff}")
 
 
-def count_loss_units(response_mask: Tensor, token_level_loss: bool) -> int:
-    """What the default loss denominator counts: valid tokens, or sequences with any valid token.
+def count_loss_units(response_mask: Tensor, loss_agg_mode: str, norm_length: Optional[int] = None) -> float:
+    """The loss's denominator over a whole mini-batch: its valid tokens (token-mean), its sequences with a valid
+    token (the seq-mean modes), times `norm_length` for seq-mean-token-sum-norm.
 
     A trainer splitting a mini-batch into micro-batches calls this on the whole mini-batch's mask
     and passes the result as ``loss_scale_denominator`` to every micro-batch's :func:`grpo_loss`.
     """
     valid = response_mask.bool()
-    if token_level_loss:
-        return int(valid.sum().item())
-    return int(valid.any(dim=-1).sum().item())
+    if loss_agg_mode == "token-mean":
+        return float(valid.sum().item())
+    sequences = float(valid.any(dim=-1).sum().item())
+    return sequences * norm_length if loss_agg_mode == "seq-mean-token-sum-norm" else sequences
 
 
-def aggregate_loss(
-    values: Tensor, response_mask: Tensor, token_level_loss: bool, denominator: float
-) -> Tensor:
-    """Sum of per-token (token level) or per-sequence-mean (sequence level) values / denominator."""
-    if token_level_loss:
-        return masked_sum(values, response_mask) / denominator
-    per_sequence = masked_mean(values, response_mask, dim=-1)
-    return per_sequence.sum() / denominator
+def aggregate_loss(values: Tensor, response_mask: Tensor, loss_agg_mode: str, denominator: float) -> Tensor:
+    """One number from per-token values ``x[i, t]`` (mask ``m``), with the denominator of the whole mini-batch:
+
+    token-mean               sum_i sum_t m x / sum_i sum_t m           (every token weighs alike; DAPO)
+    seq-mean-token-mean      sum_i (sum_t m x / sum_t m) / N_seq        (every sequence weighs alike; GRPO)
+    seq-mean-token-sum       sum_i sum_t m x / N_seq
+    seq-mean-token-sum-norm  sum_i sum_t m x / (N_seq L)               (L constant: Dr. GRPO, no length bias)
+    """
+    if loss_agg_mode == "seq-mean-token-mean":
+        return masked_mean(values, response_mask, dim=-1).sum() / denominator
+    return masked_sum(values, response_mask) / denominator
 
 
 def grpo_loss(
@@ -176,7 +193,7 @@ def grpo_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO actor loss ``pg + kl_coef * kl - entropy_coeff * entropy`` and its logged stats.
 
-    Every term is aggregated the same way (``config.token_level_loss``), divided by
+    Every term is aggregated the same way (``config.loss_agg_mode``), divided by
     ``loss_scale_denominator``, which defaults to :func:`count_loss_units` of this call. Passing
     the whole mini-batch's count to each micro-batch makes the sum of micro-batch losses (and of
     each stat) exactly the mini-batch mean. ``ref_logprobs`` may be None only when
@@ -188,13 +205,13 @@ def grpo_loss(
         raise ValueError(
             f"entropy is required when entropy_coeff != 0 (entropy_coeff={config.entropy_coeff})"
         )
-    denominator = _resolve_denominator(response_mask, config.token_level_loss, loss_scale_denominator)
+    denominator = _resolve_denominator(response_mask, config, loss_scale_denominator)
 
     def aggregate(values: Tensor) -> Tensor:
-        return aggregate_loss(values, response_mask, config.token_level_loss, denominator)
+        return aggregate_loss(values, response_mask, config.loss_agg_mode, denominator)
 
     pg_tokens, clipfrac_tokens, ppo_kl_tokens = ppo_clip_policy_loss(
-        logprobs, old_logprobs, advantages, response_mask, config.clip_ratio
+        logprobs, old_logprobs, advantages, response_mask, config.clip_ratio, config.clip_ratio_high
     )
     pg_loss = aggregate(pg_tokens)
     zero = pg_loss.new_zeros(())
@@ -215,11 +232,11 @@ def grpo_loss(
 
 
 def _resolve_denominator(
-    response_mask: Tensor, token_level_loss: bool, loss_scale_denominator: Optional[float]
+    response_mask: Tensor, config: GRPOLossConfig, loss_scale_denominator: Optional[float]
 ) -> float:
     if loss_scale_denominator is None:
         # An all-padding micro-batch contributes 0, not nan.
-        return float(max(count_loss_units(response_mask, token_level_loss), 1))
+        return float(max(count_loss_units(response_mask, config.loss_agg_mode, config.norm_length), 1))
     if loss_scale_denominator <= 0:
         raise ValueError(f"loss_scale_denominator must be > 0, got {loss_scale_denominator}")
     return float(loss_scale_denominator)

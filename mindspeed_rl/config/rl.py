@@ -17,6 +17,7 @@ PACKING_SIZE_KEYS = ("max_packing_token_size", "dynamic_max_batch_size",
                        for key in ("max_packing_token_size", "dynamic_max_batch_size")))
 KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")
 KL_CTRL_TYPES = ("fixed",)
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass(kw_only=True)
@@ -87,6 +88,20 @@ class RLConfig:
     integrated_mode_config: IntegratedModeConfig = field(default_factory=IntegratedModeConfig)
     # True: the loss is a mean over all response tokens of a micro-batch; False: per-sequence mean first.
     token_level_loss: bool = True
+    # DAPO (MindSpeed-RL's keys and defaults). Clip-higher: the PPO ratio is clipped to
+    # [1 - clip_ratio_low, 1 + clip_ratio_high] instead of 1 +- clip_ratio.
+    clip_higher_enable: bool = False
+    clip_ratio_low: float = 0.1
+    clip_ratio_high: float = 0.1
+    # Ours (verl's names): how the per-token loss becomes one number, see README "DAPO"; null: token-mean when
+    # token_level_loss is true, else seq-mean-token-mean. When set it decides, whatever token_level_loss says.
+    loss_agg_mode: Optional[str] = None
+    # Overlong reward shaping: a response longer than rollout_max_tokens - overlong_buffer tokens loses
+    # overlong_buffer_penalty_factor x the excess / overlong_buffer of reward, at most the factor.
+    overlong_buffer_enable: bool = False
+    overlong_buffer: int = 0
+    overlong_buffer_penalty_factor: float = 1.0
+    rollout_max_tokens: int = 2048
     # Packed sequences (MindSpeed-RL's keys and meanings): the Megatron forward and backward take the samples
     # of a micro-batch concatenated without padding (attention within each sample, positions restarting).
     use_remove_padding: bool = False
@@ -133,6 +148,9 @@ class RLConfig:
             "max_prompt_length",
             "epochs",
             "clip_ratio",
+            "clip_ratio_low",
+            "clip_ratio_high",
+            "rollout_max_tokens",
             "verifier_timeout_seconds",
             *PACKING_SIZE_KEYS,
         )
@@ -146,6 +164,12 @@ class RLConfig:
                 "must be >= 2: group_norm advantages normalise over the samples of one prompt "
                 f"(the std of a single sample is undefined), got {self.n_samples_per_prompt}",
             )
+        if self.loss_agg_mode is not None:
+            require_choice(prefix, self, "loss_agg_mode", LOSS_AGG_MODES)
+        require_non_negative(prefix, self, "overlong_buffer_penalty_factor")
+        if self.overlong_buffer_enable and not 0 < self.overlong_buffer <= self.rollout_max_tokens:
+            raise ConfigError(f"{prefix}.overlong_buffer", f"must be in (0, rollout_max_tokens={self.rollout_max_tokens}] "
+                                                           f"when overlong_buffer_enable is true, got {self.overlong_buffer}")
         if self.use_dynamic_bsz and not self.use_remove_padding:
             raise ConfigError(f"{prefix}.use_dynamic_bsz", "needs use_remove_padding: true (token-budget micro-batches "
                                                           "are packed; padded ones are cut by sample count)")

@@ -115,7 +115,20 @@ class Scoring:
             scores, model_metrics = forward_logprobs(self.actor_group, "compute_reward_scores", batch)
             rewards = with_model_scores(rewards, scores, self.config.reward_model[1].model_weight)
             metrics |= model_metrics | model_score_metrics(scores)
+        if rl.overlong_buffer_enable:
+            rewards = self._with_overlong_penalty(rewards, batch, metrics)
         return rewards, accuracy(responses, labels, rl.verifier_function), metrics
+
+    def _with_overlong_penalty(self, rewards: RuleRewards, batch: RolloutBatch, metrics: dict) -> RuleRewards:
+        """DAPO's soft overlong punishment added to the total (algorithms/dapo.py)."""
+        from mindspeed_rl.algorithms.dapo import overlong_penalty
+
+        rl = self.config.rl_config
+        penalty = overlong_penalty(batch.response_mask.sum(dim=1), max_length=rl.rollout_max_tokens,
+                                   buffer=rl.overlong_buffer, factor=rl.overlong_buffer_penalty_factor)
+        metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
+        metrics["reward/overlong_penalty/share"] = (penalty < 0).float().mean().item()
+        return RuleRewards(total=rewards.total + penalty, per_verifier=rewards.per_verifier)
 
 
 class Recorder:

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mindspeed_rl.algorithms.grpo import GRPOLossConfig
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.memory.residency import GENERATE, IDLE, OLD_LOGPROB, REF_LOGPROB, REWARD, SWITCH, UPDATE
 from mindspeed_rl.protocol import RolloutBatch
-from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, packing_for, sampling_seed, train_dp_slice,
+from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_config_for, packing_for, sampling_seed, train_dp_slice,
                                             train_on_mini_batch)
 from mindspeed_rl.workers.phase_rpc import phase_rpc
 
@@ -273,8 +272,7 @@ class ActorHybridWorkerBase:
         from mindspeed_rl.memory import ActivationMeter
 
         rl = self.config.rl_config
-        loss_config = GRPOLossConfig(clip_ratio=rl.clip_ratio, kl_penalty=rl.kl_penalty, kl_coef=kl_coef,
-                                     entropy_coeff=rl.entropy_coeff, token_level_loss=rl.token_level_loss)
+        loss_config = loss_config_for(self.config, kl_coef)
         mini_batch_size = rl.mini_batch_size_in_samples
         steps: list[dict[str, float]] = []
         with ActivationMeter(self.offloader.storage_keys()) as activations:

@@ -52,7 +52,7 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
     The loss is normalised by the whole mini-batch's token count, known here without a collective;
     the engine sums the per-rank stats over DP, so the returned stats are the mini-batch's.
     """
-    denominator = float(count_loss_units(mini_batch.response_mask, loss_config.token_level_loss))
+    denominator = count_loss_units(mini_batch.response_mask, loss_config.loss_agg_mode, loss_config.norm_length)
     start, stop = train_dp_slice(len(mini_batch))
 
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
@@ -64,6 +64,17 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
 
     return engine.train_step(mini_batch.select(slice(start, stop)), micro_batch_size=micro_batch_size,
                              temperature=temperature, loss_fn=loss_fn, packing=packing)
+
+
+def loss_config_for(config: GRPOConfig, kl_coef: float) -> GRPOLossConfig:
+    """The update's loss from rl_config: clip-higher's eps_high when clip_higher_enable (MindSpeed-RL's
+    clip_ratio_low/high, else clip_ratio both ways), the aggregation loss_agg_mode or else token_level_loss's."""
+    rl = config.rl_config
+    low, high = (rl.clip_ratio_low, rl.clip_ratio_high) if rl.clip_higher_enable else (rl.clip_ratio, None)
+    mode = rl.loss_agg_mode or ("token-mean" if rl.token_level_loss else "seq-mean-token-mean")
+    return GRPOLossConfig(clip_ratio=low, clip_ratio_high=high, kl_penalty=rl.kl_penalty, kl_coef=kl_coef,
+                          entropy_coeff=rl.entropy_coeff, loss_agg_mode=mode,
+                          norm_length=config.generate_config.sampling_config.max_tokens)
 
 
 def packing_for(rl, phase: str) -> Packing | None:
