@@ -782,3 +782,15 @@ def test_bad_dapo_options() -> None:
     assert config_error(TINY, "rl_config.loss_agg_mode=token-sum").startswith("rl_config.loss_agg_mode: must be one of")
     assert config_error(TINY, "rl_config.overlong_buffer_enable=true") == (
         "rl_config.overlong_buffer: must be in (0, rollout_max_tokens=2048] when overlong_buffer_enable is true, got 0")
+
+
+def test_evaluation_needs_held_out_prompts() -> None:
+    assert config_error(TINY, "rl_config.eval_interval=5") == (
+        "megatron_training.eval_data_path: must name the held-out prompts when rl_config.eval_interval or "
+        "eval_before_train is set")
+
+
+def test_greedy_evaluation_takes_one_sample_per_prompt() -> None:
+    assert config_error(TINY, "rl_config.eval_n_samples=4").startswith(
+        "rl_config.eval_n_samples: must be 1 with eval_sampling: greedy")
+    assert load(TINY, "rl_config.eval_n_samples=4", "rl_config.eval_sampling=train").rl_config.eval_n_samples == 4

@@ -185,3 +185,27 @@ def test_the_7b_recipe_on_this_host_passes_every_check_then_names_the_device_cou
                       f"host has {cores} CPU cores and runtime.max_ranks_per_cpu_core=1 allows {cores}: "
                       "lower num_npus (and the parallel sizes with it) or run on the accelerators the config "
                       "was written for"]
+
+
+def test_evaluation_runs_before_training_and_after_every_interval_th_update(tmp_path):
+    """Held-out prompts generated greedily and scored: a record of their own before the first update, then in
+    the records of the interval's iterations only (and in the curves)."""
+    eval_path = tmp_path / "eval.jsonl"
+    eval_path.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                                 for a in range(4) for b in range(3)))  # 12 prompts
+    run_dir = tmp_path / "run"
+    done = run_cli(tmp_path, "grpo_tiny_cpu", "megatron_training.train_iters=3", "rl_config.eval_interval=2",
+                   "rl_config.eval_before_train=true", f"megatron_training.eval_data_path={eval_path}",
+                   f"synthetic_data.data_dir={tmp_path / 'assets'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[data] 12 eval prompts from" in done.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [0, 1, 2, 3]
+    assert [r.get("eval/updates") for r in records] == [0, None, 2, None]
+    assert "reward/mean" not in records[0]  # the evaluation's own record: nothing trained
+    for r in (records[0], records[2]):
+        assert r["eval/prompts"] == 12
+        assert 0.0 <= r["eval/accuracy"] == r["eval/pass@1"] <= 1.0  # greedy: one sample per prompt
+        assert 0.0 <= r["eval/arith_acc/mean"] <= 1.0
+        assert 0 < r["eval/response_length/mean"] <= 4
+    assert sum(line.startswith("[eval after ") for line in done.stdout.splitlines()) == 2

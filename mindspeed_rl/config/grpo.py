@@ -122,6 +122,13 @@ class GRPOConfig:
         check_supported(self.resource_plan, self.rewards)
         self._check_reward_model()
         self._check_async_generation()
+        self._check_evaluation()
+
+    def _check_evaluation(self) -> None:
+        rl = self.rl_config
+        if (rl.eval_interval or rl.eval_before_train) and self.megatron_training.eval_data_path is None:
+            raise ConfigError("megatron_training.eval_data_path", "must name the held-out prompts when "
+                                                                  "rl_config.eval_interval or eval_before_train is set")
 
     @property
     def rollout_staleness(self) -> int:

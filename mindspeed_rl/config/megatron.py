@@ -82,6 +82,8 @@ class MegatronTrainingConfig:
     # A .jsonl/.json/.parquet file, a directory of them, or a directory from cli/preprocess_data.py. null
     # exactly when synthetic_data.enabled generates the data (checked in GRPOConfig).
     data_path: Optional[str]
+    # Ours. Held-out prompts for rl_config.eval_interval / eval_before_train, in data_path's formats and map_keys.
+    eval_data_path: Optional[str] = None
     # Validated only: "N,0,0"; there are no validation/test splits (every row trains).
     split: str = "100,0,0"
     no_shuffle: bool = False

@@ -17,6 +17,7 @@ PACKING_SIZE_KEYS = ("max_packing_token_size", "dynamic_max_batch_size",
                        for key in ("max_packing_token_size", "dynamic_max_batch_size")))
 KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")
 KL_CTRL_TYPES = ("fixed",)
+EVAL_SAMPLINGS = ("greedy", "train")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -102,6 +103,14 @@ class RLConfig:
     overlong_buffer: int = 0
     overlong_buffer_penalty_factor: float = 1.0
     rollout_max_tokens: int = 2048
+    # Evaluation during training on megatron_training.eval_data_path: after every eval_interval-th update
+    # (0: never) and, with eval_before_train, once before the first; generation only (no update).
+    eval_interval: int = 0
+    eval_before_train: bool = False
+    # Samples per eval prompt (pass@k for k = 1 and this); eval_sampling "greedy" (temperature 0, one sample)
+    # or "train" (generate_config.sampling_config's sampling).
+    eval_n_samples: int = 1
+    eval_sampling: str = "greedy"
     # Packed sequences (MindSpeed-RL's keys and meanings): the Megatron forward and backward take the samples
     # of a micro-batch concatenated without padding (attention within each sample, positions restarting).
     use_remove_padding: bool = False
@@ -164,6 +173,12 @@ class RLConfig:
                 "must be >= 2: group_norm advantages normalise over the samples of one prompt "
                 f"(the std of a single sample is undefined), got {self.n_samples_per_prompt}",
             )
+        require_non_negative(prefix, self, "eval_interval")
+        require_positive(prefix, self, "eval_n_samples")
+        require_choice(prefix, self, "eval_sampling", EVAL_SAMPLINGS)
+        if self.eval_sampling == "greedy" and self.eval_n_samples != 1:
+            raise ConfigError(f"{prefix}.eval_n_samples", f"must be 1 with eval_sampling: greedy (greedy decoding gives "
+                                                          f"one answer per prompt), got {self.eval_n_samples}")
         if self.loss_agg_mode is not None:
             require_choice(prefix, self, "loss_agg_mode", LOSS_AGG_MODES)
         require_non_negative(prefix, self, "overlong_buffer_penalty_factor")

@@ -1,4 +1,5 @@
-"""Training curves of a run: reward per verifier, accuracy, KL, response length, tokens/s per iteration.
+"""Training curves of a run: reward per verifier, accuracy, KL, response length, tokens/s per iteration, and the
+held-out evaluation's accuracy when the run evaluates.
 
 Drawn at the end of a run beside metrics.jsonl, and redrawable from any run's file:
 
@@ -21,6 +22,7 @@ PANELS = (
     ("response length", ["response_length/mean", "response_length/max"], "tokens"),
     ("throughput", ["e2e_tps", "vllm_tps", "update_tps"], "tokens/s per device"),
     ("learning rate", ["actor/lr"], "lr"),
+    ("held-out evaluation", ["eval/accuracy", "eval/pass@1"], "fraction correct"),
 )
 
 

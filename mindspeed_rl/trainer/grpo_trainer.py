@@ -19,6 +19,7 @@ from mindspeed_rl.data.dataset import PromptDataset, PromptSampler
 from mindspeed_rl.data.rewards import RuleRewards, accuracy, compute_rule_rewards
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.trainer import setup
+from mindspeed_rl.trainer.evaluation import Evaluation, format_eval_line
 from mindspeed_rl.trainer.metrics import format_line, iteration_metrics
 from mindspeed_rl.trainer.reward_model import model_score_metrics, with_model_scores
 from mindspeed_rl.trainer.sinks import MetricsSinks
@@ -28,15 +29,19 @@ from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics, merge_sh
 
 def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: PromptDataset, run_dir: Path, *,
           sampler: PromptSampler | None = None, start_iteration: int = 1, hf_dir: str | None = None,
-          progress: RunProgress | None = None, prediction=None, reward_group=None) -> list[dict]:
+          progress: RunProgress | None = None, prediction=None, reward_group=None,
+          eval_dataset: PromptDataset | None = None) -> list[dict]:
     rl = config.rl_config
     hf_dir = hf_dir or setup.resolve_assets(config)[0]
     progress = progress or RunProgress(save_root=config.actor_config.save)
     rollouts = Rollouts(actor_group, dataset, sampler or make_sampler(config, dataset), config)
     scoring = Scoring(config, tokenizer, actor_group, reward_group)
+    evaluation = Evaluation(config, tokenizer, actor_group, eval_dataset)
     record = Recorder(config, run_dir, prediction or setup.memory_prediction(
         config, setup.read_hf_config(hf_dir), quiet=True), start_iteration=start_iteration)
     try:
+        if start_iteration == 1 and evaluation.due(0):  # a resumed run was evaluated when it was saved
+            record.evaluation_before_train(evaluation.run(0))
         for iteration in range(start_iteration, config.megatron_training.train_iters + 1):
             progress.iteration = iteration
             started = time.perf_counter()
@@ -48,6 +53,7 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
             rollouts.start_ahead(iteration + 1)  # one-step off-policy: the next rollout runs during this update
             update_metrics = merge_metrics(actor_group.call("update", batch, kl_coef=rl.init_kl_coef))
             metrics |= score_metrics | ref_metrics | old_metrics | update_metrics
+            metrics |= evaluation.run(iteration) if evaluation.due(iteration) else {}
             record(iteration, started, batch, rewards, accuracy_value, metrics)
             if saves_at(config, iteration):
                 save_checkpoint(config, actor_group, iteration, rollouts.resume_sampler, progress, hf_dir)
@@ -141,6 +147,13 @@ class Recorder:
         self.start_iteration = start_iteration
         self.sinks = MetricsSinks(run_dir, metrics_file=config.runtime.metrics_file,
                                   use_tensorboard=config.rl_config.use_tensorboard)
+        self.before_train: dict | None = None  # the evaluation before the first update, drawn with the curves
+
+    def evaluation_before_train(self, metrics: dict) -> None:
+        """Its own metrics.jsonl record, at iteration 0 (the training records' readers skip it: no reward/mean)."""
+        self.before_train = {"iteration": 0, **metrics}
+        self.sinks.write(self.before_train)
+        print(format_eval_line(self.before_train), flush=True)
 
     def __call__(self, iteration: int, started: float, batch: RolloutBatch, rewards: RuleRewards,
                  accuracy_value: float, metrics: dict) -> None:
@@ -152,6 +165,8 @@ class Recorder:
         self.sinks.write(metrics)
         if iteration % self.config.runtime.log_interval == 0:
             print(format_line(metrics), flush=True)
+        if "eval/updates" in metrics:
+            print(format_eval_line(metrics), flush=True)
 
     def close(self) -> None:
         self.sinks.close()
@@ -163,7 +178,7 @@ class Recorder:
         path = self.sinks.metrics_path
         history = [r for r in read_jsonl(path) if r["iteration"] >= self.start_iteration] if path.is_file() else []
         if history:
-            plot_curves(history, self.run_dir, self.config)
+            plot_curves(history, self.run_dir, self.config, before_train=self.before_train)
         if self.config.megatron_training.save_hf:
             from mindspeed_rl.checkpoint.hf_export import export_run_actor
 
@@ -194,10 +209,10 @@ def save_checkpoint(config: GRPOConfig, actor_group: ActorGroup, iteration: int,
     print(f"[checkpoint] saved {path}", flush=True)
 
 
-def plot_curves(history: list[dict], run_dir: Path, config: GRPOConfig) -> None:
+def plot_curves(history: list[dict], run_dir: Path, config: GRPOConfig, *, before_train: dict | None = None) -> None:
     from mindspeed_rl.trainer.curves import plot_training_curves
 
-    plot_training_curves(history, run_dir / "training_curves.png")
+    plot_training_curves(([before_train] if before_train else []) + history, run_dir / "training_curves.png")
     print(f"[metrics] training curves: {run_dir / 'training_curves.png'}", flush=True)
     if config.runtime.memory_timeline:
         from mindspeed_rl.memory.timeline import plot_memory_timeline
@@ -208,11 +223,11 @@ def plot_curves(history: list[dict], run_dir: Path, config: GRPOConfig) -> None:
         print(f"[memory] timeline of the last iterations: {path}", flush=True)
 
 
-def generate(actor_group: ActorGroup, prompt_batch, config: GRPOConfig, *,
-             iteration: int | None = None) -> tuple[RolloutBatch, dict]:
-    """One rollout of `prompt_batch`, waited for."""
+def generate(actor_group: ActorGroup, prompt_batch, config: GRPOConfig, *, iteration: int | None = None,
+             n: int | None = None, greedy: bool = False) -> tuple[RolloutBatch, dict]:
+    """One rollout of `prompt_batch` (`n` samples each, default the config's), waited for."""
     prompt_ids = [p.token_ids for p in prompt_batch]
-    actor_group.start_generate(prompt_ids, iteration)
+    actor_group.start_generate(prompt_ids, iteration, n=n, greedy=greedy)
     return rollout_batch(actor_group.finish_generate(), prompt_ids, config)
 
 

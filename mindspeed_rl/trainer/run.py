@@ -11,7 +11,7 @@ from pathlib import Path
 from mindspeed_rl import interrupts
 from mindspeed_rl.checkpoint.store import discard_unfinished_saves
 from mindspeed_rl.checkpoint.trainer_state import ResumePoint, find_resume_point, resume_actor, truncate_metrics_after
-from mindspeed_rl.config import GRPOConfig
+from mindspeed_rl.config import ConfigError, GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler, check_prompt_rows, load_prompt_dataset
 from mindspeed_rl.interrupts import RunInterrupted
 from mindspeed_rl.trainer import setup
@@ -49,6 +49,7 @@ class PreparedRun:
     ref_dir: str
     tokenizer: object
     dataset: PromptDataset
+    eval_dataset: PromptDataset | None  # megatron_training.eval_data_path
     sampler: PromptSampler
     resume: ResumePoint | None
     ref_checkpoint: Path | None
@@ -82,7 +83,8 @@ def _start_and_train(config: GRPOConfig, run: PreparedRun, run_dir: Path, progre
         restore(config, run, actor_group, run_dir, progress)
         history = train(config, actor_group, run.tokenizer, run.dataset, run_dir, sampler=run.sampler,
                         start_iteration=run.resume.iteration + 1 if run.resume else 1, hf_dir=run.model_dir,
-                        progress=progress, prediction=run.prediction, reward_group=reward_group)
+                        progress=progress, prediction=run.prediction, reward_group=reward_group,
+                        eval_dataset=run.eval_dataset)
         completed = True
         return history
     finally:
@@ -128,12 +130,31 @@ def prepare_run(config: GRPOConfig, run_dir: Path, held: contextlib.ExitStack) -
     print(f"[data] {len(dataset.records)} prompts from {dataset.source} "
           f"({dataset.num_filtered} longer than rl_config.max_prompt_length={config.rl_config.max_prompt_length} "
           f"filtered), prompt_type={mt.prompt_type}", flush=True)
+    eval_dataset = load_eval_dataset(config, tokenizer)
     device = detect_device() if config.runtime.device == "auto" else config.runtime.device
     setup.check_host_capacity(config, device, os.cpu_count() or 1)
     print(config.resource_plan.table(device), flush=True)  # device -> roles, colocated or disaggregated
-    return PreparedRun(model_dir=model_dir, ref_dir=ref_dir, tokenizer=tokenizer, dataset=dataset, sampler=sampler,
+    return PreparedRun(model_dir=model_dir, ref_dir=ref_dir, tokenizer=tokenizer, dataset=dataset,
+                       eval_dataset=eval_dataset, sampler=sampler,
                        resume=resume, ref_checkpoint=ref_checkpoint, device=device,
                        prediction=setup.memory_prediction(config, hf_config, device))  # compared with the ledger
+
+
+def load_eval_dataset(config: GRPOConfig, tokenizer) -> PromptDataset | None:
+    """megatron_training.eval_data_path read as the training data is (formats, map_keys, template, length policy)."""
+    mt = config.megatron_training
+    if mt.eval_data_path is None:
+        return None
+    check_prompt_rows(mt.eval_data_path, map_keys=dict(mt.map_keys))
+    dataset = load_prompt_dataset(mt.eval_data_path, tokenizer=tokenizer, prompt_type=mt.prompt_type,
+                                  map_keys=dict(mt.map_keys), max_prompt_length=config.rl_config.max_prompt_length,
+                                  overlong_prompts=mt.overlong_prompts)
+    if len(dataset.records) < config.infer_data_parallel_size:
+        raise ConfigError("megatron_training.eval_data_path", f"has {len(dataset.records)} usable prompts, fewer than "
+                                                              f"the inference data-parallel size "
+                                                              f"{config.infer_data_parallel_size}")
+    print(f"[data] {len(dataset.records)} eval prompts from {dataset.source}", flush=True)
+    return dataset
 
 
 def start_hosts(config: GRPOConfig, device: str, progress: RunProgress) -> bool:

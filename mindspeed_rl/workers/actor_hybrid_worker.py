@@ -200,9 +200,10 @@ class ActorHybridWorkerBase:
 
     # -- the phases ------------------------------------------------------------------------------
     @phase_rpc(GENERATE)
-    def generate_sequences(self, prompt_token_ids: list[list[int]],
-                           iteration: int | None = None) -> tuple[Shard, dict[str, float]]:
-        """Each inference-DP group samples its slice of the prompts; one rank per group reports it.
+    def generate_sequences(self, prompt_token_ids: list[list[int]], iteration: int | None = None,
+                           n: int | None = None, greedy: bool = False) -> tuple[Shard, dict[str, float]]:
+        """Each inference-DP group samples its slice of the prompts; one rank per group reports it. `n` samples
+        per prompt (default rl_config.n_samples_per_prompt), greedily with `greedy` (evaluation).
 
         With `iteration`, the sampling RNG is reseeded from f(megatron_training.seed, iteration, DP rank)
         first, so an iteration samples the same whatever came before (exact resume); without, it
@@ -221,8 +222,8 @@ class ActorHybridWorkerBase:
             torch.manual_seed(sampling_seed(self.config.megatron_training.seed, iteration, dp_rank))
         t0 = time.perf_counter()
         generations = self.inference_model.generate(
-            prompt_token_ids[start:stop], n=self.config.rl_config.n_samples_per_prompt,
-            max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            prompt_token_ids[start:stop], n=n or self.config.rl_config.n_samples_per_prompt,
+            max_tokens=sampling.max_tokens, temperature=0.0 if greedy else sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, min_p=sampling.min_p, logprobs=sampling.logprobs, seed=None,
             detokenize=sampling.detokenize,
         )
