@@ -102,6 +102,17 @@ class RolloutBatch:
             columns={k: v[index] for k, v in self.columns.items()},
         )
 
+    @classmethod
+    def concat(cls, batches: list["RolloutBatch"], *, pad_id: int = 0) -> "RolloutBatch":
+        """The samples of `batches` in order, in one batch as wide as the widest (same response width); per-sample
+        columns concatenated alike."""
+        width = max(b.input_ids.shape[1] for b in batches)
+        input_ids = torch.cat([torch.nn.functional.pad(b.input_ids, (0, width - b.input_ids.shape[1]), value=pad_id)
+                               for b in batches])
+        columns = {name: torch.cat([b.columns[name] for b in batches]) for name in batches[0].columns}
+        return cls(input_ids=input_ids, prompt_lengths=torch.cat([b.prompt_lengths for b in batches]),
+                   response_mask=torch.cat([b.response_mask for b in batches]), columns=columns)
+
     def sample_lengths(self) -> torch.Tensor:
         """[B] prompt + response tokens of each sample (its row without the padding)."""
         return self.prompt_lengths + self.response_mask.sum(dim=1).long()

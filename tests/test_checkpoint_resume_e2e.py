@@ -1,6 +1,8 @@
 """End to end through the CLI (subprocesses, real Ray + vLLM + Megatron, 1 rank): a run whose driver is
 SIGKILLed after its iteration-2 checkpoint resumes from the last checkpoint and reaches the uninterrupted
-run's iterations 3 and 4 bit-exactly (fp32 CPU): metrics, weights and optimizer states.
+run's iterations 3 and 4 bit-exactly (fp32 CPU): metrics, weights and optimizer states. The runs use DAPO's
+dynamic sampling (8 of each rollout's 16 prompts must differ in exact accuracy, more rollouts drawn until they
+do), so the sampler position and the sampling streams are exact through the refills.
 
 Runs where: three CLI runs one after the other; ~1.5 min on 2 cores."""
 
@@ -17,7 +19,9 @@ from run_watch import launch, session_processes
 # Wall-clock and memory figures differ between any two runs; everything else must be equal.
 VOLATILE_PREFIXES = ("timing/", "memory/", "offload/")
 VOLATILE_SUFFIXES = ("_tps", "seconds")
-TRAIN_4 = ("megatron_training.train_iters=4", "megatron_training.save_interval=2")
+TRAIN_4 = ("megatron_training.train_iters=4", "megatron_training.save_interval=2", "rl_config.filter_groups_enable=true",
+           "rl_config.filter_groups_metric=acc", "rl_config.filter_groups_train_batch_size=8",
+           "rl_config.filter_groups_max_batches=-1")
 
 
 def _records(path):
@@ -60,6 +64,7 @@ def test_resume_after_a_sigkill_matches_the_uninterrupted_run(world, tmp_path):
     expected = _records(full / "run" / "metrics.jsonl")
     got = _records(killed / "run" / "metrics.jsonl")
     assert [r["iteration"] for r in got] == [1, 2, 3, 4]
+    assert any(r["dynamic_sampling/rollouts"] > 1 for r in expected[2:]), expected  # a refill after the resume
     assert got == expected
     for part in ("model", "optimizer"):
         want = _plain(full / "save" / "iter_0000004" / part)

@@ -794,3 +794,15 @@ def test_greedy_evaluation_takes_one_sample_per_prompt() -> None:
     assert config_error(TINY, "rl_config.eval_n_samples=4").startswith(
         "rl_config.eval_n_samples: must be 1 with eval_sampling: greedy")
     assert load(TINY, "rl_config.eval_n_samples=4", "rl_config.eval_sampling=train").rl_config.eval_n_samples == 4
+
+
+def test_dynamic_sampling_metric_is_acc_reward_or_a_verifier() -> None:
+    assert config_error(TINY, "rl_config.filter_groups_metric=acc_for_dapo") == (
+        "rl_config.filter_groups_metric: must be acc, reward or one of verifier_function (arith_acc), got "
+        "'acc_for_dapo'")
+
+
+def test_dynamic_sampling_trains_on_its_own_batch_size() -> None:
+    message = config_error(TINY, "rl_config.filter_groups_enable=true", "rl_config.filter_groups_train_batch_size=3")
+    assert message.startswith("rl_config.mini_batch_size: mini_batch_size * n_samples_per_prompt")
+    assert "rl_config.filter_groups_train_batch_size * rl_config.n_samples_per_prompt = 3 * 16" in message

@@ -123,6 +123,12 @@ class GRPOConfig:
         self._check_reward_model()
         self._check_async_generation()
         self._check_evaluation()
+        self._check_dynamic_sampling()
+
+    def _check_dynamic_sampling(self) -> None:
+        if self.rl_config.filter_groups_enable and self.rollout_staleness:
+            raise ConfigError("rl_config.filter_groups_enable", "dynamic sampling refills a rollout after scoring it: "
+                                                                "it runs synchronously (async_generation_ratio: 0)")
 
     def _check_evaluation(self) -> None:
         rl = self.rl_config
@@ -289,12 +295,12 @@ class GRPOConfig:
 
     def _check_batch_sizes(self) -> None:
         rl = self.rl_config
-        prompts = self.megatron_training.global_batch_size
+        prompts = rl.train_prompts_per_iteration or self.megatron_training.global_batch_size
         rollout_samples = prompts * rl.n_samples_per_prompt
-        rollout_desc = (
-            f"megatron_training.global_batch_size * rl_config.n_samples_per_prompt = "
-            f"{prompts} * {rl.n_samples_per_prompt} = {rollout_samples} samples"
-        )
+        batch_key = ("rl_config.filter_groups_train_batch_size" if rl.filter_groups_enable
+                     else "megatron_training.global_batch_size")
+        rollout_desc = f"{batch_key} * rl_config.n_samples_per_prompt = {prompts} * {rl.n_samples_per_prompt} = " \
+                       f"{rollout_samples} samples"
         mini_samples = rl.mini_batch_size_in_samples
         if rollout_samples % mini_samples != 0:
             raise ConfigError(
@@ -309,6 +315,10 @@ class GRPOConfig:
                 f"train data-parallel size * micro_batch_size = {dp} * {mbs} = {dp * mbs} must divide the "
                 f"mini-batch of rl_config.mini_batch_size * n_samples_per_prompt = {mini_samples} samples",
             )
+        rollout_samples = self.megatron_training.global_batch_size * rl.n_samples_per_prompt
+        rollout_desc = (f"megatron_training.global_batch_size * rl_config.n_samples_per_prompt = "
+                        f"{self.megatron_training.global_batch_size} * {rl.n_samples_per_prompt} = "
+                        f"{rollout_samples} samples")
         infer_dp = self.infer_data_parallel_size
         if rollout_samples % infer_dp != 0:
             raise ConfigError(

@@ -103,6 +103,15 @@ class RLConfig:
     overlong_buffer: int = 0
     overlong_buffer_penalty_factor: float = 1.0
     rollout_max_tokens: int = 2048
+    # Dynamic sampling (DAPO; MindSpeed-RL's keys and defaults): groups whose filter_groups_metric is the same for
+    # all n samples teach nothing (zero advantage) and are dropped; more prompts are generated (global_batch_size
+    # per rollout) until filter_groups_train_batch_size prompts are kept, at most filter_groups_max_batches
+    # rollouts per iteration (<= 0: no limit), else the run stops saying so. The metric: a verifier of
+    # verifier_function, "acc" (the exact answer) or "reward" (the weighted total).
+    filter_groups_enable: bool = False
+    filter_groups_metric: str = "acc"
+    filter_groups_max_batches: int = 1
+    filter_groups_train_batch_size: int = 1
     # Evaluation during training on megatron_training.eval_data_path: after every eval_interval-th update
     # (0: never) and, with eval_before_train, once before the first; generation only (no update).
     eval_interval: int = 0
@@ -141,6 +150,11 @@ class RLConfig:
                 for phase, (tokens, samples) in own.items()}
 
     @property
+    def train_prompts_per_iteration(self) -> int | None:
+        """The prompts an update trains on when dynamic sampling fills the batch; None: the rollout's own."""
+        return self.filter_groups_train_batch_size if self.filter_groups_enable else None
+
+    @property
     def mini_batch_size_in_samples(self) -> int:
         """Samples per optimizer step. MindSpeed-RL multiplies mini_batch_size in place; we don't
         mutate, so the value read back from the config is the one the user wrote."""
@@ -174,6 +188,11 @@ class RLConfig:
                 f"(the std of a single sample is undefined), got {self.n_samples_per_prompt}",
             )
         require_non_negative(prefix, self, "eval_interval")
+        require_positive(prefix, self, "filter_groups_train_batch_size")
+        if self.filter_groups_metric not in ("acc", "reward", *self.verifier_function):
+            raise ConfigError(f"{prefix}.filter_groups_metric", f"must be acc, reward or one of verifier_function "
+                                                                f"({', '.join(self.verifier_function)}), got "
+                                                                f"{self.filter_groups_metric!r}")
         require_positive(prefix, self, "eval_n_samples")
         require_choice(prefix, self, "eval_sampling", EVAL_SAMPLINGS)
         if self.eval_sampling == "greedy" and self.eval_n_samples != 1:

@@ -16,9 +16,10 @@ from mindspeed_rl.algorithms.grpo import group_normalized_advantages
 from mindspeed_rl.checkpoint.trainer_state import save_run_checkpoint
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler
-from mindspeed_rl.data.rewards import RuleRewards, accuracy, compute_rule_rewards
+from mindspeed_rl.data.rewards import RuleRewards, answer_is_correct, compute_rule_rewards
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.trainer import setup
+from mindspeed_rl.trainer.dynamic_sampling import ScoredRollouts
 from mindspeed_rl.trainer.evaluation import Evaluation, format_eval_line
 from mindspeed_rl.trainer.metrics import format_line, iteration_metrics
 from mindspeed_rl.trainer.reward_model import model_score_metrics, with_model_scores
@@ -35,7 +36,7 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
     hf_dir = hf_dir or setup.resolve_assets(config)[0]
     progress = progress or RunProgress(save_root=config.actor_config.save)
     rollouts = Rollouts(actor_group, dataset, sampler or make_sampler(config, dataset), config)
-    scoring = Scoring(config, tokenizer, actor_group, reward_group)
+    sampling = ScoredRollouts(rollouts, Scoring(config, tokenizer, actor_group, reward_group), config)
     evaluation = Evaluation(config, tokenizer, actor_group, eval_dataset)
     record = Recorder(config, run_dir, prediction or setup.memory_prediction(
         config, setup.read_hf_config(hf_dir), quiet=True), start_iteration=start_iteration)
@@ -45,16 +46,16 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
         for iteration in range(start_iteration, config.megatron_training.train_iters + 1):
             progress.iteration = iteration
             started = time.perf_counter()
-            prompts, batch, metrics = rollouts.next(iteration)  # sampled now, or during the last update
-            rewards, accuracy_value, score_metrics = scoring.score(prompts, batch)
+            scored = sampling.next(iteration)  # generated now or during the last update, scored, maybe refilled
+            batch, rewards, metrics = scored.batch, scored.rewards, scored.metrics
             batch.columns["advantages"] = group_normalized_advantages(rewards.total, rl.n_samples_per_prompt)
             batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor_group, "compute_ref_log_prob", batch)
             batch.columns["old_logprobs"], old_metrics = forward_logprobs(actor_group, "compute_log_prob", batch)
             rollouts.start_ahead(iteration + 1)  # one-step off-policy: the next rollout runs during this update
             update_metrics = merge_metrics(actor_group.call("update", batch, kl_coef=rl.init_kl_coef))
-            metrics |= score_metrics | ref_metrics | old_metrics | update_metrics
+            metrics |= ref_metrics | old_metrics | update_metrics
             metrics |= evaluation.run(iteration) if evaluation.due(iteration) else {}
-            record(iteration, started, batch, rewards, accuracy_value, metrics)
+            record(iteration, started, batch, rewards, scored.accuracy, metrics)
             if saves_at(config, iteration):
                 save_checkpoint(config, actor_group, iteration, rollouts.resume_sampler, progress, hf_dir)
     finally:
@@ -71,11 +72,12 @@ class Rollouts:
         self._ahead: list | None = None  # the prompts of the rollout started ahead
         self._sampler_before_ahead: PromptSampler | None = None
 
-    def next(self, iteration: int) -> tuple[list, RolloutBatch, dict]:
-        """(prompts, batch, metrics) of `iteration`."""
+    def next(self, iteration: int, *, refill: int = 0) -> tuple[list, RolloutBatch, dict]:
+        """(prompts, batch, metrics) of `iteration`; `refill` > 0: dynamic sampling's further rollouts of it."""
         if self._ahead is None:
             prompts, staleness = self._draw(), 0
-            self.actor_group.start_generate([p.token_ids for p in prompts], iteration)
+            seed_key = (iteration, refill) if refill else iteration  # each refill its own sampling stream
+            self.actor_group.start_generate([p.token_ids for p in prompts], seed_key)
         else:
             prompts, self._ahead = self._ahead, None
             staleness = self.config.rollout_staleness
@@ -107,7 +109,8 @@ class Scoring:
     def __init__(self, config: GRPOConfig, tokenizer, actor_group: ActorGroup, reward_group=None):
         self.config, self.tokenizer, self.actor_group, self.reward_group = config, tokenizer, actor_group, reward_group
 
-    def score(self, prompts: list, batch: RolloutBatch) -> tuple[RuleRewards, float, dict]:
+    def score(self, prompts: list, batch: RolloutBatch) -> tuple[RuleRewards, torch.Tensor, dict]:
+        """The rewards, whether each sample's answer is exact (bool [samples]) and the scoring's metrics."""
         rl = self.config.rl_config
         responses = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids(batch)]
         labels = [p.label for p in prompts for _ in range(rl.n_samples_per_prompt)]
@@ -123,7 +126,9 @@ class Scoring:
             metrics |= model_metrics | model_score_metrics(scores)
         if rl.overlong_buffer_enable:
             rewards = self._with_overlong_penalty(rewards, batch, metrics)
-        return rewards, accuracy(responses, labels, rl.verifier_function), metrics
+        correct = torch.tensor([answer_is_correct(r, a, rl.verifier_function) for r, a in zip(responses, labels)],
+                               dtype=torch.bool)
+        return rewards, correct, metrics
 
     def _with_overlong_penalty(self, rewards: RuleRewards, batch: RolloutBatch, metrics: dict) -> RuleRewards:
         """DAPO's soft overlong punishment added to the total (algorithms/dapo.py)."""

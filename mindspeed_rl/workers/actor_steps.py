@@ -28,12 +28,15 @@ class MiniBatchShuffler:
         return torch.randperm(num_samples, generator=self.generator)
 
 
-def sampling_seed(seed: int, iteration: int, stream: int) -> int:
+def sampling_seed(seed: int, iteration: int | tuple[int, int], stream: int) -> int:
     """The sampling seed of one iteration's stream (an inference-DP rank): independent streams from
-    numpy's SeedSequence."""
+    numpy's SeedSequence. `iteration` may be (iteration, refill): dynamic sampling's further rollouts of one
+    iteration draw their own streams (refill 0 is the iteration's plain seed)."""
     import numpy as np
 
-    return int(np.random.SeedSequence([seed, iteration, stream]).generate_state(1)[0] & 0x7FFFFFFF)
+    key = list(iteration) if isinstance(iteration, (tuple, list)) else [iteration]
+    key = key[:1] if key[1:] == [0] else key
+    return int(np.random.SeedSequence([seed, key[0], stream, *key[1:]]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
 def train_dp_slice(num_samples: int) -> tuple[int, int]:
@@ -91,7 +94,7 @@ def packing_for(rl, phase: str) -> Packing | None:
 def optimizer_steps_per_iteration(cfg: GRPOConfig) -> int:
     """`update` takes one step per mini-batch of the rollout, `epochs` times."""
     rl = cfg.rl_config
-    samples = cfg.megatron_training.global_batch_size * rl.n_samples_per_prompt
+    samples = (rl.train_prompts_per_iteration or cfg.megatron_training.global_batch_size) * rl.n_samples_per_prompt
     return -(-samples // rl.mini_batch_size_in_samples) * rl.epochs
 
 
