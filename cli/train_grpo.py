@@ -27,13 +27,26 @@ CONFIG_ERROR_EXIT_CODE = 2
 _task_started = False
 
 
-@hydra.main(config_path="../configs", config_name=default_config_name(), version_base="1.3")
+# The training stage this entry point runs (megatron_training.stage); cli/train_dapo.py sets ray_dapo.
+STAGE = "ray_grpo"
+ENTRY_POINTS = {"ray_grpo": "cli/train_grpo.py", "ray_dapo": "cli/train_dapo.py"}
+
+
+# Absolute: cli/train_dapo.py imports this module, and Hydra resolves a relative path against the importer.
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name=default_config_name(), version_base="1.3")
 def main(cfg: DictConfig) -> None:
     global _task_started
     _task_started = True
     with stop_signals():
         try:
             config = load_config(cfg)
+            if config.megatron_training.stage != STAGE:
+                raise ConfigError("megatron_training.stage", f"is {config.megatron_training.stage}: run the recipe with "
+                                                             f"{ENTRY_POINTS[config.megatron_training.stage]}, as its "
+                                                             f"authors did (this is {ENTRY_POINTS[STAGE]})")
             run_dir = Path(HydraConfig.get().runtime.output_dir)
             # torch's allocator reads this at its first allocation, so it is set before torch is imported: a
             # one-rank run's rank lives in this process (workers/local_group.py). A user's own value wins.
@@ -54,10 +67,14 @@ def main(cfg: DictConfig) -> None:
             sys.exit(128 + interrupt.signum)
 
 
-if __name__ == "__main__":
+def launch() -> None:
     try:
         main()
     except SystemExit as exit_request:
         if not _task_started and exit_request.code not in (0, None):
             sys.exit(CONFIG_ERROR_EXIT_CODE)
         raise
+
+
+if __name__ == "__main__":
+    launch()

@@ -160,9 +160,9 @@ def test_register_configs_stores_the_schema() -> None:
 
 
 def test_default_config_name_follows_the_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader, "_accelerator_present", lambda: False)
+    monkeypatch.setattr(loader, "accelerator_present", lambda: False)
     assert default_config_name() == CPU_CONFIG_NAME == TINY
-    monkeypatch.setattr(loader, "_accelerator_present", lambda: True)
+    monkeypatch.setattr(loader, "accelerator_present", lambda: True)
     assert default_config_name() == ACCELERATOR_CONFIG_NAME == QWEN_7B
 
 
@@ -437,7 +437,7 @@ def test_removed_key_in_a_yaml_mapping_is_found_without_hydra() -> None:
     [
         ("megatron_training.use_mcore_models=false", "megatron_training.use_mcore_models: must be true: "),
         ("megatron_training.tokenizer_type=Llama2Tokenizer", "megatron_training.tokenizer_type: must be 'PretrainedFromHF': "),
-        ("megatron_training.stage=ray_ppo", "megatron_training.stage: must be 'ray_grpo': "),
+        ("megatron_training.stage=ray_ppo", "megatron_training.stage: must be one of ray_grpo, ray_dapo, got 'ray_ppo'"),
         ("megatron_training.save_interval=0", "megatron_training.save_interval: must be a positive number of "
                                               "iterations or null, got 0"),
         ("megatron_training.dataset_additional_keys=[]", "megatron_training.dataset_additional_keys: must be ['labels']: "),
@@ -787,7 +787,8 @@ def test_bad_dapo_options() -> None:
 def test_evaluation_needs_held_out_prompts() -> None:
     assert config_error(TINY, "rl_config.eval_interval=5") == (
         "megatron_training.eval_data_path: must name the held-out prompts when rl_config.eval_interval or "
-        "eval_before_train is set")
+        "eval_before_train is set (the generated math_word task has its own)")
+    assert load("grpo_tiny_math_cpu", "rl_config.eval_interval=5").rl_config.eval_interval == 5
 
 
 def test_greedy_evaluation_takes_one_sample_per_prompt() -> None:

@@ -40,7 +40,6 @@ MODEL_BLOCK = "model.*"
 VALIDATED_ONLY: dict[str, str] = {
     "megatron_training.use_mcore_models": "true only: the engine builds Megatron-core models",
     "megatron_training.tokenizer_type": "PretrainedFromHF only: the tokenizer is the HF one in tokenizer_name_or_path",
-    "megatron_training.stage": "ray_grpo only: GRPO is the only stage",
     "megatron_training.split": "'N,0,0' only: no validation/test splits, every row trains",
     "megatron_training.dataset_additional_keys": "['labels'] only: the label column feeds the verifiers",
     "rl_config.use_integrated_worker": "true only: the integrated worker is the only worker",

@@ -118,7 +118,8 @@ def _in_phase(metrics: dict, phase: str) -> set[str]:
 
 
 def test_roll_offload_control_on_the_hybrid_worker(cluster):
-    from mindspeed_rl.trainer.grpo_trainer import forward_logprobs, generate, train
+    from mindspeed_rl.trainer.grpo_trainer import train
+    from mindspeed_rl.trainer.rollout import forward_logprobs, generate
 
     config, actor, tokenizer, dataset, tmp_path = cluster
     assert all(sum(r.values()) == 0 for r in _resident(actor)), "after initialize nothing stays on the device"

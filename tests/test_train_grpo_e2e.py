@@ -157,7 +157,9 @@ def test_a_finished_two_rank_run_leaves_no_process_and_no_shm_segment(pp2_run):
     assert not shm, f"/dev/shm segments left: {shm}"
 
 
-def test_the_7b_recipe_on_this_host_passes_every_check_then_names_the_device_count(tmp_path):
+@pytest.mark.parametrize("recipe, script", [("grpo_qwen25_7b_A3", "cli/train_grpo.py"),
+                                            ("dapo_qwen25_7b_A3", "cli/train_dapo.py")])
+def test_the_7b_recipe_on_this_host_passes_every_check_then_names_the_device_count(tmp_path, recipe, script):
     """The users' command with a small Qwen2 checkpoint and a DeepScaleR-style file: config, data, template,
     verifier and model checks pass; on a 2-core CPU host the 16 ranks are refused in one line, exit 2."""
     from mindspeed_rl.data.tiny_math import build_tiny_math_tokenizer
@@ -174,9 +176,9 @@ def test_the_7b_recipe_on_this_host_passes_every_check_then_names_the_device_cou
     data = tmp_path / "deepscaler.json"
     data.write_text(json.dumps([{"problem": f"What is {i} + 1?", "answer": str(i + 1), "solution": "."}
                                 for i in range(40)]))
-    done = run_cli(tmp_path, "grpo_qwen25_7b_A3", f"megatron_training.tokenizer_name_or_path={model}",
+    done = run_cli(tmp_path, recipe, f"megatron_training.tokenizer_name_or_path={model}",
                    f"actor_config.load={model}", f"megatron_training.data_path={data}", "runtime.device=cpu",
-                   "+runtime.max_ranks_per_cpu_core=1", timeout=180)
+                   "+runtime.max_ranks_per_cpu_core=1", timeout=180, script=script)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert "[data] 40 prompts" in done.stdout and "prompt_type=qwen_r1" in done.stdout

@@ -131,10 +131,19 @@ class GRPOConfig:
                                                                 "it runs synchronously (async_generation_ratio: 0)")
 
     def _check_evaluation(self) -> None:
-        rl = self.rl_config
-        if (rl.eval_interval or rl.eval_before_train) and self.megatron_training.eval_data_path is None:
+        rl, synthetic = self.rl_config, self.synthetic_data
+        generated = synthetic is not None and synthetic.enabled and synthetic.task == "math_word"
+        if (rl.eval_interval or rl.eval_before_train) and self.megatron_training.eval_data_path is None \
+                and not generated:
             raise ConfigError("megatron_training.eval_data_path", "must name the held-out prompts when "
-                                                                  "rl_config.eval_interval or eval_before_train is set")
+                                                                  "rl_config.eval_interval or eval_before_train is set "
+                                                                  "(the generated math_word task has its own)")
+
+    @property
+    def uses_reference(self) -> bool:
+        """The reference model only feeds the KL term: with init_kl_coef 0 (DAPO) none is built, loaded or
+        given a phase."""
+        return self.rl_config.init_kl_coef > 0
 
     @property
     def rollout_staleness(self) -> int:

@@ -56,10 +56,10 @@ def register_configs() -> None:
 
 def default_config_name() -> str:
     """The 7B recipe where an accelerator is present, the tiny CPU demo elsewhere."""
-    return ACCELERATOR_CONFIG_NAME if _accelerator_present() else CPU_CONFIG_NAME
+    return ACCELERATOR_CONFIG_NAME if accelerator_present() else CPU_CONFIG_NAME
 
 
-def _accelerator_present() -> bool:
+def accelerator_present() -> bool:
     if importlib.util.find_spec("torch_npu") is not None:
         return True
     # `import torch` costs seconds, which `--help` and config errors should not pay; without a GPU

@@ -23,6 +23,7 @@ from mindspeed_rl.config.errors import ConfigError
 # Megatron's WSD also needs an anneal length (lr_wsd_decay_iters) that this schema has no key for.
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 OVERLONG_PROMPT_POLICIES = ("filter", "error")
+TRAINING_STAGES = ("ray_grpo", "ray_dapo")  # the entry point each names: cli/train_grpo.py, cli/train_dapo.py
 # Our fields of a dataset row; values of map_keys name where each lives in the row.
 MAP_KEYS_REQUIRED = ("prompt", "labels")
 MAP_KEYS_OPTIONAL = ("system",)
@@ -67,7 +68,8 @@ class MegatronTrainingConfig:
     # <hydra run dir>/hf_export (safetensors, config, tokenizer), whatever actor_config.save says.
     save_hf: bool = False
     train_iters: int
-    # Validated only: GRPO is the only stage.
+    # ray_grpo (cli/train_grpo.py) or ray_dapo (cli/train_dapo.py): the same trainer, DAPO's steps are rl_config
+    # keys; each entry point refuses the other's recipes so a recipe runs as its authors ran it.
     stage: str = "ray_grpo"
     # RL fine-tuning keeps dropout off (Megatron's default is 0.1) so that old and new log-probs of
     # the same weights agree.
@@ -109,7 +111,7 @@ class MegatronTrainingConfig:
         require_only(prefix, self, "use_mcore_models", True, "the engine builds Megatron-core (mcore) models only")
         require_only(prefix, self, "tokenizer_type", "PretrainedFromHF",
                      "the tokenizer is the HF one in megatron_training.tokenizer_name_or_path")
-        require_only(prefix, self, "stage", "ray_grpo", "GRPO (ray_grpo) is the only training stage here")
+        require_choice(prefix, self, "stage", TRAINING_STAGES)
         if self.save_interval is not None and self.save_interval < 1:
             raise ConfigError(f"{prefix}.save_interval", f"must be a positive number of iterations or null, "
                                                         f"got {self.save_interval}")

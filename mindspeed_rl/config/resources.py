@@ -400,10 +400,12 @@ class ResourcePlan:
     def num_nodes(self) -> Optional[int]:
         return math.ceil(self.cluster_size / self.num_gpus_per_node) if self.num_gpus_per_node else None
 
-    def device_roles(self) -> dict[int, list[str]]:
-        """Device index -> the roles placed on it, in plan order."""
+    def device_roles(self, absent: tuple[str, ...] = ()) -> dict[int, list[str]]:
+        """Device index -> the roles placed on it, in plan order (less the `absent` ones)."""
         table: dict[int, list[str]] = {device: [] for device in range(self.cluster_size)}
         for role in self.roles:
+            if role.key in absent:
+                continue
             for device in role.devices:
                 table[device].append(role.key)
         return table
@@ -432,9 +434,9 @@ class ResourcePlan:
         self.check_cluster(int(ray.cluster_resources().get(resource, 0)), num_nodes=nodes,
                            what=f"{resource} in the Ray cluster")
 
-    def table(self, device: str = "") -> str:
+    def table(self, device: str = "", absent: tuple[str, ...] = ()) -> str:
         """The device -> roles table printed at start, and each role's figures; ``device`` names the kind
-        (cpu, cuda, npu)."""
+        (cpu, cuda, npu); ``absent`` roles this run does not start (the reference without a KL term)."""
         train, infer = self.role("actor_train"), self.role(INFER_ROLE)
         if self.mode == COLOCATED:
             shared = format_devices(sorted(set(train.devices) & set(infer.devices)))
@@ -446,7 +448,7 @@ class ResourcePlan:
         nodes = f", {self.num_nodes} node(s) of num_gpus_per_node={self.num_gpus_per_node}" if self.num_nodes else ""
         lines = [f"[resources] {head} ({self.cluster_size} {kind}{nodes})"]
         rows: list[tuple[str, str, str]] = []
-        by_device = self.device_roles()
+        by_device = self.device_roles(absent)
         for devices, roles in _runs(by_device, self.num_gpus_per_node):
             node = ""
             if self.num_gpus_per_node:
@@ -464,7 +466,7 @@ class ResourcePlan:
             lines.append(f"  {devices:<{width}}  " + (f"{node:<{node_width}}  " if node_width else "") + roles)
         key_width = max(len(role.key) for role in self.roles)
         lines.append(f"  {'role':<{key_width}}  devices  num_gpus_per_worker  world_size  from")
-        for role in self.roles:
+        for role in (r for r in self.roles if r.key not in absent):
             lines.append(f"  {role.key:<{key_width}}  {format_devices(role.devices):<7}  "
                          f"{role.num_gpus_per_worker:<19}  {role.world_size:<10}  {role.source}")
         return "\n".join(lines)

@@ -41,8 +41,9 @@ from mindspeed_rl.data.tokenizer import (
 
 MODEL_SUBDIR = "model"
 DATA_FILE = "tiny_math.parquet"
+EVAL_FILE = "tiny_math_eval.parquet"  # held-out problems (texts not in DATA_FILE), for evaluation during training
 # Bump when the generators change, so caches written by older code are regenerated.
-ASSETS_FORMAT_VERSION = 1
+ASSETS_FORMAT_VERSION = 2  # 2: the held-out EVAL_FILE
 TASK_NAME = "math_word"
 # DAPO-Math-17k's own values for the constant columns (data_source names this generator).
 DATA_SOURCE = "tiny_math_word"
@@ -200,7 +201,8 @@ def ensure_tiny_math_assets(
         "seed": seed,
     }
     root = ensure_generated(data_dir, TASK_NAME, params, generate=_generate_assets,
-                            required=(f"{MODEL_SUBDIR}/config.json", f"{MODEL_SUBDIR}/tokenizer_config.json", DATA_FILE))
+                            required=(f"{MODEL_SUBDIR}/config.json", f"{MODEL_SUBDIR}/tokenizer_config.json", DATA_FILE,
+                                      EVAL_FILE))
     return root / MODEL_SUBDIR, root / DATA_FILE
 
 
@@ -219,3 +221,7 @@ def _generate_assets(root: Path, params: dict[str, Any]) -> None:
     save_hf_tokenizer(tokenizer, model_dir, eos_token=CHAT_END_TOKEN, chat_template=QWEN_STYLE_CHAT_TEMPLATE)
     rows = make_word_problems(params["num_prompts"], params["max_operand"], params["seed"])
     write_dapo_parquet(root / DATA_FILE, rows)
+    seen = {row["prompt"][0]["content"] for row in rows}
+    held_out = [row for row in make_word_problems(max(128, params["num_prompts"] // 2), params["max_operand"],
+                                                  params["seed"] + 1) if row["prompt"][0]["content"] not in seen]
+    write_dapo_parquet(root / EVAL_FILE, held_out)

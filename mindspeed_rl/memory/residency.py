@@ -69,8 +69,10 @@ class ResidencyPolicy:
         return frozenset(state for state, offload in flags if not offload)
 
     def phases(self) -> tuple[str, ...]:
-        """The phases this run enters, in order (`reward` only with a reward model)."""
-        return tuple(p for p in PHASES if p != REWARD or self.has_reward_model)
+        """The phases this run enters, in order (`reward` only with a reward model, `ref_logprob` only with a
+        reference)."""
+        return tuple(p for p in PHASES if (p != REWARD or self.has_reward_model)
+                     and (p != REF_LOGPROB or self.has_reference))
 
     def recorded_phases(self) -> tuple[str, ...]:
         """The phases the ledger records in this run, in order."""

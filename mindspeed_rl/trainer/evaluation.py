@@ -15,6 +15,7 @@ import time
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset
 from mindspeed_rl.data.rewards import answer_is_correct, compute_rule_rewards
+from mindspeed_rl.trainer.rollout import generate, response_ids
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -42,8 +43,6 @@ class Evaluation:
 
     def run(self, updates: int) -> dict[str, float]:
         """Every held-out prompt, generated and scored; the eval/* metrics."""
-        from mindspeed_rl.trainer.grpo_trainer import generate, response_ids
-
         rl, started = self.config.rl_config, time.perf_counter()
         n = rl.eval_n_samples
         scores: dict[str, list[float]] = {name: [] for name in rl.verifier_function}

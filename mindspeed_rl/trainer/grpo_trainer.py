@@ -22,10 +22,11 @@ from mindspeed_rl.trainer import setup
 from mindspeed_rl.trainer.dynamic_sampling import ScoredRollouts
 from mindspeed_rl.trainer.evaluation import Evaluation, format_eval_line
 from mindspeed_rl.trainer.metrics import format_line, iteration_metrics
+from mindspeed_rl.trainer.rollout import forward_logprobs, response_ids, rollout_batch
 from mindspeed_rl.trainer.reward_model import model_score_metrics, with_model_scores
 from mindspeed_rl.trainer.sinks import MetricsSinks
 from mindspeed_rl.trainer.stopping import RunProgress
-from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics, merge_shards
+from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics
 
 
 def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: PromptDataset, run_dir: Path, *,
@@ -49,7 +50,9 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
             scored = sampling.next(iteration)  # generated now or during the last update, scored, maybe refilled
             batch, rewards, metrics = scored.batch, scored.rewards, scored.metrics
             batch.columns["advantages"] = group_normalized_advantages(rewards.total, rl.n_samples_per_prompt)
-            batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor_group, "compute_ref_log_prob", batch)
+            ref_metrics = {}
+            if config.uses_reference:  # the KL term's only input
+                batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor_group, "compute_ref_log_prob", batch)
             batch.columns["old_logprobs"], old_metrics = forward_logprobs(actor_group, "compute_log_prob", batch)
             rollouts.start_ahead(iteration + 1)  # one-step off-policy: the next rollout runs during this update
             update_metrics = merge_metrics(actor_group.call("update", batch, kl_coef=rl.init_kl_coef))
@@ -226,38 +229,3 @@ def plot_curves(history: list[dict], run_dir: Path, config: GRPOConfig, *, befor
         plot_memory_timeline(history, path, last_iterations=3,
                              title=f"Device memory per phase (memory ledger; per rank, the largest of {config.world_size})")
         print(f"[memory] timeline of the last iterations: {path}", flush=True)
-
-
-def generate(actor_group: ActorGroup, prompt_batch, config: GRPOConfig, *, iteration: int | None = None,
-             n: int | None = None, greedy: bool = False) -> tuple[RolloutBatch, dict]:
-    """One rollout of `prompt_batch` (`n` samples each, default the config's), waited for."""
-    prompt_ids = [p.token_ids for p in prompt_batch]
-    actor_group.start_generate(prompt_ids, iteration, n=n, greedy=greedy)
-    return rollout_batch(actor_group.finish_generate(), prompt_ids, config)
-
-
-def rollout_batch(results: list, prompt_ids: list[list[int]], config: GRPOConfig) -> tuple[RolloutBatch, dict]:
-    """Every inference rank's (samples, metrics) -> one prompt-major batch and the merged metrics."""
-    metrics = merge_metrics([m for _, m in results])
-    samples = [sample for shard in merge_shards([s for s, _ in results]) for sample in shard.value]
-    samples.sort(key=lambda sample: sample[0])  # prompt-major: a prompt's n samples are contiguous
-    width = config.generate_config.sampling_config.max_tokens
-    batch = RolloutBatch.from_token_lists([prompt_ids[i] for i, _, _ in samples], [ids for _, ids, _ in samples],
-                                          pad_id=0, response_width=width)
-    rollout_logprobs = torch.zeros(batch.response_logprobs_shape)
-    for row, (_, ids, logprobs) in enumerate(samples):
-        rollout_logprobs[row, : len(ids)] = torch.tensor(logprobs)
-    batch.columns["rollout_logprobs"] = rollout_logprobs
-    return batch, metrics
-
-
-def forward_logprobs(actor_group: ActorGroup, method: str, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
-    """A forward RPC's per-sample values (log-probs, reward scores), assembled from the reporting ranks."""
-    results = actor_group.call(method, batch)
-    values = torch.cat([shard.value for shard in merge_shards([s for s, _ in results])])
-    return values, merge_metrics([m for _, m in results])
-
-
-def response_ids(batch: RolloutBatch) -> list[list[int]]:
-    tokens, lengths = batch.response_tokens(), batch.response_mask.sum(1).long()
-    return [tokens[i, : lengths[i]].tolist() for i in range(len(batch))]

@@ -133,7 +133,8 @@ def prepare_run(config: GRPOConfig, run_dir: Path, held: contextlib.ExitStack) -
     eval_dataset = load_eval_dataset(config, tokenizer)
     device = detect_device() if config.runtime.device == "auto" else config.runtime.device
     setup.check_host_capacity(config, device, os.cpu_count() or 1)
-    print(config.resource_plan.table(device), flush=True)  # device -> roles, colocated or disaggregated
+    absent = () if config.uses_reference else ("reference",)  # init_kl_coef 0: no reference model
+    print(config.resource_plan.table(device, absent), flush=True)  # device -> roles, colocated or disaggregated
     return PreparedRun(model_dir=model_dir, ref_dir=ref_dir, tokenizer=tokenizer, dataset=dataset,
                        eval_dataset=eval_dataset, sampler=sampler,
                        resume=resume, ref_checkpoint=ref_checkpoint, device=device,
@@ -143,10 +144,11 @@ def prepare_run(config: GRPOConfig, run_dir: Path, held: contextlib.ExitStack) -
 def load_eval_dataset(config: GRPOConfig, tokenizer) -> PromptDataset | None:
     """megatron_training.eval_data_path read as the training data is (formats, map_keys, template, length policy)."""
     mt = config.megatron_training
-    if mt.eval_data_path is None:
+    path = setup.resolve_eval_data_path(config)
+    if path is None:
         return None
-    check_prompt_rows(mt.eval_data_path, map_keys=dict(mt.map_keys))
-    dataset = load_prompt_dataset(mt.eval_data_path, tokenizer=tokenizer, prompt_type=mt.prompt_type,
+    check_prompt_rows(path, map_keys=dict(mt.map_keys))
+    dataset = load_prompt_dataset(path, tokenizer=tokenizer, prompt_type=mt.prompt_type,
                                   map_keys=dict(mt.map_keys), max_prompt_length=config.rl_config.max_prompt_length,
                                   overlong_prompts=mt.overlong_prompts)
     if len(dataset.records) < config.infer_data_parallel_size:

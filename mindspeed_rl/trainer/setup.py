@@ -52,7 +52,7 @@ def reference_checkpoint(config: GRPOConfig, hf_config: dict) -> Path | None:
     from mindspeed_rl.checkpoint.trainer_state import verify_same_model
 
     path = config.rl_config.integrated_mode_config.ref_model_load_path
-    if not path or not is_checkpoint_dir(path):
+    if not path or not is_checkpoint_dir(path) or not config.uses_reference:
         return None
     return verify_same_model(path, hf_config, key=REF_DIR_KEY)
 
@@ -130,6 +130,20 @@ def _tensors_end(raw: bytes) -> int | None:
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None
     return max(ends, default=0) if all(isinstance(end, int) for end in ends) else None
+
+
+def resolve_eval_data_path(config: GRPOConfig) -> str | None:
+    """megatron_training.eval_data_path, or with the generated math task and evaluation on, its held-out split."""
+    mt, synthetic, rl = config.megatron_training, config.synthetic_data, config.rl_config
+    if mt.eval_data_path is not None:
+        if not Path(mt.eval_data_path).exists():
+            raise ConfigError("megatron_training.eval_data_path", f"{mt.eval_data_path} does not exist")
+        return mt.eval_data_path
+    if not (rl.eval_interval or rl.eval_before_train):
+        return None
+    from mindspeed_rl.data.tiny_math import EVAL_FILE
+
+    return str(_generate_synthetic_assets(synthetic)[1].with_name(EVAL_FILE))  # checked in GRPOConfig: math_word
 
 
 def _generate_synthetic_assets(synthetic) -> tuple[Path, Path]:

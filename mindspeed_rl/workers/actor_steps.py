@@ -60,7 +60,7 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
 
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
         return grpo_loss(
-            logprobs=logprobs, old_logprobs=mb.extras["old_logprobs"], ref_logprobs=mb.extras["ref_logprobs"],
+            logprobs=logprobs, old_logprobs=mb.extras["old_logprobs"], ref_logprobs=mb.extras.get("ref_logprobs"),
             advantages=mb.extras["advantages"], response_mask=mb.response_mask, entropy=entropy,
             config=loss_config, loss_scale_denominator=denominator,
         )

@@ -67,7 +67,7 @@ def params_dtype(config: GRPOConfig) -> torch.dtype:
 
 def build_megatron_engines(config: GRPOConfig, accelerator, options, *, model_dir: str, ref_model_dir: str,
                            progress: Callable[[str], None]):
-    """The actor (with Megatron's optimizer) and the reference, from the HF checkpoints."""
+    """The actor (with Megatron's optimizer) and the reference (None without a KL term), from the HF checkpoints."""
     from mindspeed_rl.engines.megatron_engine import MegatronEngine
     from mindspeed_rl.workers.actor_steps import optimizer_settings
 
@@ -76,6 +76,9 @@ def build_megatron_engines(config: GRPOConfig, accelerator, options, *, model_di
     dtype = params_dtype(config)
     actor = MegatronEngine(spec=spec, hf_state=actor_state, params_dtype=dtype, accelerator=accelerator,
                            optimizer=optimizer_settings(config), options=options)
+    if not config.uses_reference:
+        progress("Megatron actor built (no reference: init_kl_coef is 0)")
+        return actor, None
     ref_state = actor_state if ref_model_dir == model_dir else load_hf_checkpoint(ref_model_dir)[1]
     reference = MegatronEngine(spec=spec, hf_state=ref_state, params_dtype=dtype, accelerator=accelerator,
                                optimizer=None, options=options)
@@ -131,7 +134,7 @@ def residency_policy(config: GRPOConfig, *, has_reward_model: bool, offload_infe
     gen = config.generate_config
     return ResidencyPolicy(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
                            offload_train_optimizer=gen.offload_train_optimizer, has_reward_model=has_reward_model,
-                           offload_inference=offload_inference)
+                           has_reference=config.uses_reference, offload_inference=offload_inference)
 
 
 def switch_layouts(config: GRPOConfig):

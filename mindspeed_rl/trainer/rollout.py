@@ -1,0 +1,45 @@
+"""Rollouts and forward passes as the driver sees them: one generation waited for, the ranks' results assembled
+into one prompt-major batch, a forward RPC's per-sample values, the response tokens of a batch. Used by the
+training loop and by the evaluation."""
+from __future__ import annotations
+
+import torch
+
+from mindspeed_rl.config import GRPOConfig
+from mindspeed_rl.protocol import RolloutBatch
+from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics, merge_shards
+
+
+def generate(actor_group: ActorGroup, prompt_batch, config: GRPOConfig, *, iteration: int | None = None,
+             n: int | None = None, greedy: bool = False) -> tuple[RolloutBatch, dict]:
+    """One rollout of `prompt_batch` (`n` samples each, default the config's), waited for."""
+    prompt_ids = [p.token_ids for p in prompt_batch]
+    actor_group.start_generate(prompt_ids, iteration, n=n, greedy=greedy)
+    return rollout_batch(actor_group.finish_generate(), prompt_ids, config)
+
+
+def rollout_batch(results: list, prompt_ids: list[list[int]], config: GRPOConfig) -> tuple[RolloutBatch, dict]:
+    """Every inference rank's (samples, metrics) -> one prompt-major batch and the merged metrics."""
+    metrics = merge_metrics([m for _, m in results])
+    samples = [sample for shard in merge_shards([s for s, _ in results]) for sample in shard.value]
+    samples.sort(key=lambda sample: sample[0])  # prompt-major: a prompt's n samples are contiguous
+    width = config.generate_config.sampling_config.max_tokens
+    batch = RolloutBatch.from_token_lists([prompt_ids[i] for i, _, _ in samples], [ids for _, ids, _ in samples],
+                                          pad_id=0, response_width=width)
+    rollout_logprobs = torch.zeros(batch.response_logprobs_shape)
+    for row, (_, ids, logprobs) in enumerate(samples):
+        rollout_logprobs[row, : len(ids)] = torch.tensor(logprobs)
+    batch.columns["rollout_logprobs"] = rollout_logprobs
+    return batch, metrics
+
+
+def forward_logprobs(actor_group: ActorGroup, method: str, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
+    """A forward RPC's per-sample values (log-probs, reward scores), assembled from the reporting ranks."""
+    results = actor_group.call(method, batch)
+    values = torch.cat([shard.value for shard in merge_shards([s for s, _ in results])])
+    return values, merge_metrics([m for _, m in results])
+
+
+def response_ids(batch: RolloutBatch) -> list[list[int]]:
+    tokens, lengths = batch.response_tokens(), batch.response_mask.sum(1).long()
+    return [tokens[i, : lengths[i]].tolist() for i in range(len(batch))]
