@@ -13,6 +13,7 @@ import pytest
 from mindspeed_rl.data import rewards
 from mindspeed_rl.data.tiny_math import (
     DATA_FILE,
+    EVAL_FILE,
     MANIFEST_FILE,
     TEMPLATES,
     answer_token,
@@ -200,7 +201,7 @@ def test_reuses_and_gives_other_parameters_their_own_directory(tmp_path):
     # atomic writes leave no staging files behind
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".lock", root.name, other.name])
     for directory in (root, other):
-        assert sorted(p.name for p in directory.iterdir()) == sorted([MANIFEST_FILE, DATA_FILE, "model"])
+        assert sorted(p.name for p in directory.iterdir()) == sorted([MANIFEST_FILE, DATA_FILE, EVAL_FILE, "model"])
 
 
 def test_vocab_size_pads_with_fillers_and_rejects_too_small():
@@ -219,3 +220,13 @@ def test_demo_config_selects_the_math_task_and_its_model(demo_config):
     assert demo_config.rl_config.verifier_function == ["math_17k_acc", "format"]
     assert demo_config.selected_model.padded_vocab_size == tiny_math_vocab_size(demo_config.synthetic_data.max_operand)
     assert demo_config.megatron_training.train_iters == 100
+
+
+def test_the_held_out_split_has_no_training_problem_text(tmp_path):
+    import pandas as pd
+
+    _, data_path = ensure_tiny_math_assets(tmp_path, num_prompts=64, max_operand=4, hidden_size=32, ffn_hidden_size=64,
+                                           num_layers=1, num_attention_heads=2, num_query_groups=1, seed=3)
+    train = {row[0]["content"] for row in pd.read_parquet(data_path)["prompt"]}
+    held_out = [row[0]["content"] for row in pd.read_parquet(data_path.with_name(EVAL_FILE))["prompt"]]
+    assert len(held_out) >= 32 and not set(held_out) & train
