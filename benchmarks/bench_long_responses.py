@@ -107,7 +107,7 @@ def previous_response_logprobs(logits, mb):
 
 
 def _logprob_path_bytes(batch, micro_batch_size: int) -> dict:
-    from mindspeed_rl.engines.megatron_engine import response_logprobs_from_logits
+    from mindspeed_rl.engines.vocab_parallel import response_logprobs_from_logits
     from mindspeed_rl.memory import ActivationMeter
 
     mb = batch.micro_batches(micro_batch_size, "cpu")[0]

@@ -67,7 +67,7 @@ def test_extreme_logits_stay_finite():
 
 
 def test_the_engine_scores_response_rows_as_the_previous_gather_did(world):
-    from mindspeed_rl.engines.megatron_engine import response_logprobs_from_logits
+    from mindspeed_rl.engines.vocab_parallel import response_logprobs_from_logits
 
     g = torch.Generator().manual_seed(3)
     prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4]]

@@ -20,6 +20,7 @@ from mindspeed_rl.config.resources import (
     build_resource_plan,
     check_supported,
 )
+from mindspeed_rl.config.algorithm_checks import check_dynamic_sampling, check_evaluation, check_packing
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 
@@ -122,22 +123,8 @@ class GRPOConfig:
         check_supported(self.resource_plan, self.rewards)
         self._check_reward_model()
         self._check_async_generation()
-        self._check_evaluation()
-        self._check_dynamic_sampling()
-
-    def _check_dynamic_sampling(self) -> None:
-        if self.rl_config.filter_groups_enable and self.rollout_staleness:
-            raise ConfigError("rl_config.filter_groups_enable", "dynamic sampling refills a rollout after scoring it: "
-                                                                "it runs synchronously (async_generation_ratio: 0)")
-
-    def _check_evaluation(self) -> None:
-        rl, synthetic = self.rl_config, self.synthetic_data
-        generated = synthetic is not None and synthetic.enabled and synthetic.task == "math_word"
-        if (rl.eval_interval or rl.eval_before_train) and self.megatron_training.eval_data_path is None \
-                and not generated:
-            raise ConfigError("megatron_training.eval_data_path", "must name the held-out prompts when "
-                                                                  "rl_config.eval_interval or eval_before_train is set "
-                                                                  "(the generated math_word task has its own)")
+        check_evaluation(self)
+        check_dynamic_sampling(self)
 
     @property
     def uses_reference(self) -> bool:
@@ -187,7 +174,7 @@ class GRPOConfig:
         self._check_model_sharding()
         self._check_batch_sizes()
         self._check_lengths()
-        self._check_packing()
+        check_packing(self)
 
     def _check_model_selection(self) -> None:
         actor_model = self.actor_config.model
@@ -353,27 +340,6 @@ class GRPOConfig:
                 f"must be <= model.{self.actor_config.model}.max_position_embeddings={max_positions}, "
                 f"got {max_model_len}",
             )
-
-    def _check_packing(self) -> None:
-        rl = self.rl_config
-        if not rl.use_remove_padding:
-            return
-        longest = rl.max_prompt_length + self.generate_config.sampling_config.max_tokens
-        for phase, (budget, _) in rl.packing_budgets.items() if rl.use_dynamic_bsz else ():
-            if budget < longest:
-                own = f"{phase}_max_packing_token_size"
-                key = own if getattr(rl, own) is not None else "max_packing_token_size"
-                raise ConfigError(f"rl_config.{key}", f"must be >= rl_config.max_prompt_length + generate_config."
-                                                      f"sampling_config.max_tokens = {longest} (a sample is never "
-                                                      f"split), got {budget}")
-        if self.megatron_training.attention_dropout > 0:
-            raise ConfigError("megatron_training.attention_dropout", "must be 0 with rl_config.use_remove_padding: "
-                                                                     "packed attention runs without dropout")
-        arch = self.selected_model
-        if arch is not None and arch.num_experts and self.actor_config.pipeline_model_parallel_size > 1:
-            raise ConfigError("rl_config.use_remove_padding", "packed sequences with pipeline parallelism are not "
-                                                              "supported for MoE models yet (Megatron's allgather "
-                                                              "dispatcher refuses variable shapes)")
 
     def _check_asset_paths(self) -> None:
         # The generator replaces both paths, so a path given beside it would be silently ignored; without

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_rl.accelerator import Accelerator
+from mindspeed_rl.engines.vocab_parallel import response_logprobs_from_logits
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, transformer_config
 from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
 from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
@@ -107,35 +108,6 @@ def load_hf_into_megatron(model: torch.nn.Module, hf_state: dict[str, torch.Tens
             if params[name].shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shard {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
             params[name].copy_(tensor)
-
-
-def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool,
-                                  chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of every response token (and optionally the entropy there), [b, response_width] fp32, 0 where
-    `mb.response_mask` is 0.
-
-    logits: [b, s, vocab/tp] (packed: [1, t, vocab/tp]). Only the rows that score a response token are taken
-    (`MicroBatch.scored_rows`, a copy in the logits' dtype); the vocabulary stays sharded and the fp32 work
-    is chunked (engines/vocab_parallel.py).
-    """
-    from megatron.core import parallel_state as ps
-
-    from mindspeed_rl.engines.vocab_parallel import vocab_parallel_logprobs
-
-    vocab_local = logits.shape[-1]
-    rows = mb.scored_rows()
-    targets = mb.input_ids.reshape(-1)[rows + 1]
-    group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
-    token_logprobs, token_entropy = vocab_parallel_logprobs(
-        logits.reshape(-1, vocab_local)[rows], targets, temperature=temperature, chunk_tokens=chunk_tokens,
-        group=group, with_entropy=with_entropy)
-    selected = mb.response_mask.bool()
-
-    def place(values: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(mb.response_mask.shape, dtype=torch.float32, device=logits.device)
-        return out.masked_scatter(selected, values)
-
-    return place(token_logprobs), (place(token_entropy) if with_entropy else None)
 
 
 def _in_batch_order(outputs: list[torch.Tensor], micro_batches: list[MicroBatch]) -> torch.Tensor | None:

@@ -18,6 +18,35 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mindspeed_rl.protocol import MicroBatch
+
+
+def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool,
+                                  chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of every response token (and optionally the entropy there), [b, response_width] fp32, 0 where
+    `mb.response_mask` is 0.
+
+    logits: [b, s, vocab/tp] (packed: [1, t, vocab/tp]). Only the rows that score a response token are taken
+    (`MicroBatch.scored_rows`, a copy in the logits' dtype); the vocabulary stays sharded and the fp32 work
+    is chunked (engines/vocab_parallel.py).
+    """
+    from megatron.core import parallel_state as ps
+
+    vocab_local = logits.shape[-1]
+    rows = mb.scored_rows()
+    targets = mb.input_ids.reshape(-1)[rows + 1]
+    group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+    token_logprobs, token_entropy = vocab_parallel_logprobs(
+        logits.reshape(-1, vocab_local)[rows], targets, temperature=temperature, chunk_tokens=chunk_tokens,
+        group=group, with_entropy=with_entropy)
+    selected = mb.response_mask.bool()
+
+    def place(values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(mb.response_mask.shape, dtype=torch.float32, device=logits.device)
+        return out.masked_scatter(selected, values)
+
+    return place(token_logprobs), (place(token_entropy) if with_entropy else None)
+
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float, chunk_tokens: int,
                             group=None, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

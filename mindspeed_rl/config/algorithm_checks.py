@@ -1,0 +1,47 @@
+"""Checks of the algorithm options that span sections (rl_config against the lengths, the model, the data and
+the rollout mode), run by GRPOConfig after its layout checks; `config` is the GRPOConfig (not imported here: it
+imports this module)."""
+from __future__ import annotations
+
+from mindspeed_rl.config.errors import ConfigError
+
+
+def check_packing(config) -> None:
+    """rl_config.use_remove_padding against the lengths, the dropout and the model."""
+    rl = config.rl_config
+    if not rl.use_remove_padding:
+        return
+    longest = rl.max_prompt_length + config.generate_config.sampling_config.max_tokens
+    for phase, (budget, _) in rl.packing_budgets.items() if rl.use_dynamic_bsz else ():
+        if budget < longest:
+            own = f"{phase}_max_packing_token_size"
+            key = own if getattr(rl, own) is not None else "max_packing_token_size"
+            raise ConfigError(f"rl_config.{key}", f"must be >= rl_config.max_prompt_length + generate_config."
+                                                  f"sampling_config.max_tokens = {longest} (a sample is never "
+                                                  f"split), got {budget}")
+    if config.megatron_training.attention_dropout > 0:
+        raise ConfigError("megatron_training.attention_dropout", "must be 0 with rl_config.use_remove_padding: "
+                                                                 "packed attention runs without dropout")
+    arch = config.selected_model
+    if arch is not None and arch.num_experts and config.actor_config.pipeline_model_parallel_size > 1:
+        raise ConfigError("rl_config.use_remove_padding", "packed sequences with pipeline parallelism are not "
+                                                          "supported for MoE models yet (Megatron's allgather "
+                                                          "dispatcher refuses variable shapes)")
+
+
+def check_evaluation(config) -> None:
+    """Evaluation during training needs held-out prompts."""
+    rl, synthetic = config.rl_config, config.synthetic_data
+    generated = synthetic is not None and synthetic.enabled and synthetic.task == "math_word"
+    if (rl.eval_interval or rl.eval_before_train) and config.megatron_training.eval_data_path is None \
+            and not generated:
+        raise ConfigError("megatron_training.eval_data_path", "must name the held-out prompts when "
+                                                              "rl_config.eval_interval or eval_before_train is set "
+                                                              "(the generated math_word task has its own)")
+
+
+def check_dynamic_sampling(config) -> None:
+    """Dynamic sampling refills after scoring: synchronous runs only."""
+    if config.rl_config.filter_groups_enable and config.rollout_staleness:
+        raise ConfigError("rl_config.filter_groups_enable", "dynamic sampling refills a rollout after scoring it: "
+                                                            "it runs synchronously (async_generation_ratio: 0)")
