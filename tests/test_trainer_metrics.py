@@ -69,6 +69,16 @@ def test_training_curves_png_draws_every_quantity(tmp_path):
     assert not list(tmp_path.glob("*.partial.png"))
 
 
+def test_training_curves_draw_the_sparse_evaluation_records(tmp_path):
+    """An evaluation record of its own before training (no reward/mean), then eval/* in every other record."""
+    records = [{"iteration": 0, "eval/pass@1": 0.1, "eval/pass@4": 0.2, "eval/updates": 0}] + _records(4)
+    for r in records[2::2]:
+        r |= {"eval/pass@1": 0.3, "eval/pass@4": 0.5, "eval/updates": r["iteration"]}
+    drawn = plot_training_curves(records, tmp_path / "curves.png")
+    assert {"eval/pass@1", "eval/pass@4", "reward/mean"} <= set(drawn)
+    assert series_keys(records, ["eval/pass@*"]) == ["eval/pass@1", "eval/pass@4"]
+
+
 def test_training_curves_redraw_from_metrics_jsonl(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in _records()))

@@ -22,17 +22,22 @@ PANELS = (
     ("response length", ["response_length/mean", "response_length/max"], "tokens"),
     ("throughput", ["e2e_tps", "vllm_tps", "update_tps"], "tokens/s per device"),
     ("learning rate", ["actor/lr"], "lr"),
-    ("held-out evaluation", ["eval/accuracy", "eval/pass@1"], "fraction correct"),
+    ("held-out evaluation", ["eval/pass@*"], "fraction correct"),
 )
+# Panels whose points are sparse (every eval_interval-th iteration): drawn as they are, with markers.
+SPARSE_PANELS = ("held-out evaluation",)
 
 
 def series_keys(records: list[dict], patterns: list[str]) -> list[str]:
-    """The keys a panel draws, in pattern order; a `*suffix` pattern matches every key ending in suffix."""
+    """The keys a panel draws, in pattern order; a `*suffix` pattern matches every key ending in suffix, a
+    `prefix*` one every key starting with prefix."""
     present = {key for record in records for key in record}
     keys: list[str] = []
     for pattern in patterns:
         if pattern.startswith("*"):
             keys += sorted(k for k in present if k.endswith(pattern[1:]) and k not in keys)
+        elif pattern.endswith("*"):
+            keys += sorted(k for k in present if k.startswith(pattern[:-1]) and k not in keys)
         elif pattern in present:
             keys.append(pattern)
     return keys
@@ -69,6 +74,10 @@ def plot_training_curves(records: list[dict], path: str | Path, *, window: int =
         for key in keys:
             points = [(r["iteration"], r[key]) for r in records if key in r]
             xs, ys = [p[0] for p in points], [p[1] for p in points]
+            if title in SPARSE_PANELS:
+                ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.4, label=key)
+                drawn.append(key)
+                continue
             line, = ax.plot(xs, ys, alpha=0.25, linewidth=0.8)
             ax.plot(xs, moving_average(ys, window), color=line.get_color(), linewidth=1.6, label=key)
             drawn.append(key)
