@@ -40,3 +40,19 @@ def test_evaluation_is_due_at_the_interval_and_before_training_only():
     assert [u for u in range(0, 10) if _evaluation(3, before=False).due(u)] == [3, 6, 9]
     assert not any(_evaluation(0, before=False).due(u) for u in range(10))
     assert not any(_evaluation(1, before=True, with_data=False).due(u) for u in range(10))
+
+
+def test_majority_vote_takes_the_most_common_answer_and_ignores_samples_without_one():
+    from mindspeed_rl.trainer.evaluation import majority_is_correct
+
+    assert majority_is_correct(["7", "5", "7", None], [True, False, True, False])
+    assert not majority_is_correct(["5", "7", "5", "7"], [False, True, False, True])  # a tie: the first seen
+    assert not majority_is_correct([None, None], [False, False])
+
+
+def test_final_answers_are_what_the_accuracy_verifier_reads():
+    from mindspeed_rl.data.rewards import final_answer
+
+    assert final_answer(" 07+1", ["arith_acc"]) == "7"
+    assert final_answer("so \\boxed{3} then \\boxed{ 4 }", ["math_17k_acc", "format"]) == "4"
+    assert final_answer("no box here", ["format"]) is None

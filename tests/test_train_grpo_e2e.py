@@ -207,7 +207,7 @@ def test_evaluation_runs_before_training_and_after_every_interval_th_update(tmp_
     assert "reward/mean" not in records[0]  # the evaluation's own record: nothing trained
     for r in (records[0], records[2]):
         assert r["eval/prompts"] == 12
-        assert 0.0 <= r["eval/accuracy"] == r["eval/pass@1"] <= 1.0  # greedy: one sample per prompt
+        assert 0.0 <= r["eval/accuracy"] == r["eval/pass@1"] == r["eval/maj@1"] <= 1.0  # greedy: one sample per prompt
         assert 0.0 <= r["eval/arith_acc/mean"] <= 1.0
         assert 0 < r["eval/response_length/mean"] <= 4
     assert sum(line.startswith("[eval after ") for line in done.stdout.splitlines()) == 2

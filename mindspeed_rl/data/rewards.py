@@ -154,6 +154,15 @@ _CORRECTNESS_BY_VERIFIER: dict[str, Callable[[str, str], bool]] = {
     "math_17k_acc": boxed_answer_is_correct,
 }
 
+# The final answer each accuracy verifier reads (majority voting compares these strings).
+_ANSWER_BY_VERIFIER: dict[str, Callable[[str], str | None]] = {
+    "arith_acc": lambda response: None if (digits := leading_integer(response)) is None else str(int(digits)),
+    "acc_for_dapo": last_answer_line,
+    "acc": last_boxed_content,
+    "base_acc": last_boxed_content,
+    "math_17k_acc": last_boxed_content,
+}
+
 
 @dataclass(frozen=True, kw_only=True)
 class RuleRewards:
@@ -227,6 +236,14 @@ def answer_is_correct(response: str, label: str, verifier_functions: list[str]) 
         if name in _CORRECTNESS_BY_VERIFIER:
             return _CORRECTNESS_BY_VERIFIER[name](response, label)
     return boxed_answer_is_correct(response, label)
+
+
+def final_answer(response: str, verifier_functions: list[str]) -> str | None:
+    """The response's final answer as :func:`answer_is_correct` reads it (stripped), or None without one."""
+    reader = next((_ANSWER_BY_VERIFIER[n] for n in verifier_functions if n in _ANSWER_BY_VERIFIER),
+                  last_boxed_content)
+    answer = reader(response)
+    return answer.strip() or None if answer is not None else None
 
 
 def accuracy(responses: list[str], labels: list[str], verifier_functions: list[str]) -> float:

@@ -4,7 +4,7 @@ update and, with `eval_before_train`, once before the first.
 
 Metrics (to metrics.jsonl, TensorBoard and the curves): `eval/<verifier>/mean`, `eval/accuracy` (the share of
 correct samples), `eval/pass@1` and `eval/pass@<n>` (the unbiased estimator of Chen et al. 2021 over the n =
-eval_n_samples samples of each prompt), `eval/response_length/mean`, `eval/prompts`, `eval/updates` (how many
+eval_n_samples samples of each prompt), `eval/maj@<n>` (the majority answer of the n samples is correct), `eval/response_length/mean`, `eval/prompts`, `eval/updates` (how many
 updates the evaluated weights had) and `timing/eval`.
 """
 from __future__ import annotations
@@ -14,8 +14,21 @@ import time
 
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset
-from mindspeed_rl.data.rewards import answer_is_correct, compute_rule_rewards
+from mindspeed_rl.data.rewards import answer_is_correct, compute_rule_rewards, final_answer
 from mindspeed_rl.trainer.rollout import generate, response_ids
+
+
+def majority_is_correct(answers: list[str | None], correct: list[bool]) -> bool:
+    """maj@k: whether the most common final answer among the k samples (exact strings; samples without an answer
+    do not vote; a tie goes to the answer seen first) is a correct one."""
+    votes: dict[str, int] = {}
+    for answer in answers:
+        if answer is not None:
+            votes[answer] = votes.get(answer, 0) + 1
+    if not votes:
+        return False
+    winner = max(votes, key=lambda a: (votes[a], -answers.index(a)))
+    return correct[answers.index(winner)]
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -46,7 +59,7 @@ class Evaluation:
         rl, started = self.config.rl_config, time.perf_counter()
         n = rl.eval_n_samples
         scores: dict[str, list[float]] = {name: [] for name in rl.verifier_function}
-        correct_per_prompt, lengths = [], []
+        correct_per_prompt, majority, lengths = [], [], []
         for prompts in self._chunks():
             batch, _ = generate(self.actor_group, prompts, self.config, n=n, greedy=rl.eval_sampling == "greedy")
             responses = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids(batch)]
@@ -56,12 +69,15 @@ class Evaluation:
             for name, values in rewards.per_verifier.items():
                 scores[name] += values.tolist()
             correct = [answer_is_correct(r, a, rl.verifier_function) for r, a in zip(responses, labels)]
+            answers = [final_answer(r, rl.verifier_function) for r in responses]
             correct_per_prompt += [sum(correct[i:i + n]) for i in range(0, len(correct), n)]
+            majority += [majority_is_correct(answers[i:i + n], correct[i:i + n]) for i in range(0, len(correct), n)]
             lengths += batch.response_mask.sum(dim=1).tolist()
         metrics = {f"eval/{name}/mean": sum(values) / len(values) for name, values in scores.items()}
         metrics["eval/accuracy"] = sum(correct_per_prompt) / (n * len(correct_per_prompt))
         for k in sorted({1, n}):
             metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct_per_prompt) / len(correct_per_prompt)
+        metrics[f"eval/maj@{n}"] = sum(majority) / len(majority)
         metrics |= {"eval/response_length/mean": sum(lengths) / len(lengths), "eval/prompts": len(correct_per_prompt),
                     "eval/updates": updates, "timing/eval": time.perf_counter() - started}
         return metrics
@@ -77,7 +93,7 @@ class Evaluation:
 
 
 def format_eval_line(metrics: dict) -> str:
-    passes = " ".join(f"{k[5:]}={v:.3f}" for k, v in metrics.items() if k.startswith("eval/pass@"))
+    passes = " ".join(f"{k[5:]}={v:.3f}" for k, v in metrics.items() if k.startswith(("eval/pass@", "eval/maj@")))
     return (f"[eval after {int(metrics['eval/updates'])} updates] accuracy={metrics['eval/accuracy']:.3f} {passes} "
             f"resp_len={metrics['eval/response_length/mean']:.1f} prompts={int(metrics['eval/prompts'])} "
             f"time={metrics['timing/eval']:.2f}s")
