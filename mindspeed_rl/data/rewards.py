@@ -35,11 +35,7 @@ ARITH_FORMAT_CREDIT = 0.2
 
 # MindSpeed-RL's `acc` reads the response up to the first end-of-turn marker.
 _STOP_WORDS = ("</s>", "<|im_end|>", "<|endoftext|>")
-# `format`: a think block then an answer block. As in MindSpeed-RL, MULTILINE lets "$" match at
-# any line end, so lines after the one closing </answer> are not checked.
-_THINK_ANSWER_FORMAT = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL | re.MULTILINE)
-# `base_acc`: think, then an answer block holding a box.
-_THINK_ANSWER_BOXED_FORMAT = re.compile(r"<think>.*</think>.*<answer>.*\\boxed\{.*\}.*</answer>", re.DOTALL)
+_BLANKS = re.compile(r"\s*")
 # `step`: markers of step-by-step reasoning; three or more earn the full score. "^\d+\." is
 # anchored to the start of the response only (no MULTILINE), as in MindSpeed-RL.
 _REASONING_STEP = re.compile(r"(Step \d+:|^\d+\.|\n-|\n\*|First,|Second,|Next,|Finally,)")
@@ -96,7 +92,7 @@ def acc(response: str, label: str) -> float:
 def base_acc(response: str, label: str) -> float:
     """1.0 if the response is ``<think>…</think>…<answer>…\\boxed{…}…</answer>`` and its last box
     is correct, else 0.0."""
-    if not _THINK_ANSWER_BOXED_FORMAT.fullmatch(response.strip()):
+    if not _is_think_answer_boxed(response.strip()):
         return 0.0
     return math_17k_acc(response, label)
 
@@ -109,12 +105,54 @@ def acc_for_dapo(response: str, label: str) -> float:
 
 def format_reward(response: str, label: str) -> float:
     """``format``: 1.0 for ``<think>…</think>`` then ``<answer>…</answer>``, else 0.0. Label unused."""
-    return 1.0 if _THINK_ANSWER_FORMAT.match(response.strip()) else 0.0
+    return 1.0 if _is_think_then_answer(response.strip()) else 0.0
 
 
 def strict_format(response: str, label: str) -> float:
     """``strict_format``: 1.0 if well structured (see :func:`has_strict_structure`), else -0.5."""
     return 1.0 if has_strict_structure(response) else -0.5
+
+
+# The two format checks below are what MindSpeed-RL writes as regular expressions with several `.*`, which
+# backtrack in quadratic or worse time on a response repeating their markers (a 5 KB one took 50 s): here they are
+# one left-to-right pass each, linear in the response whatever it holds.
+
+
+def _is_think_then_answer(text: str) -> bool:
+    r"""`format`, MindSpeed-RL's `^<think>.*?</think>\s*<answer>.*?</answer>$` (DOTALL, MULTILINE) matched at the
+    start: the earliest "</think>" followed by blanks and "<answer>" leaves the most room for a "</answer>" that ends a
+    line (MULTILINE's `$`: lines after it are not checked)."""
+    if not text.startswith("<think>"):
+        return False
+    answer = -1
+    close = text.find("</think>", 7)
+    while close != -1 and answer == -1:
+        start = _BLANKS.match(text, close + len("</think>")).end()  # each run of blanks follows one "</think>"
+        answer = start if text.startswith("<answer>", start) else -1
+        close = text.find("</think>", close + 1)
+    if answer == -1:
+        return False
+    end = text.find("</answer>", answer + len("<answer>"))
+    while end != -1:
+        tail = end + len("</answer>")
+        if tail == len(text) or text[tail] == "\n":  # `$` with MULTILINE: a line end or the text's end
+            return True
+        end = text.find("</answer>", end + 1)
+    return False
+
+
+def _is_think_answer_boxed(text: str) -> bool:
+    r"""`base_acc`'s `<think>.*</think>.*<answer>.*\boxed\{.*\}.*</answer>` (DOTALL) as a full match: the markers in order,
+    each found at its earliest place after the one before, the text starting with <think> and ending with </answer>."""
+    if not (text.startswith("<think>") and text.endswith("</answer>")):
+        return False
+    position, limit = len("<think>"), len(text) - len("</answer>")
+    for marker in ("</think>", "<answer>", "\\boxed{", "}"):
+        found = text.find(marker, position, limit)
+        if found == -1:
+            return False
+        position = found + len(marker)
+    return True
 
 
 def has_strict_structure(response: str) -> bool:
