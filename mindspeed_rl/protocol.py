@@ -122,18 +122,16 @@ class RolloutBatch:
         """Padded: `micro_batch_size` samples each, all of the batch's width (pipeline p2p needs one shape); the
         last may have fewer samples. Packed: the same groups (or, with `packing.max_tokens`, token-budget
         groups) concatenated without padding."""
-        if packing is None:
-            groups = [list(range(start, min(start + micro_batch_size, len(self))))
-                      for start in range(0, len(self), micro_batch_size)]
-            return [self._padded(group, device) for group in groups]
-        if packing.max_tokens is None:
-            groups = [list(range(start, min(start + micro_batch_size, len(self))))
-                      for start in range(0, len(self), micro_batch_size)]
-        else:
+        if packing is not None and packing.max_tokens is not None:
             from mindspeed_rl.algorithms.seqlen_balancing import token_budget_partitions
 
             groups = token_budget_partitions(self.sample_lengths().tolist(), max_tokens=packing.max_tokens,
                                              max_samples=packing.max_samples)
+        else:
+            groups = [list(range(start, min(start + micro_batch_size, len(self))))
+                      for start in range(0, len(self), micro_batch_size)]
+        if packing is None:
+            return [self._padded(group, device) for group in groups]
         return [self._packed(group, device, packing.multiple) for group in groups]
 
     def _padded(self, group: list[int], device: torch.device) -> MicroBatch:

@@ -26,15 +26,6 @@ def _random_strings(count: int, seed: int):
         yield start + middle + end
 
 
-def test_format_check_agrees_with_the_regex():
-    positives = 0
-    for text in _random_strings(40_000, seed=1):
-        want = FORMAT.match(text) is not None
-        assert _is_think_then_answer(text) == want, repr(text)
-        positives += want
-    assert positives > 200  # the sample reaches the interesting cases
-
-
 def _boxed_candidates(count: int, seed: int):
     """base_acc's markers, each kept or dropped, shuffled a little, with soup between them."""
     rng = random.Random(seed)
@@ -47,13 +38,17 @@ def _boxed_candidates(count: int, seed: int):
         yield rng.choice(["<think>", "", "x<think>"]) + body + rng.choice(["</answer>", "</answer>x", ""])
 
 
-def test_boxed_format_check_agrees_with_the_regex():
+@pytest.mark.parametrize("oracle, check, texts, min_positives", [
+    (FORMAT.match, _is_think_then_answer, _random_strings(40_000, seed=1), 200),
+    (BOXED.fullmatch, _is_think_answer_boxed, _boxed_candidates(40_000, seed=2), 100),
+], ids=["format", "base_acc"])
+def test_the_linear_check_agrees_with_mindspeed_rls_regex(oracle, check, texts, min_positives):
     positives = 0
-    for text in _boxed_candidates(40_000, seed=2):
-        want = BOXED.fullmatch(text) is not None
-        assert _is_think_answer_boxed(text) == want, repr(text)
+    for text in texts:
+        want = oracle(text) is not None
+        assert check(text) == want, repr(text)
         positives += want
-    assert positives > 100
+    assert positives > min_positives  # the sample reaches the interesting cases
 
 
 @pytest.mark.parametrize("verifier", ["format", "base_acc", "strict_format", "acc", "math_17k_acc", "acc_for_dapo",

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mindspeed_rl.config.errors import ConfigError
-from mindspeed_rl.checkpoint.store import check_writable, fsync_path, replace_dir
+from mindspeed_rl.checkpoint.store import disk_error_named, fsync_path, replace_dir
 from mindspeed_rl.models.qwen2 import Qwen2Spec
 
 # Files copied next to the weights when the source directory has them (tokenizer + generation defaults).
@@ -143,11 +143,8 @@ def export_run_actor(actor_group, *, run_dir: str | os.PathLike, config_dir: str
     out = Path(os.path.abspath(run_dir)) / RUN_EXPORT_DIR  # the ranks may run in another working directory
     staged = out.parent / f".{out.name}.new-{os.getpid()}"
     shutil.rmtree(staged, ignore_errors=True)
-    try:
+    with disk_error_named(out.parent):
         results = actor_group.call("export_hf", str(staged), str(config_dir))
-    except Exception:
-        check_writable(out.parent)  # a full disk fails this probe, naming the directory
-        raise
     written = [path for path, _ in results if path is not None]
     if written != [str(staged)]:
         raise RuntimeError(f"export_hf: expected global rank 0 alone to write {staged}, the ranks wrote {written}")

@@ -79,6 +79,17 @@ def check_writable(directory: Path, probe_bytes: int = 1 << 20) -> None:
             probe.unlink()
 
 
+@contextlib.contextmanager
+def disk_error_named(directory: Path):
+    """A failure of the writes in the block becomes the disk's own error when `directory` refuses a probe write
+    (the ranks' torch errors rarely say "no space"); any other failure is raised as it is."""
+    try:
+        yield
+    except Exception:
+        check_writable(directory)
+        raise
+
+
 def discard_unfinished_saves(save_root: str | os.PathLike | None) -> None:
     """Remove this process's saves in progress (after its workers are gone: an interrupted run)."""
     if save_root and Path(save_root).is_dir():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from mindspeed_rl.checkpoint.store import (TRAINER_STATE_NAME, begin_save, check_writable, commit_save,
+from mindspeed_rl.checkpoint.store import (TRAINER_STATE_NAME, begin_save, commit_save, disk_error_named,
                                          is_checkpoint_dir, resolve_and_verify)
 from mindspeed_rl.config.errors import ConfigError
 
@@ -26,11 +26,8 @@ def save_run_checkpoint(*, actor_group, save_root: str, iteration: int, sampler,
                         hf_dir: str, keep_last_n: int | None) -> Path:
     """Every rank writes its shards into a temporary dir, the driver adds its state and commits it."""
     tmp = begin_save(save_root, iteration)
-    try:
+    with disk_error_named(tmp):
         results = actor_group.call("save_checkpoint", str(tmp))
-    except Exception:
-        check_writable(tmp)  # the ranks' errors rarely say it; a full disk then fails this probe, naming it
-        raise
     scheduler_state = results[0][0]
     state = {"iteration": iteration, "sampler": sampler.state_dict(), "scheduler": scheduler_state,
              "kl_coef": kl_coef, "seed": seed}

@@ -291,18 +291,23 @@ class GRPOConfig:
 
     def _check_batch_sizes(self) -> None:
         rl = self.rl_config
-        prompts = rl.train_prompts_per_iteration or self.megatron_training.global_batch_size
-        rollout_samples = prompts * rl.n_samples_per_prompt
-        batch_key = ("rl_config.filter_groups_train_batch_size" if rl.filter_groups_enable
-                     else "megatron_training.global_batch_size")
-        rollout_desc = f"{batch_key} * rl_config.n_samples_per_prompt = {prompts} * {rl.n_samples_per_prompt} = " \
-                       f"{rollout_samples} samples"
+
+        def samples(key: str, prompts: int) -> tuple[int, str]:
+            count = prompts * rl.n_samples_per_prompt
+            return count, f"{key} * rl_config.n_samples_per_prompt = {prompts} * {rl.n_samples_per_prompt} = " \
+                          f"{count} samples"
+
+        # An update trains on the rollout's prompts, or with dynamic sampling on filter_groups_train_batch_size.
+        trained, trained_desc = (
+            samples("megatron_training.global_batch_size", self.megatron_training.global_batch_size)
+            if rl.train_prompts_per_iteration is None
+            else samples("rl_config.filter_groups_train_batch_size", rl.train_prompts_per_iteration))
         mini_samples = rl.mini_batch_size_in_samples
-        if rollout_samples % mini_samples != 0:
+        if trained % mini_samples != 0:
             raise ConfigError(
                 "rl_config.mini_batch_size",
                 f"mini_batch_size * n_samples_per_prompt = {rl.mini_batch_size} * {rl.n_samples_per_prompt} = "
-                f"{mini_samples} samples must divide {rollout_desc}",
+                f"{mini_samples} samples must divide {trained_desc}",
             )
         dp, mbs = self.train_data_parallel_size, self.actor_config.micro_batch_size
         if mini_samples % (dp * mbs) != 0:
@@ -311,15 +316,13 @@ class GRPOConfig:
                 f"train data-parallel size * micro_batch_size = {dp} * {mbs} = {dp * mbs} must divide the "
                 f"mini-batch of rl_config.mini_batch_size * n_samples_per_prompt = {mini_samples} samples",
             )
-        rollout_samples = self.megatron_training.global_batch_size * rl.n_samples_per_prompt
-        rollout_desc = (f"megatron_training.global_batch_size * rl_config.n_samples_per_prompt = "
-                        f"{self.megatron_training.global_batch_size} * {rl.n_samples_per_prompt} = "
-                        f"{rollout_samples} samples")
+        generated, generated_desc = samples("megatron_training.global_batch_size",
+                                            self.megatron_training.global_batch_size)
         infer_dp = self.infer_data_parallel_size
-        if rollout_samples % infer_dp != 0:
+        if generated % infer_dp != 0:
             raise ConfigError(
                 "megatron_training.global_batch_size",
-                f"{rollout_desc} must be divisible by the inference data-parallel size {infer_dp}",
+                f"{generated_desc} must be divisible by the inference data-parallel size {infer_dp}",
             )
 
     def _check_lengths(self) -> None:

@@ -223,6 +223,18 @@ class RuleRewards:
                     f"got {scores.dtype} {tuple(scores.shape)}"
                 )
 
+    def select(self, rows: "torch.Tensor") -> "RuleRewards":
+        """The rewards of the samples `rows`, in that order (as RolloutBatch.select)."""
+        return RuleRewards(total=self.total[rows], per_verifier={k: v[rows] for k, v in self.per_verifier.items()})
+
+    @classmethod
+    def concat(cls, parts: list["RuleRewards"]) -> "RuleRewards":
+        """The samples of `parts` in order (as RolloutBatch.concat)."""
+        import torch
+
+        return cls(total=torch.cat([p.total for p in parts]),
+                   per_verifier={k: torch.cat([p.per_verifier[k] for p in parts]) for k in parts[0].per_verifier})
+
 
 def compute_rule_rewards(
     responses: list[str],
@@ -284,15 +296,18 @@ def final_answer(response: str, verifier_functions: list[str]) -> str | None:
     return answer.strip() or None if answer is not None else None
 
 
-def accuracy(responses: list[str], labels: list[str], verifier_functions: list[str]) -> float:
-    """Fraction of responses whose answer is correct (:func:`answer_is_correct`); 0.0 if none."""
+def correct_answers(responses: list[str], labels: list[str], verifier_functions: list[str]) -> list[bool]:
+    """Whether each response's answer is correct (:func:`answer_is_correct`)."""
     if len(responses) != len(labels):
         raise ValueError(f"{len(responses)} responses but {len(labels)} labels")
     _check_verifier_names(verifier_functions)
-    if not responses:
-        return 0.0
-    correct = sum(answer_is_correct(r, a, verifier_functions) for r, a in zip(responses, labels))
-    return correct / len(responses)
+    return [answer_is_correct(r, a, verifier_functions) for r, a in zip(responses, labels)]
+
+
+def accuracy(responses: list[str], labels: list[str], verifier_functions: list[str]) -> float:
+    """Fraction of responses whose answer is correct (:func:`answer_is_correct`); 0.0 if none."""
+    correct = correct_answers(responses, labels, verifier_functions)
+    return sum(correct) / len(correct) if correct else 0.0
 
 
 def _check_verifier_names(verifier_functions: list[str]) -> None:

@@ -10,11 +10,12 @@ stops with a message naming the keys, as the reference does.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
-from mindspeed_rl.config import GRPOConfig, ConfigError
+from mindspeed_rl.config import ConfigError, GRPOConfig
 from mindspeed_rl.data.rewards import RuleRewards
 from mindspeed_rl.protocol import RolloutBatch
 
@@ -34,24 +35,20 @@ class ScoredBatch:
     def groups(self, keep: list[int], n: int) -> "ScoredBatch":
         """The samples of the prompt groups `keep` (prompt indices), in order."""
         rows = torch.tensor([g * n + j for g in keep for j in range(n)], dtype=torch.long)
-        rewards = RuleRewards(total=self.rewards.total[rows],
-                              per_verifier={k: v[rows] for k, v in self.rewards.per_verifier.items()})
-        return ScoredBatch([self.prompts[g] for g in keep], self.batch.select(rows), rewards, self.correct[rows],
-                           self.metrics)
+        return ScoredBatch([self.prompts[g] for g in keep], self.batch.select(rows), self.rewards.select(rows),
+                           self.correct[rows], self.metrics)
 
 
 def concat(parts: list[ScoredBatch]) -> ScoredBatch:
-    rewards = RuleRewards(total=torch.cat([p.rewards.total for p in parts]),
-                          per_verifier={k: torch.cat([p.rewards.per_verifier[k] for p in parts])
-                                        for k in parts[0].rewards.per_verifier})
-    return ScoredBatch([q for p in parts for q in p.prompts], RolloutBatch.concat([p.batch for p in parts]), rewards,
-                       torch.cat([p.correct for p in parts]), parts[0].metrics)
+    return ScoredBatch([q for p in parts for q in p.prompts], RolloutBatch.concat([p.batch for p in parts]),
+                       RuleRewards.concat([p.rewards for p in parts]), torch.cat([p.correct for p in parts]),
+                       parts[0].metrics)
 
 
 def groups_with_spread(values: torch.Tensor, n: int) -> list[int]:
     """Indices of the prompt groups (n consecutive samples each) whose values are not all equal."""
     grouped = values.reshape(-1, n)
-    return [g for g in range(grouped.shape[0]) if bool((grouped[g] != grouped[g, 0]).any())]
+    return (grouped != grouped[:, :1]).any(dim=1).nonzero().flatten().tolist()
 
 
 class ScoredRollouts:
@@ -74,7 +71,7 @@ class ScoredRollouts:
         kept: list[ScoredBatch] = []
         metrics: dict[str, float] = {}
         kept_prompts = generated = uniform = 0
-        for refill in range(10**9):
+        for refill in itertools.count():
             scored = self._one(iteration, refill=refill)
             generated += len(scored.prompts)
             # The first rollout's figures, with every rollout's time added up.
@@ -92,10 +89,10 @@ class ScoredRollouts:
                 raise DynamicSamplingExhausted(iteration, refill + 1, kept_prompts, wanted)
         out = concat(kept)
         out.metrics = metrics | {"dynamic_sampling/generated_prompts": generated,
-                                         "dynamic_sampling/kept_prompts": kept_prompts,
-                                         "dynamic_sampling/dropped_prompts": generated - kept_prompts,
-                                         "dynamic_sampling/uniform_prompts": uniform,
-                                         "dynamic_sampling/rollouts": refill + 1}
+                                 "dynamic_sampling/kept_prompts": kept_prompts,
+                                 "dynamic_sampling/dropped_prompts": generated - kept_prompts,
+                                 "dynamic_sampling/uniform_prompts": uniform,
+                                 "dynamic_sampling/rollouts": refill + 1}
         return out
 
     def _metric(self, scored: ScoredBatch) -> torch.Tensor:

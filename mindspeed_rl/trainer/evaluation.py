@@ -14,8 +14,8 @@ import time
 
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset
-from mindspeed_rl.data.rewards import answer_is_correct, compute_rule_rewards, final_answer
-from mindspeed_rl.trainer.rollout import generate, response_ids
+from mindspeed_rl.data.rewards import compute_rule_rewards, correct_answers, final_answer
+from mindspeed_rl.trainer.rollout import decode_responses, generate
 
 
 def majority_is_correct(answers: list[str | None], correct: list[bool]) -> bool:
@@ -62,13 +62,13 @@ class Evaluation:
         correct_per_prompt, majority, lengths = [], [], []
         for prompts in self._chunks():
             batch, _ = generate(self.actor_group, prompts, self.config, n=n, greedy=rl.eval_sampling == "greedy")
-            responses = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids(batch)]
+            responses = decode_responses(self.tokenizer, batch)
             labels = [p.label for p in prompts for _ in range(n)]
             rewards = compute_rule_rewards(responses, labels, rl.verifier_function, rl.verifier_weight,
                                            timeout_seconds=rl.verifier_timeout_seconds)
             for name, values in rewards.per_verifier.items():
                 scores[name] += values.tolist()
-            correct = [answer_is_correct(r, a, rl.verifier_function) for r, a in zip(responses, labels)]
+            correct = correct_answers(responses, labels, rl.verifier_function)
             answers = [final_answer(r, rl.verifier_function) for r in responses]
             correct_per_prompt += [sum(correct[i:i + n]) for i in range(0, len(correct), n)]
             majority += [majority_is_correct(answers[i:i + n], correct[i:i + n]) for i in range(0, len(correct), n)]

@@ -16,13 +16,13 @@ from mindspeed_rl.algorithms.grpo import group_normalized_advantages
 from mindspeed_rl.checkpoint.trainer_state import save_run_checkpoint
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler
-from mindspeed_rl.data.rewards import RuleRewards, answer_is_correct, compute_rule_rewards
+from mindspeed_rl.data.rewards import RuleRewards, compute_rule_rewards, correct_answers
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.trainer import setup
 from mindspeed_rl.trainer.dynamic_sampling import ScoredRollouts
 from mindspeed_rl.trainer.evaluation import Evaluation, format_eval_line
 from mindspeed_rl.trainer.metrics import format_line, iteration_metrics
-from mindspeed_rl.trainer.rollout import forward_logprobs, response_ids, rollout_batch
+from mindspeed_rl.trainer.rollout import decode_responses, forward_logprobs, rollout_batch
 from mindspeed_rl.trainer.reward_model import model_score_metrics, with_model_scores
 from mindspeed_rl.trainer.sinks import MetricsSinks
 from mindspeed_rl.trainer.stopping import RunProgress
@@ -79,8 +79,8 @@ class Rollouts:
         """(prompts, batch, metrics) of `iteration`; `refill` > 0: dynamic sampling's further rollouts of it."""
         if self._ahead is None:
             prompts, staleness = self._draw(), 0
-            seed_key = (iteration, refill) if refill else iteration  # each refill its own sampling stream
-            self.actor_group.start_generate([p.token_ids for p in prompts], seed_key)
+            # Each refill its own sampling stream; refill 0 is the iteration's own (workers/actor_steps.sampling_seed).
+            self.actor_group.start_generate([p.token_ids for p in prompts], (iteration, refill))
         else:
             prompts, self._ahead = self._ahead, None
             staleness = self.config.rollout_staleness
@@ -115,7 +115,7 @@ class Scoring:
     def score(self, prompts: list, batch: RolloutBatch) -> tuple[RuleRewards, torch.Tensor, dict]:
         """The rewards, whether each sample's answer is exact (bool [samples]) and the scoring's metrics."""
         rl = self.config.rl_config
-        responses = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids(batch)]
+        responses = decode_responses(self.tokenizer, batch)
         labels = [p.label for p in prompts for _ in range(rl.n_samples_per_prompt)]
         metrics: dict[str, float] = {}
         if self.reward_group is None:
@@ -129,9 +129,7 @@ class Scoring:
             metrics |= model_metrics | model_score_metrics(scores)
         if rl.overlong_buffer_enable:
             rewards = self._with_overlong_penalty(rewards, batch, metrics)
-        correct = torch.tensor([answer_is_correct(r, a, rl.verifier_function) for r, a in zip(responses, labels)],
-                               dtype=torch.bool)
-        return rewards, correct, metrics
+        return rewards, torch.tensor(correct_answers(responses, labels, rl.verifier_function), dtype=torch.bool), metrics
 
     def _with_overlong_penalty(self, rewards: RuleRewards, batch: RolloutBatch, metrics: dict) -> RuleRewards:
         """DAPO's soft overlong punishment added to the total (algorithms/dapo.py)."""

@@ -43,3 +43,8 @@ def forward_logprobs(actor_group: ActorGroup, method: str, batch: RolloutBatch) 
 def response_ids(batch: RolloutBatch) -> list[list[int]]:
     tokens, lengths = batch.response_tokens(), batch.response_mask.sum(1).long()
     return [tokens[i, : lengths[i]].tolist() for i in range(len(batch))]
+
+
+def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
+    """Each sample's response as text, for the verifiers."""
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids(batch)]

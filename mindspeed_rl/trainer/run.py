@@ -123,9 +123,7 @@ def prepare_run(config: GRPOConfig, run_dir: Path, held: contextlib.ExitStack) -
                                resume_from_last_intact=config.runtime.resume_from_last_intact)
     ref_checkpoint = setup.reference_checkpoint(config, hf_config)
     setup.check_run_dir_metrics(run_dir / config.runtime.metrics_file, resume_iteration=resume.iteration if resume else 0)
-    dataset = load_prompt_dataset(data_path, tokenizer=tokenizer, prompt_type=mt.prompt_type, map_keys=dict(mt.map_keys),
-                                  max_prompt_length=config.rl_config.max_prompt_length,
-                                  overlong_prompts=mt.overlong_prompts)
+    dataset = load_prompts(config, data_path, tokenizer)
     sampler = make_sampler(config, dataset)  # a dataset smaller than a batch fails here, not as a hang later
     print(f"[data] {len(dataset.records)} prompts from {dataset.source} "
           f"({dataset.num_filtered} longer than rl_config.max_prompt_length={config.rl_config.max_prompt_length} "
@@ -141,6 +139,14 @@ def prepare_run(config: GRPOConfig, run_dir: Path, held: contextlib.ExitStack) -
                        prediction=setup.memory_prediction(config, hf_config, device))  # compared with the ledger
 
 
+def load_prompts(config: GRPOConfig, path: str, tokenizer) -> PromptDataset:
+    """A prompts file read as the config says: formats, map_keys, template, length limit and its policy."""
+    mt = config.megatron_training
+    return load_prompt_dataset(path, tokenizer=tokenizer, prompt_type=mt.prompt_type, map_keys=dict(mt.map_keys),
+                               max_prompt_length=config.rl_config.max_prompt_length,
+                               overlong_prompts=mt.overlong_prompts)
+
+
 def load_eval_dataset(config: GRPOConfig, tokenizer) -> PromptDataset | None:
     """megatron_training.eval_data_path read as the training data is (formats, map_keys, template, length policy)."""
     mt = config.megatron_training
@@ -148,9 +154,7 @@ def load_eval_dataset(config: GRPOConfig, tokenizer) -> PromptDataset | None:
     if path is None:
         return None
     check_prompt_rows(path, map_keys=dict(mt.map_keys))
-    dataset = load_prompt_dataset(path, tokenizer=tokenizer, prompt_type=mt.prompt_type,
-                                  map_keys=dict(mt.map_keys), max_prompt_length=config.rl_config.max_prompt_length,
-                                  overlong_prompts=mt.overlong_prompts)
+    dataset = load_prompts(config, path, tokenizer)
     if len(dataset.records) < config.infer_data_parallel_size:
         raise ConfigError("megatron_training.eval_data_path", f"has {len(dataset.records)} usable prompts, fewer than "
                                                               f"the inference data-parallel size "

@@ -42,12 +42,14 @@ class RunProgress:
         return "none" if self.save_root else "none (actor_config.save is not set)"
 
     def worker_failure_line(self, failure: object) -> str:
-        where = f"iteration {self.iteration}" if self.iteration else self.phase
-        return f"worker failure during {where}: {failure}; last checkpoint: {self.last_checkpoint_text()}"
+        return f"worker failure during {self._where()}: {failure}; last checkpoint: {self.last_checkpoint_text()}"
 
     def disk_failure_line(self, error: OSError) -> str:
-        where = f"iteration {self.iteration}" if self.iteration else self.phase
-        return f"disk error during {where}: {describe_disk_error(error)}; last checkpoint: {self.last_checkpoint_text()}"
+        return (f"disk error during {self._where()}: {describe_disk_error(error)}; "
+                f"last checkpoint: {self.last_checkpoint_text()}")
+
+    def _where(self) -> str:
+        return f"iteration {self.iteration}" if self.iteration else self.phase
 
     def interrupted_line(self, signum: int) -> str:
         where = f"at iteration {self.iteration}" if self.iteration else f"during {self.phase}"

@@ -26,7 +26,7 @@ class ActorGroup(Protocol):
     def call(self, method: str, *args: Any, blocking: bool = True, **kwargs: Any) -> list[Any]:
         """Run `method` on every rank (SPMD): each rank's result, or with blocking=False what `wait` takes."""
 
-    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | None = None, *,
+    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, int] | None = None, *,
                        n: int | None = None, greedy: bool = False) -> None:
         """Start the rollout of `prompt_token_ids` (`n` samples each, default rl_config's; `greedy` for
         evaluation); it may run while other calls do (disaggregated)."""
@@ -60,7 +60,7 @@ class RankGroupBase:
         self.shm_segments.update(name for names in self.call("shm_segments") for name in names)
         return metrics
 
-    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | None = None, *,
+    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, int] | None = None, *,
                        n: int | None = None, greedy: bool = False) -> None:
         assert self._pending is None, "a rollout is already running; finish_generate first"
         self._pending = self.call("generate_sequences", prompt_token_ids, iteration, n, greedy, blocking=False)

@@ -200,7 +200,7 @@ class ActorHybridWorkerBase:
 
     # -- the phases ------------------------------------------------------------------------------
     @phase_rpc(GENERATE)
-    def generate_sequences(self, prompt_token_ids: list[list[int]], iteration: int | None = None,
+    def generate_sequences(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, int] | None = None,
                            n: int | None = None, greedy: bool = False) -> tuple[Shard, dict[str, float]]:
         """Each inference-DP group samples its slice of the prompts; one rank per group reports it. `n` samples
         per prompt (default rl_config.n_samples_per_prompt), greedily with `greedy` (evaluation).

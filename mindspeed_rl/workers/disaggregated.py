@@ -62,7 +62,7 @@ class DisaggregatedActor(RankGroupBase):
     def wait(self, method: str, refs: list) -> list[Any]:
         return self.train.wait(method, refs)
 
-    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | None = None, *,
+    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, int] | None = None, *,
                        n: int | None = None, greedy: bool = False) -> None:
         """generate_sequences on the inference ranks, not waited for: the training ranks stay free, so the
         next rollout can run during this update (async_generation_ratio: 1). Pushes first if the weights
