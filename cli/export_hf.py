@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.config.errors import ConfigError, error_lines
 
 CONFIG_ERROR_EXIT_CODE = 2
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         _init_single_rank()
         out = export_checkpoint(args.checkpoint, args.output, options=options)
     except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
+        print("\n".join(error_lines(error)), file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
     print(f"exported {args.checkpoint} -> {out}")
     return 0

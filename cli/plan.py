@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +32,8 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config-name", default=None, help="a YAML under configs/ (default: as cli/train_grpo.py)")
+    parser.add_argument("--config-dir", default=None,
+                        help="a folder of the user's YAMLs, searched before configs/ (as cli/train_grpo.py)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, key=value")
     parser.add_argument("--device-memory", default=None, help="memory of one device, e.g. 64GiB or 80GB")
     parser.add_argument("--json", default=None, metavar="FILE",
@@ -48,15 +51,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _compose(config_name: str, overrides: list[str]):
+def _compose(config_name: str, overrides: list[str], config_dir: str | None):
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from mindspeed_rl.config import ConfigError
+    from mindspeed_rl.config.overrides import as_upsert, search_path_override
 
+    overrides = [as_upsert(override) for override in overrides]
+    if config_dir is not None:  # the user's files win over ours, as in cli/train_grpo.py
+        overrides.append(search_path_override(str(CONFIG_DIR)))
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        with initialize_config_dir(config_dir=os.path.abspath(config_dir or CONFIG_DIR), version_base="1.3"):
             return compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as error:
         first = " ".join(line.strip() for line in str(error).splitlines()[:2]) or type(error).__name__
@@ -66,7 +73,7 @@ def _compose(config_name: str, overrides: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
-    from mindspeed_rl.config import ConfigError, default_config_name, load_config
+    from mindspeed_rl.config import ConfigError, default_config_name, error_lines, load_config
 
     try:
         device_memory = None
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("h2d_gbps", "link_gbps"):
             if not getattr(args, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')}", f"must be a positive GB/s figure, got {getattr(args, name)}")
-        cfg = _compose(args.config_name or default_config_name(), args.overrides)
+        cfg = _compose(args.config_name or default_config_name(), args.overrides, args.config_dir)
         config = load_config(cfg)
 
         from mindspeed_rl.planner.from_config import architecture, plan_config, resolve_hf_config, suggest
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(text_report(plan, **report_args))
                 print(f"\nJSON written to {args.json}")
     except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
+        print("\n".join(error_lines(error)), file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
     return 0
 

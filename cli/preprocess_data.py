@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.config.errors import ConfigError, error_lines
 from mindspeed_rl.config.preprocess import PreprocessConfig, load_preprocess_config
 
 CONFIG_ERROR_EXIT_CODE = 2
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_preprocess_config(_compose(args.config_dir, args.config_name, args.overrides))
         preprocess(config)
     except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
+        print("\n".join(error_lines(error)), file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
     return 0
 

@@ -4,19 +4,21 @@ The default config is the Qwen2.5-7B recipe where an NPU/GPU is present, the tin
 Exit codes: 0 on success (also ``--help`` and ``--cfg job``, which only print); 2 on any config
 error, ours (one line ``config error: <key>: <message>`` on stderr) or Hydra's (unknown config name,
 override of a key that does not exist, bad override syntax); otherwise whatever the run exits with.
-Hydra only overrides keys present in the YAML: a schema key the YAML leaves at its default is set
-with ``+key=value``; a key unknown to the schema is then reported by load_config.
+Overrides are Hydra's, with two differences (config/overrides.py): ``a.b=v`` also sets a key the YAML
+leaves out (every section of ours is optional), and ``--config-dir DIR`` makes DIR's files win over ours.
 """
 
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mindspeed_rl.config import ConfigError, default_config_name, load_config
+from mindspeed_rl.config import ConfigError, default_config_name, error_lines, load_config
+from mindspeed_rl.config.overrides import hydra_argv
 from mindspeed_rl.interrupts import RunInterrupted, stop_signals
 from mindspeed_rl.trainer.stopping import RunStopped
 
@@ -57,7 +59,7 @@ def main(cfg: DictConfig) -> None:
             # Paths and data files are checked before any worker starts; those errors are config errors too.
             run_grpo(config, run_dir=run_dir)
         except ConfigError as error:
-            print(f"config error: {error}", file=sys.stderr)
+            print("\n".join(error_lines(error)), file=sys.stderr)
             sys.exit(CONFIG_ERROR_EXIT_CODE)
         except RunStopped as stop:
             print(stop.message, file=sys.stderr, flush=True)
@@ -68,6 +70,10 @@ def main(cfg: DictConfig) -> None:
 
 
 def launch() -> None:
+    sys.argv = hydra_argv(sys.argv, our_config_dir=CONFIG_DIR)
+    # MindSpeed-RL's recipes have no `_self_` in their defaults; Hydra then composes them as they expect
+    # (the recipe over its model block) and warns about it before every run.
+    warnings.filterwarnings("ignore", message=".*Defaults list is missing `_self_`", category=UserWarning)
     try:
         main()
     except SystemExit as exit_request:

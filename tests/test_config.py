@@ -273,10 +273,11 @@ def test_config_error_survives_pickling() -> None:
 # --- cross-section checks ------------------------------------------------------------------------
 
 
-def test_tensor_parallel_must_divide_world() -> None:
-    assert config_error(QWEN_7B, "actor_config.tensor_model_parallel_size=3") == (
-        "actor_config.tensor_model_parallel_size: must divide rl_config.actor_resource.num_npus=16, got 3"
-    )
+def test_tensor_parallel_must_divide_world_and_the_heads() -> None:
+    assert config_error(QWEN_7B, "actor_config.tensor_model_parallel_size=3").splitlines() == [
+        "actor_config.tensor_model_parallel_size: must divide rl_config.actor_resource.num_npus=16, got 3",
+        "actor_config.tensor_model_parallel_size: must divide model.qwen25_7b.num_attention_heads=28, got 3",
+    ]
 
 
 def test_tensor_times_pipeline_must_divide_world() -> None:
@@ -352,12 +353,14 @@ def test_cli_cfg_job_prints_the_7b_config(tmp_path: Path) -> None:
     assert "num_npus: 16" in result.stdout
 
 
-def test_cli_config_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_cli_config_errors_are_one_line_each_and_exit_2(tmp_path: Path) -> None:
     result = run_cli(tmp_path, "--config-name", QWEN_7B, "actor_config.tensor_model_parallel_size=3")
     assert result.returncode == 2
-    assert result.stderr.strip() == (
-        "config error: actor_config.tensor_model_parallel_size: must divide rl_config.actor_resource.num_npus=16, got 3"
-    )
+    assert result.stderr.strip().splitlines() == [
+        "config error: actor_config.tensor_model_parallel_size: must divide rl_config.actor_resource.num_npus=16, got 3",
+        "config error: actor_config.tensor_model_parallel_size: must divide model.qwen25_7b.num_attention_heads=28, "
+        "got 3",
+    ]
 
 
 def test_cli_override_of_unknown_key_exits_2_without_traceback(tmp_path: Path) -> None:

@@ -1,10 +1,10 @@
 """Typed, validated configuration of a GRPO run (MindSpeed-RL key names, plus our own sections).
 
 Entry point: ``load_config(cfg)`` turns a Hydra-composed tree into a ``GRPOConfig`` or raises one
-``ConfigError`` whose message names the full key and the offending values.
+``ConfigError`` (a ``ConfigErrors`` when there are several) naming each full key and its offending value.
 """
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.config.errors import ConfigError, ConfigErrors, error_lines
 from mindspeed_rl.config.generate import GenerateConfig, SamplingConfig
 from mindspeed_rl.config.grpo import GRPOConfig
 from mindspeed_rl.config.loader import (
@@ -40,6 +40,7 @@ __all__ = [
     "ActorInferResources",
     "ActorTrainResources",
     "ConfigError",
+    "ConfigErrors",
     "GRPOConfig",
     "GenerateConfig",
     "IntegratedModeConfig",
@@ -56,6 +57,7 @@ __all__ = [
     "SyntheticDataConfig",
     "check_model_block_against_hf",
     "default_config_name",
+    "error_lines",
     "load_config",
     "parse_device_mapping",
     "register_configs",

@@ -1,10 +1,11 @@
 """GRPOConfig: the whole tree, and the checks that need more than one section."""
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional
 
 from mindspeed_rl.config.checks import require_divides, require_equal
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.config.errors import ConfigError, run_checks
 from mindspeed_rl.config.generate import GenerateConfig
 from mindspeed_rl.config.megatron import ActorConfig, MegatronTrainingConfig
 from mindspeed_rl.config.model_arch import ModelArchConfig
@@ -113,18 +114,15 @@ class GRPOConfig:
         return self.model.get(self.actor_config.model)
 
     def __post_init__(self) -> None:
-        for name, block in self.model.items():
-            block.check(f"model.{name}")
-        self._resolve_world_size()
-        self._check_model_selection()
-        self.check_layout()
-        self._check_synthetic_data()
-        self._check_asset_paths()
-        check_supported(self.resource_plan, self.rewards)
-        self._check_reward_model()
-        self._check_async_generation()
-        check_evaluation(self)
-        check_dynamic_sampling(self)
+        # Every failing check is reported, not only the first; the model blocks, world size and model
+        # selection come first because the other checks read them.
+        run_checks(*(partial(block.check, f"model.{name}") for name, block in self.model.items()))
+        run_checks(self._resolve_world_size, self._check_model_selection)
+        run_checks(
+            self.check_layout, self._check_synthetic_data, self._check_asset_paths,
+            lambda: check_supported(self.resource_plan, self.rewards), self._check_reward_model,
+            self._check_async_generation, partial(check_evaluation, self), partial(check_dynamic_sampling, self),
+        )
 
     @property
     def uses_reference(self) -> bool:
@@ -168,13 +166,10 @@ class GRPOConfig:
     def check_layout(self) -> None:
         """The parallel layout and batch shapes against the selected model block. The trainer runs them
         again with the block the checkpoint's config.json describes (setup.check_against_checkpoint)."""
-        self._check_train_layout()
-        self._check_sequence_parallel()
-        self._check_infer_layout()
-        self._check_model_sharding()
-        self._check_batch_sizes()
-        self._check_lengths()
-        check_packing(self)
+        run_checks(
+            self._check_train_layout, self._check_sequence_parallel, self._check_infer_layout,
+            self._check_model_sharding, self._check_batch_sizes, self._check_lengths, partial(check_packing, self),
+        )
 
     def _check_model_selection(self) -> None:
         actor_model = self.actor_config.model

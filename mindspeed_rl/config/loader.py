@@ -1,4 +1,4 @@
-"""From a Hydra/OmegaConf tree to a validated GRPOConfig, with every error as one ConfigError.
+"""From a Hydra/OmegaConf tree to a validated GRPOConfig, or every error of the tree at once.
 
 The schema is ``OmegaConf.structured(GRPOConfig)``. kw_only dataclasses work with it (checked with
 omegaconf 2.3): ``structured()`` reads ``dataclasses.fields`` and ``to_object()`` constructs with
@@ -22,9 +22,9 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.config.errors import ConfigError, ConfigErrors, raise_together
 from mindspeed_rl.config.grpo import GRPOConfig
-from mindspeed_rl.config.removed import check_removed_keys
+from mindspeed_rl.config.removed import removed_key_errors
 
 SCHEMA_NAME = "grpo_config_schema"
 ACCELERATOR_CONFIG_NAME = "grpo_qwen25_7b_A3"
@@ -32,17 +32,92 @@ CPU_CONFIG_NAME = "grpo_tiny_cpu"
 
 
 def load_config(cfg: Union[DictConfig, Mapping[str, Any]]) -> GRPOConfig:
-    """Reject MindSpeed-RL keys this engine does not have (with the reason, ``removed.py``), check
-    ``cfg`` against the schema (unknown keys, types, missing values), then build the dataclasses so
-    that every section and cross-section check runs. Raises ConfigError only."""
-    check_removed_keys(cfg)
+    """Every error of ``cfg`` at once, else the validated GRPOConfig. Raises ConfigError only.
+
+    In order, each step reporting all it finds: MindSpeed-RL keys this engine does not have (with the
+    reason, ``removed.py``); the schema (unknown keys, types, missing values); each section built on its
+    own (its ``__post_init__``); then, once every section is valid, the checks across sections.
+    """
+    tree = _plain_tree(cfg)
+    errors = removed_key_errors(tree)
+    for error in errors:
+        _delete_key(tree, error.key)
+    invalid_keys: list[str] = []  # keys whose value the schema refused (not merely unknown ones)
+    merged = _merge_with_schema(tree, cfg, errors, invalid_keys)
+    # A refused value was dropped from the tree, which leaves a required key missing: said once.
+    missing = sorted(set(OmegaConf.missing_keys(merged)) - set(invalid_keys))
+    errors += [ConfigError(key, f"missing required value (expected {_describe_type(_schema_type_at(key))})")
+               for key in missing]
+    errors += _section_errors(merged, cfg, skip=invalid_keys + missing)
+    raise_together(errors)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(GRPOConfig), cfg)
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise _as_config_error(error, cfg) from None
     assert isinstance(config, GRPOConfig)
     return config
+
+
+# Each error of the schema step is found by one merge; a config has far fewer bad keys than this.
+_MAX_SCHEMA_ERRORS = 200
+
+
+def _plain_tree(cfg: Union[DictConfig, Mapping[str, Any]]) -> dict[str, Any]:
+    """A mutable copy with interpolations kept as written (they resolve against the merged tree)."""
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    tree = OmegaConf.to_container(node, resolve=False)
+    assert isinstance(tree, dict)
+    return tree
+
+
+def _merge_with_schema(
+    tree: dict[str, Any], cfg: Any, errors: list[ConfigError], invalid_keys: list[str]
+) -> DictConfig:
+    """Merge onto the schema, dropping each key the schema refuses (recorded in ``errors``; the mistyped
+    ones also in ``invalid_keys``) and merging again, so that one run names every such key."""
+    schema = OmegaConf.structured(GRPOConfig)
+    for _ in range(_MAX_SCHEMA_ERRORS):
+        try:
+            return OmegaConf.merge(schema, tree)
+        except OmegaConfBaseException as error:
+            key = getattr(error, "full_key", "") or ""
+            errors.append(_as_config_error(error, cfg))
+            if not isinstance(error, ConfigKeyError):
+                invalid_keys.append(key)
+            if not _delete_key(tree, key):
+                break
+    raise ConfigErrors(errors)
+
+
+def _section_errors(merged: DictConfig, cfg: Any, *, skip: list[str]) -> list[ConfigError]:
+    """Build each top-level section alone, so that an error in one does not hide another's. A section
+    with a refused or missing value is not built: with that key dropped it would report a consequence."""
+    errors = []
+    for name in merged:
+        if any(key == name or key.startswith((f"{name}.", f"{name}[")) for key in skip):
+            continue
+        try:
+            node = merged[name]
+            if OmegaConf.is_config(node):
+                OmegaConf.to_object(node)
+        except ConfigError as error:
+            errors.append(error)
+        except OmegaConfBaseException as error:
+            errors.append(_as_config_error(error, cfg))
+    return errors
+
+
+def _delete_key(tree: dict[str, Any], key: str) -> bool:
+    """Remove ``a.b.c`` from the tree (a list element removes its whole list, so that the indices of the
+    errors still to come stay right); False when there is nothing to remove."""
+    parts = [part for part in key.split("[", 1)[0].split(".") if part]
+    node: Any = tree
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not parts or not isinstance(node, dict) or parts[-1] not in node:
+        return False
+    del node[parts[-1]]
+    return True
 
 
 def register_configs() -> None:

@@ -58,11 +58,13 @@ REMOVED_KEYS: dict[str, str] = {
 }
 
 
-def check_removed_keys(cfg: Mapping[str, Any]) -> None:
-    """Raise ConfigError ``<key>: not supported: <reason>; remove it`` for the first removed key present."""
-    for pattern, reason in REMOVED_KEYS.items():
-        for key in _present_keys(cfg, pattern.split(".")):
-            raise ConfigError(key, f"not supported: {reason}; remove it")
+def removed_key_errors(cfg: Mapping[str, Any]) -> list[ConfigError]:
+    """A ConfigError ``<key>: not supported: <reason>; remove it`` for every removed key present."""
+    return [
+        ConfigError(key, f"not supported: {reason}; remove it")
+        for pattern, reason in REMOVED_KEYS.items()
+        for key in _present_keys(cfg, pattern.split("."))
+    ]
 
 
 def _present_keys(node: Any, parts: list[str], prefix: str = "") -> list[str]:
