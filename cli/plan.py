@@ -88,7 +88,12 @@ def main(argv: list[str] | None = None) -> int:
             if not getattr(args, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')}", f"must be a positive GB/s figure, got {getattr(args, name)}")
         cfg = _compose(args.config_name or default_config_name(), args.overrides, args.config_dir)
-        config = load_config(cfg)
+        notices: list[str] = []
+        config = load_config(cfg, notices=notices)
+        if notices:
+            from mindspeed_rl.config.no_effect import no_effect_notice
+
+            print(no_effect_notice(notices), file=sys.stderr)
 
         from mindspeed_rl.planner.from_config import architecture, plan_config, resolve_hf_config, suggest
         from mindspeed_rl.planner.report import json_report, text_report

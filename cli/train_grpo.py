@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from mindspeed_rl.config import ConfigError, default_config_name, error_lines, load_config
+from mindspeed_rl.config.no_effect import no_effect_notice
 from mindspeed_rl.config.overrides import hydra_argv
 from mindspeed_rl.interrupts import RunInterrupted, stop_signals
 from mindspeed_rl.trainer.stopping import RunStopped
@@ -44,7 +45,10 @@ def main(cfg: DictConfig) -> None:
     _task_started = True
     with stop_signals():
         try:
-            config = load_config(cfg)
+            notices: list[str] = []
+            config = load_config(cfg, notices=notices)
+            if notices:
+                print(no_effect_notice(notices), flush=True)
             if config.megatron_training.stage != STAGE:
                 raise ConfigError("megatron_training.stage", f"is {config.megatron_training.stage}: run the recipe with "
                                                              f"{ENTRY_POINTS[config.megatron_training.stage]}, as its "

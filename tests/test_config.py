@@ -414,25 +414,13 @@ def test_removed_key_is_an_error_naming_it_and_the_reason(key: str) -> None:
     )
 
 
-def test_removed_backend_key_says_the_device_picks_the_backend() -> None:
-    assert config_error(QWEN_7B, "+megatron_training.distributed_backend=nccl") == (
-        "megatron_training.distributed_backend: not supported: the accelerator picks gloo/nccl/hccl from the device; "
-        "remove it"
-    )
-
-
-def test_removed_gae_keys_say_gae_is_not_implemented() -> None:
-    message = config_error(TINY, "+rl_config.lam=0.95")
-    assert message.startswith("rl_config.lam: not supported: GAE is not implemented")
-
-
 def test_removed_key_in_a_yaml_mapping_is_found_without_hydra() -> None:
     container = OmegaConf.to_container(compose_cfg(TINY))
     assert isinstance(container, dict)
-    container["model"]["tiny_qwen2"]["moe_grouped_gemm"] = True
+    container["model"]["tiny_qwen2"]["multi_latent_attention"] = True
     with pytest.raises(ConfigError) as info:
         load_config(container)
-    assert info.value.key == "model.tiny_qwen2.moe_grouped_gemm"
+    assert info.value.key == "model.tiny_qwen2.multi_latent_attention"
 
 
 @pytest.mark.parametrize(

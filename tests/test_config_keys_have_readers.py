@@ -46,6 +46,8 @@ VALIDATED_ONLY: dict[str, str] = {
     "rl_config.rule_reward": "true only: rule verifiers are the only reward",
     "rl_config.adv_estimator": "group_norm only: GAE is not implemented",
     "rl_config.kl_ctrl_type": "fixed only: the KL coefficient stays init_kl_coef",
+    "generate_config.enable_expert_parallel": "infer_expert_parallel_size > 1 only, which the engine reads",
+    "runtime.strict_keys": "read by config/loader.py from the raw tree, before the schema: no-effect keys become errors",
     # ROLL's role sections (config/resources.py): parsed, computed and checked; the values other than
     # these are refused at load as not supported yet, so they are listed here although resources.py reads them.
     "actor_train.num_gpus_per_worker": "1 only: a training role has one device per worker (computed)",

@@ -106,6 +106,14 @@ CASES = [
     ("arith_acc", " 7", "7", 1.0),
     ("arith_acc", "12", "1", 0.2),
     ("arith_acc", r"\boxed{7}", "7", 0.0),
+    # MindSpeed-RL's acc_for_ppo: the last box against the label, 1 / 0, no format.
+    ("acc_for_ppo", r"so \boxed{\frac{1}{2}}", "0.5", 1.0),
+    ("acc_for_ppo", r"\boxed{3}", "4", 0.0),
+    ("acc_for_ppo", "no box: 3", "3", 0.0),
+    # MindSpeed-RL's math_verify_reward: <think>...</think>...<answer>...\boxed{...}...</answer>, then the answer.
+    ("math_verify_reward", r"<think>a</think> <answer>\boxed{0.5}</answer>", r"\frac12", 1.0),
+    ("math_verify_reward", r"<think>a</think> <answer>\boxed{2}</answer>", "3", 0.0),
+    ("math_verify_reward", r"<answer>\boxed{3}</answer>", "3", 0.0),
 ]
 
 

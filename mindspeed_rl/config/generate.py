@@ -31,6 +31,9 @@ class SamplingConfig:
     temperature: float = 1.0
     # Prompts and responses travel as token ids; detokenizing in vLLM is wasted work.
     detokenize: bool = False
+    # The base of every rollout's sampling seed (per iteration and inference-DP rank); null:
+    # megatron_training.seed. The same seed samples the same responses from the same weights.
+    seed: Optional[int] = None
 
     def __post_init__(self) -> None:
         prefix = self.SECTION_KEY
@@ -64,6 +67,9 @@ class GenerateConfig:
     # one inference-DP slice. Colocated actor only.
     infer_pipeline_parallel_size: int = 1
     infer_expert_parallel_size: int = 1
+    # MindSpeed-RL's switch of vLLM's expert parallelism; here it follows from infer_expert_parallel_size > 1,
+    # so a value given must agree with that.
+    enable_expert_parallel: Optional[bool] = None
     max_num_seqs: int = 256
     # Prompt + response tokens per sequence.
     max_model_len: int
@@ -98,4 +104,10 @@ class GenerateConfig:
             "resharding_bucket_mb",
         )
         require_choice(prefix, self, "dtype", INFER_DTYPES)
+        expert_parallel = self.infer_expert_parallel_size > 1
+        if self.enable_expert_parallel is not None and self.enable_expert_parallel != expert_parallel:
+            raise ConfigError(f"{prefix}.enable_expert_parallel", f"is {self.enable_expert_parallel} but "
+                                                                   f"infer_expert_parallel_size is "
+                                                                   f"{self.infer_expert_parallel_size}: vLLM's "
+                                                                   f"experts are parallel exactly when it is > 1")
         require_in_range(prefix, self, "gpu_memory_utilization", 0.0, 1.0, low_open=True)

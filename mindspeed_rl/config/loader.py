@@ -24,6 +24,7 @@ from omegaconf.errors import (
 
 from mindspeed_rl.config.errors import ConfigError, ConfigErrors, raise_together
 from mindspeed_rl.config.grpo import GRPOConfig
+from mindspeed_rl.config.no_effect import drop_no_effect_keys, lift_megatron_keys
 from mindspeed_rl.config.removed import removed_key_errors
 
 SCHEMA_NAME = "grpo_config_schema"
@@ -31,15 +32,24 @@ ACCELERATOR_CONFIG_NAME = "grpo_qwen25_7b_A3"
 CPU_CONFIG_NAME = "grpo_tiny_cpu"
 
 
-def load_config(cfg: Union[DictConfig, Mapping[str, Any]]) -> GRPOConfig:
+def load_config(
+    cfg: Union[DictConfig, Mapping[str, Any]], *, notices: Optional[list[str]] = None
+) -> GRPOConfig:
     """Every error of ``cfg`` at once, else the validated GRPOConfig. Raises ConfigError only.
 
-    In order, each step reporting all it finds: MindSpeed-RL keys this engine does not have (with the
-    reason, ``removed.py``); the schema (unknown keys, types, missing values); each section built on its
-    own (its ``__post_init__``); then, once every section is valid, the checks across sections.
+    In order, each step reporting all it finds: MindSpeed-RL's keys of its own implementation (dropped,
+    each as ``key (why)`` in ``notices``) and those it reads elsewhere (``no_effect.py``); its keys this
+    engine does not have (with the reason, ``removed.py``); the schema (unknown keys, types, missing
+    values); each section built on its own (its ``__post_init__``); then, once every section is valid,
+    the checks across sections.
     """
     tree = _plain_tree(cfg)
-    errors = removed_key_errors(tree)
+    errors = lift_megatron_keys(tree)
+    dropped, no_effect_errors = drop_no_effect_keys(tree, strict=_strict_keys(tree))
+    errors += no_effect_errors
+    if notices is not None:
+        notices += dropped
+    errors += removed_key_errors(tree)
     for error in errors:
         _delete_key(tree, error.key)
     invalid_keys: list[str] = []  # keys whose value the schema refused (not merely unknown ones)
@@ -56,6 +66,11 @@ def load_config(cfg: Union[DictConfig, Mapping[str, Any]]) -> GRPOConfig:
         raise _as_config_error(error, cfg) from None
     assert isinstance(config, GRPOConfig)
     return config
+
+
+def _strict_keys(tree: dict[str, Any]) -> bool:
+    runtime = tree.get("runtime")
+    return isinstance(runtime, dict) and runtime.get("strict_keys") is True
 
 
 # Each error of the schema step is found by one merge; a config has far fewer bad keys than this.

@@ -16,45 +16,28 @@ _INTEGRATED = (
     "in integrated mode (rl_config.use_integrated_worker, the only mode of this hybrid engine) the "
     "reference and reward models reuse actor_config"
 )
-_KERNEL_IN_MEGATRON_TRAINING = (
-    "a kernel option, not the architecture: set megatron_training.{name} (the engine reads it there)"
-)
-_MOE_KERNELS = (
-    "the engine chooses the MoE kernels (per-expert linears and the allgather token dispatcher, which "
-    "every backend supports)"
-)
+_MULTI_TURN = "multi-turn tool use is not implemented"
+_NOT_YET = "not implemented yet (issue 25)"
+_DEEPSEEK_V3 = "the DeepSeek-V3 architecture (MLA attention, group-limited routing) is not built by this engine yet"
 
 REMOVED_KEYS: dict[str, str] = {
     "ref_config": _INTEGRATED,
     "reward_config": _INTEGRATED,
-    "megatron_training.seq_length": (
-        "lengths are bounded by rl_config.max_prompt_length (prompts) and generate_config.max_model_len "
-        "(prompt + response)"
-    ),
-    "megatron_training.init_method_std": "weights always come from the HF checkpoint, nothing is initialised",
-    "megatron_training.distributed_backend": "the accelerator picks gloo/nccl/hccl from the device",
-    "megatron_training.no_shared_storage": (
-        "there is nothing to share between nodes: data is read by the driver and checkpoints are issue 11"
-    ),
-    "megatron_training.full_shuffle_instruction_dataset": (
-        "there are no instruction-dataset blends; megatron_training.no_shuffle and seed set the prompt order"
-    ),
-    "megatron_training.reuse_fp32_param": "an NPU memory optimisation of MindSpeed that this engine does not have",
-    "rl_config.guarantee_order": "rollouts run in the driver's order; there is no asynchronous dispatch to order",
-    "rl_config.blocking": "every phase is a blocking call of the integrated worker",
-    "rl_config.gamma": "GAE is not implemented: rl_config.adv_estimator is group_norm only",
-    "rl_config.lam": "GAE is not implemented: rl_config.adv_estimator is group_norm only",
-    "rl_config.num_cpus_for_local_task": (
-        "rule rewards run in the driver process, or on rewards.<name>.world_size CPU workers that reserve no CPU"
-    ),
-    "model.*.attention_softmax_in_fp32": _KERNEL_IN_MEGATRON_TRAINING.format(name="attention_softmax_in_fp32"),
-    "model.*.no_gradient_accumulation_fusion": _KERNEL_IN_MEGATRON_TRAINING.format(
-        name="no_gradient_accumulation_fusion"
-    ),
-    "model.*.tokenizer_type": "not the architecture: set megatron_training.tokenizer_type",
-    "model.*.moe_grouped_gemm": _MOE_KERNELS,
-    "model.*.moe_permutation_async_comm": _MOE_KERNELS,
-    "model.*.moe_token_dispatcher_type": _MOE_KERNELS,
+    **{f"rl_config.{key}": _MULTI_TURN for key in (
+        "multi_turn_enable", "tool_config_path", "tool_parser_format", "max_tool_calls", "max_parallel_calls",
+        "max_tool_response_length", "tool_response_truncate_side", "max_total_response_length")},
+    "actor_config.noop_layers": "no-op layers change the model; they are not implemented",
+    "actor_config.num_layer_list": f"uneven pipeline stages are {_NOT_YET}; without it the stages are even",
+    "actor_config.recompute_granularity": f"activation recompute is {_NOT_YET}",
+    "actor_config.recompute_method": f"activation recompute is {_NOT_YET}",
+    "actor_config.recompute_num_layers": f"activation recompute is {_NOT_YET}",
+    "generate_config.enable_prefix_caching": f"prefix caching is {_NOT_YET} (its cache must be reset at every weight push)",
+    **{f"model.*.{key}": _DEEPSEEK_V3 for key in (
+        "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "v_head_dim", "qk_head_dim", "qk_pos_emb_head_dim",
+        "rope_scaling_type", "rope_scaling_factor", "rope_scaling_original_max_position_embeddings",
+        "rope_scaling_mscale", "rope_scaling_mscale_all_dim", "beta_fast", "beta_slow", "n_shared_experts",
+        "first_k_dense_replace", "moe_layer_freq", "moe_router_score_function", "moe_router_num_groups",
+        "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "seq_aux")},
 }
 
 
@@ -63,11 +46,12 @@ def removed_key_errors(cfg: Mapping[str, Any]) -> list[ConfigError]:
     return [
         ConfigError(key, f"not supported: {reason}; remove it")
         for pattern, reason in REMOVED_KEYS.items()
-        for key in _present_keys(cfg, pattern.split("."))
+        for key in present_keys(cfg, pattern.split("."))
     ]
 
 
-def _present_keys(node: Any, parts: list[str], prefix: str = "") -> list[str]:
+def present_keys(node: Any, parts: list[str], prefix: str = "") -> list[str]:
+    """The dotted keys of ``node`` that match ``parts`` (``*`` matches any one name)."""
     if not isinstance(node, Mapping):
         return []
     head, rest = parts[0], parts[1:]
@@ -76,7 +60,7 @@ def _present_keys(node: Any, parts: list[str], prefix: str = "") -> list[str]:
     for name in names:
         key = f"{prefix}.{name}" if prefix else name
         # A leaf is found by its presence alone: its value may be missing (???) or an interpolation.
-        found += [key] if not rest else _present_keys(_child(node, name), rest, key)
+        found += [key] if not rest else present_keys(_child(node, name), rest, key)
     return found
 
 

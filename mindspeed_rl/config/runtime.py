@@ -54,9 +54,12 @@ class RuntimeConfig:
     # actor_config.load is a save root whose newest checkpoint is damaged (a file missing, truncated, corrupt):
     # false stops the run naming the newest intact one; true resumes from that one, saying so.
     resume_from_last_intact: bool = False
+    # MindSpeed-RL keys of its own implementation are accepted and listed at start as having no effect here
+    # (config/no_effect.py); true makes each an error.
+    strict_keys: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("local_single_rank", "resume_from_last_intact"):
+        for name in ("local_single_rank", "resume_from_last_intact", "strict_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{self.SECTION_KEY}.{name}", f"expected true or false, got {getattr(self, name)!r}")
         require_choice(self.SECTION_KEY, self, "device", DEVICES)

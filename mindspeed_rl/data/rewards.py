@@ -172,11 +172,16 @@ def step(response: str, label: str) -> float:
     return min(1.0, len(_REASONING_STEP.findall(response)) / STEPS_FOR_FULL_SCORE)
 
 
+# MindSpeed-RL's `acc_for_ppo` (mathruler's grade_answer on the last box, 1/0) and `math_verify_reward`
+# (base_acc's format, then math-verify on the output against \boxed{label}, 1/0) are math_17k_acc and base_acc
+# here: every name already compares the last box with math-verify.
 VERIFIERS: dict[str, Verifier] = {
     "arith_acc": arith_acc,
     "acc": acc,
     "base_acc": base_acc,
+    "math_verify_reward": base_acc,
     "math_17k_acc": math_17k_acc,
+    "acc_for_ppo": math_17k_acc,
     "acc_for_dapo": acc_for_dapo,
     "format": format_reward,
     "strict_format": strict_format,
@@ -189,7 +194,9 @@ _CORRECTNESS_BY_VERIFIER: dict[str, Callable[[str, str], bool]] = {
     "acc_for_dapo": lambda response, label: acc_for_dapo(response, label) == 1.0,
     "acc": boxed_answer_is_correct,
     "base_acc": boxed_answer_is_correct,
+    "math_verify_reward": boxed_answer_is_correct,
     "math_17k_acc": boxed_answer_is_correct,
+    "acc_for_ppo": boxed_answer_is_correct,
 }
 
 # The final answer each accuracy verifier reads (majority voting compares these strings).
@@ -198,7 +205,9 @@ _ANSWER_BY_VERIFIER: dict[str, Callable[[str], str | None]] = {
     "acc_for_dapo": last_answer_line,
     "acc": last_boxed_content,
     "base_acc": last_boxed_content,
+    "math_verify_reward": last_boxed_content,
     "math_17k_acc": last_boxed_content,
+    "acc_for_ppo": last_boxed_content,
 }
 
 

@@ -205,8 +205,8 @@ class ActorHybridWorkerBase:
         """Each inference-DP group samples its slice of the prompts; one rank per group reports it. `n` samples
         per prompt (default rl_config.n_samples_per_prompt), greedily with `greedy` (evaluation).
 
-        With `iteration`, the sampling RNG is reseeded from f(megatron_training.seed, iteration, DP rank)
-        first, so an iteration samples the same whatever came before (exact resume); without, it
+        With `iteration`, the sampling RNG is reseeded from f(seed, iteration, DP rank) first (seed:
+        sampling_config.seed, else megatron_training.seed), so an iteration samples the same whatever came before (exact resume); without, it
         continues the running generator. vLLM's per-request seeds would do the same, but its runner
         rewinds their offsets after a chunked prefill, which CPU generators cannot do."""
         gen = self.config.generate_config
@@ -219,7 +219,8 @@ class ActorHybridWorkerBase:
         start, stop = dp_rank * per_rank, (dp_rank + 1) * per_rank
         in_phase = self.ledger.record(GENERATE)
         if iteration is not None:
-            torch.manual_seed(sampling_seed(self.config.megatron_training.seed, iteration, dp_rank))
+            base_seed = sampling.seed if sampling.seed is not None else self.config.megatron_training.seed
+            torch.manual_seed(sampling_seed(base_seed, iteration, dp_rank))
         t0 = time.perf_counter()
         generations = self.inference_model.generate(
             prompt_token_ids[start:stop], n=n or self.config.rl_config.n_samples_per_prompt,

@@ -1,0 +1,139 @@
+"""MindSpeed-RL keys that are knobs of its implementation with no counterpart here, and model-block keys
+that MindSpeed-RL reads as megatron_training's.
+
+A user's recipe runs unchanged: such a key is accepted, dropped before the schema and listed once at
+start (``[config] no effect on this engine: key (why), ...``); ``runtime.strict_keys: true`` makes each an
+error instead. Only keys that do not change what is computed (the model, the algorithm, the data) are
+here; where only some values are harmless (``reset_attention_mask: true``), any other is an error.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.config.removed import present_keys
+
+
+@dataclass(frozen=True)
+class NoEffect:
+    why: str
+    # The values that are harmless here (None: any value); any other is an error.
+    values: Optional[tuple[Any, ...]] = None
+
+
+_NPU_KERNEL = "an NPU kernel or layout choice of MindSpeed; the values computed are the same"
+_TRANSFER_DOCK = "MindSpeed-RL's transfer-dock transport between its workers; there is none here"
+_MOE_KERNEL = "a MoE kernel/communication choice (the engine's per-expert linears and allgather dispatch compute the same)"
+
+NO_EFFECT_KEYS: dict[str, NoEffect] = {
+    "megatron_training.seq_length": NoEffect(
+        "lengths are rl_config.max_prompt_length (prompts) and generate_config.max_model_len (prompt + response)"),
+    "megatron_training.init_method_std": NoEffect("weights come from the HF checkpoint; nothing is initialised"),
+    "megatron_training.distributed_backend": NoEffect("the accelerator picks gloo/nccl/hccl from the device"),
+    "megatron_training.no_shared_storage": NoEffect("the driver reads the data; checkpoints name their own storage"),
+    "megatron_training.full_shuffle_instruction_dataset": NoEffect(
+        "there are no instruction-dataset blends; megatron_training.no_shuffle and seed set the prompt order",
+        (False,)),
+    "megatron_training.reuse_fp32_param": NoEffect("an NPU memory optimisation; the values computed are the same"),
+    "megatron_training.no_pad_to_seq_lengths": NoEffect("sequences are never padded to seq_length here", (True,)),
+    "megatron_training.reset_attention_mask": NoEffect(
+        "packed samples never attend to each other here (rl_config.use_remove_padding)", (True,)),
+    "megatron_training.swap_optimizer": NoEffect(
+        "NPU optimizer-state swapping within a step; between phases generate_config.offload_train_optimizer moves them"),
+    "megatron_training.shape_order": NoEffect(_NPU_KERNEL),
+    "megatron_training.moe_alltoall_overlap_comm": NoEffect(_MOE_KERNEL),
+    "megatron_training.use_rotary_position_embeddings": NoEffect("every model here uses RoPE (rotary_base)", (True,)),
+    "actor_config.no_save_optim": NoEffect("checkpoints always hold the optimizer states, so that a resume is exact"),
+    "actor_config.no_save_rng": NoEffect("checkpoints always hold the RNG states, so that a resume is exact"),
+    "actor_config.moe_tp_extend_ep": NoEffect(
+        "MindSpeed's TP-extended expert layout; experts are split by expert_model_parallel_size here"),
+    "actor_config.gemm_gradient_accumulation_fusion": NoEffect(_NPU_KERNEL),
+    "actor_config.initial_loss_scale": NoEffect("fp16's loss scale; bf16 and fp32 runs have none"),
+    "actor_config.context_parallel_size": NoEffect("context parallelism is not implemented", (1,)),
+    "actor_config.context_parallel_algo": NoEffect("read only with context_parallel_size > 1"),
+    "actor_config.attention_mask_type": NoEffect("the actor's attention is causal", ("causal",)),
+    "rl_config.guarantee_order": NoEffect("rollouts run in the driver's order; there is no asynchronous dispatch"),
+    "rl_config.blocking": NoEffect("every phase is a blocking call of the integrated worker"),
+    "rl_config.gamma": NoEffect("GAE's discount; group_norm (GRPO) does not read it, in MindSpeed-RL either"),
+    "rl_config.lam": NoEffect("GAE's lambda; group_norm (GRPO) does not read it, in MindSpeed-RL either"),
+    "rl_config.use_kl_in_reward": NoEffect("GRPO's KL is in the loss (rl_config.kl_penalty, init_kl_coef)", (False,)),
+    "rl_config.num_cpus_for_local_task": NoEffect(
+        "rule rewards run in the driver, or on rewards.<name>.world_size CPU workers"),
+    "rl_config.verifier_parallel": NoEffect("rule rewards run in the driver, or on rewards.<name>.world_size CPU workers"),
+    "rl_config.use_dp_batch_balance": NoEffect(
+        "micro-batches are balanced by token count with rl_config.use_dynamic_bsz; the loss is the same"),
+    "rl_config.zmq_communication": NoEffect(_TRANSFER_DOCK),
+    "rl_config.hccl_buffersize": NoEffect(_TRANSFER_DOCK),
+    "rl_config.reward_dispatch_size": NoEffect(_TRANSFER_DOCK),
+    "rl_config.adv_dispatch_size": NoEffect(_TRANSFER_DOCK),
+    "rl_config.actor_update_dispatch_size": NoEffect(_TRANSFER_DOCK),
+    "generate_config.torchair_graph": NoEffect(_NPU_KERNEL),
+    "generate_config.ascend_scheduler_config_enabled": NoEffect(_NPU_KERNEL),
+    "generate_config.num_scheduler_steps": NoEffect("vLLM V1 schedules one step at a time", (1,)),
+    "generate_config.expert_map_path": NoEffect(
+        "vLLM's expert placement for load balancing (EPLB); the experts computed are the same"),
+    "model.*.moe_grouped_gemm": NoEffect(_MOE_KERNEL),
+    "model.*.moe_permutation_async_comm": NoEffect(_MOE_KERNEL),
+    "model.*.moe_token_dispatcher_type": NoEffect(_MOE_KERNEL),
+    "model.*.use_fused_moe_token_permute_and_unpermute": NoEffect(_MOE_KERNEL),
+    "model.*.use_rotary_position_embeddings": NoEffect("every model here uses RoPE (rotary_base)", (True,)),
+    "model.*.spec": NoEffect("the layers are built from the model block and the checkpoint's config.json"),
+}
+
+# Keys MindSpeed-RL's model blocks carry and it reads as megatron_training's (it merges the selected block
+# into the Megatron arguments): here they move there, from the selected block, unless megatron_training sets them.
+MEGATRON_KEYS_IN_MODEL_BLOCKS = ("attention_softmax_in_fp32", "no_gradient_accumulation_fusion", "tokenizer_type")
+
+
+def drop_no_effect_keys(tree: dict[str, Any], *, strict: bool) -> tuple[list[str], list[ConfigError]]:
+    """Remove every no-effect key from ``tree``. Returns ``key (why)`` for each harmless one, and an error for
+    each that is not harmless (a value with an effect, or any with ``strict``)."""
+    notices, errors = [], []
+    for pattern, entry in NO_EFFECT_KEYS.items():
+        for key in present_keys(tree, pattern.split(".")):
+            value = _pop(tree, key)
+            if entry.values is not None and value not in entry.values:
+                allowed = " or ".join(repr(allowed) for allowed in entry.values)
+                errors.append(ConfigError(key, f"only {allowed} works here ({entry.why}), got {value!r}"))
+            elif strict:
+                errors.append(ConfigError(key, f"no effect on this engine ({entry.why}); remove it or set "
+                                               f"runtime.strict_keys=false"))
+            else:
+                notices.append(f"{key} ({entry.why})")
+    return notices, errors
+
+
+def lift_megatron_keys(tree: dict[str, Any]) -> list[ConfigError]:
+    """Move MEGATRON_KEYS_IN_MODEL_BLOCKS from the model blocks to megatron_training, as MindSpeed-RL reads
+    them: the selected block's value is used unless megatron_training sets one, which must then agree."""
+    blocks = tree.get("model")
+    training = tree.get("megatron_training")
+    if not isinstance(blocks, dict) or not isinstance(training, dict):
+        return []
+    selected = training.get("model")
+    errors = []
+    for name, block in blocks.items():
+        for key in [key for key in MEGATRON_KEYS_IN_MODEL_BLOCKS if isinstance(block, dict) and key in block]:
+            value = block.pop(key)
+            if name != selected:
+                continue
+            if key not in training:
+                training[key] = value
+            elif training[key] != value:
+                errors.append(ConfigError(f"model.{name}.{key}", f"is {value!r} but megatron_training.{key} is "
+                                                                f"{training[key]!r}: one value, in either place"))
+    return errors
+
+
+def no_effect_notice(notices: list[str]) -> Optional[str]:
+    """The one line printed at start, or None."""
+    return f"[config] no effect on this engine: {', '.join(notices)}" if notices else None
+
+
+def _pop(tree: Mapping[str, Any], key: str) -> Any:
+    *parents, last = key.split(".")
+    node: Any = tree
+    for part in parents:
+        node = node[part]
+    return node.pop(last)

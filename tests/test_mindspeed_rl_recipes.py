@@ -1,0 +1,94 @@
+"""MindSpeed-RL's own recipe files (tests/data/mindspeed_rl_recipes, verbatim) load here unchanged: their
+implementation knobs are listed once as having no effect, runtime.strict_keys makes those errors, and a
+value of such a key that would change what is computed is an error."""
+
+from pathlib import Path
+import pytest
+from hydra import compose, initialize_config_dir
+
+from mindspeed_rl.config import ConfigError, GRPOConfig, load_config
+from mindspeed_rl.config.no_effect import NO_EFFECT_KEYS, no_effect_notice
+from mindspeed_rl.config.overrides import as_upsert, search_path_override
+from tests.test_config import CONFIG_DIR, TINY, compose_cfg
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Defaults list is missing `_self_`")
+
+RECIPES = Path(__file__).resolve().parent / "data" / "mindspeed_rl_recipes"
+NAMES = sorted(path.stem for path in RECIPES.glob("*.yaml"))
+
+
+def load_recipe(name: str, *overrides: str, notices: list[str] | None = None) -> GRPOConfig:
+    upserts = [as_upsert(override) for override in overrides] + [search_path_override(str(CONFIG_DIR))]
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        cfg = compose(config_name=name, overrides=upserts)
+    return load_config(cfg, notices=notices)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_their_recipe_loads_unchanged_with_its_knobs_listed(name: str) -> None:
+    notices: list[str] = []
+    config = load_recipe(name, "runtime.device=cpu", notices=notices)
+    assert config.runtime.device == "cpu"
+    listed = {notice.split(" ", 1)[0] for notice in notices}
+    assert {"megatron_training.seq_length", "rl_config.blocking", "rl_config.gamma"} <= listed
+    assert no_effect_notice(notices).startswith("[config] no effect on this engine: megatron_training.seq_length (")
+
+
+def test_their_7b_recipe_keeps_its_values() -> None:
+    config = load_recipe("grpo_qwen25_7b_A3")
+    assert config.world_size == 16
+    assert (config.actor_config.tensor_model_parallel_size, config.actor_config.pipeline_model_parallel_size) == (2, 2)
+    # their model block's attention_softmax_in_fp32 is read as megatron_training's, as MindSpeed-RL does
+    assert config.megatron_training.attention_softmax_in_fp32 is True
+
+
+def test_their_32b_recipe_uses_math_verify_reward_and_a_sampling_seed() -> None:
+    config = load_recipe("grpo_qwen25_32b_A2")
+    assert config.rl_config.verifier_function == ["math_verify_reward"]
+    assert config.generate_config.sampling_config.seed == 1  # the rollouts' base seed (actor_hybrid_worker)
+
+
+def test_strict_keys_makes_every_knob_an_error() -> None:
+    notices: list[str] = []
+    load_recipe("grpo_qwen3_8b_A3", notices=notices)
+    with pytest.raises(ConfigError) as info:
+        load_recipe("grpo_qwen3_8b_A3", "runtime.strict_keys=true")
+    errors = info.value.all()
+    assert len(errors) == len(notices)
+    assert all("no effect on this engine" in error.message for error in errors)
+
+
+def load_tiny(*overrides: str, notices: list[str] | None = None) -> GRPOConfig:
+    return load_config(compose_cfg(TINY, [as_upsert(override) for override in overrides]), notices=notices)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("megatron_training.reset_attention_mask=false", "megatron_training.reset_attention_mask: only True works here"),
+    ("actor_config.context_parallel_size=2", "actor_config.context_parallel_size: only 1 works here"),
+    ("rl_config.use_kl_in_reward=true", "rl_config.use_kl_in_reward: only False works here"),
+])
+def test_a_knob_value_that_would_change_the_result_is_an_error(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{expected}"):
+        load_tiny(override)
+
+
+def test_a_harmless_value_is_accepted_and_listed() -> None:
+    notices: list[str] = []
+    load_tiny("megatron_training.reset_attention_mask=true", "rl_config.hccl_buffersize=256", notices=notices)
+    assert [notice.split(" ", 1)[0] for notice in notices] == ["megatron_training.reset_attention_mask",
+                                                               "rl_config.hccl_buffersize"]
+
+
+def test_a_model_block_megatron_key_that_disagrees_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="model.tiny_qwen2.attention_softmax_in_fp32: is False but megatron_training"):
+        load_tiny("model.tiny_qwen2.attention_softmax_in_fp32=false")
+
+
+def test_enable_expert_parallel_must_agree_with_the_inference_ep() -> None:
+    assert load_tiny("generate_config.enable_expert_parallel=false").generate_config.enable_expert_parallel is False
+    with pytest.raises(ConfigError, match="generate_config.enable_expert_parallel: is True but infer_expert_parallel"):
+        load_tiny("generate_config.enable_expert_parallel=true")
+
+
+def test_every_no_effect_key_has_a_reason() -> None:
+    assert all(entry.why for entry in NO_EFFECT_KEYS.values())
