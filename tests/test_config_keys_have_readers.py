@@ -47,6 +47,7 @@ VALIDATED_ONLY: dict[str, str] = {
     "rl_config.adv_estimator": "group_norm only: GAE is not implemented",
     "rl_config.kl_ctrl_type": "fixed only: the KL coefficient stays init_kl_coef",
     "generate_config.enable_expert_parallel": "infer_expert_parallel_size > 1 only, which the engine reads",
+    "actor_config.num_layer_list": "the even split only: the stages the engine builds (uneven is not implemented)",
     "runtime.strict_keys": "read by config/loader.py from the raw tree, before the schema: no-effect keys become errors",
     # ROLL's role sections (config/resources.py): parsed, computed and checked; the values other than
     # these are refused at load as not supported yet, so they are listed here although resources.py reads them.

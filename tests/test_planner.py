@@ -376,7 +376,7 @@ def _storage_bytes(tensors) -> int:
     return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def _live_engine(world, arch, *, bf16: bool, distributed: bool, packed: bool = False):
+def _live_engine(world, arch, *, bf16: bool, distributed: bool, packed: bool = False, recompute=None):
     from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
     from mindspeed_rl.models.qwen2 import ModelOptions
     from mindspeed_rl.resharding.layouts import hf_shapes
@@ -387,7 +387,8 @@ def _live_engine(world, arch, *, bf16: bool, distributed: bool, packed: bool = F
     settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                                  clip_grad=1.0, use_distributed_optimizer=distributed)
     return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                          accelerator=world, optimizer=settings, options=ModelOptions(packed_sequences=packed))
+                          accelerator=world, optimizer=settings,
+                          options=ModelOptions(packed_sequences=packed, **(recompute or {})))
 
 
 def _train_once(engine, vocab: int, *, samples: int, prompt: int, response: int, micro_batch_size: int,
@@ -464,13 +465,31 @@ def test_packed_activation_estimate_against_the_activation_meter(world):
     assert abs(activation_bytes(budget, 0) - measured) / measured < 0.05, (activation_bytes(budget, 0), measured)
 
 
-def _measured_activation_bytes(world, arch, *, prompt: int = 7, response: int = 5, packing=None) -> int:
+@pytest.mark.parametrize("recompute", [
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3),
+    dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+    dict(recompute_granularity="selective"),
+], ids=["full-uniform-1", "full-uniform-3", "full-block-1", "full-block-2", "selective"])
+def test_recompute_activation_estimate_against_the_activation_meter(world, recompute):
+    """Full recompute keeps each recomputed chunk's input and rebuilds the chunk in backward, after the layers above
+    it have been freed (measured here: uniform-1 keeps 34% of the activations without recompute, block-1 68%)."""
+    arch = _tiny(vocab_size=48, hidden_size=64, intermediate_size=320, num_hidden_layers=3, num_attention_heads=8,
+                 num_key_value_heads=2)
+    inputs = PlanInputs(arch=arch, world_size=1, micro_batch_size=6, mini_batch_samples=6, seq_length=40,
+                        response_length=10, **recompute)
+    measured = _measured_activation_bytes(world, arch, prompt=30, response=10, recompute=recompute)
+    assert abs(activation_bytes(inputs, 0) - measured) / measured < 0.03, (activation_bytes(inputs, 0), measured)
+
+
+def _measured_activation_bytes(world, arch, *, prompt: int = 7, response: int = 5, packing=None, recompute=None) -> int:
     import itertools as it
 
     from mindspeed_rl.memory import ActivationMeter
     from mindspeed_rl.memory.megatron_states import grad_buffer_tensors, optimizer_state_tensors, param_tensors
 
-    engine = _live_engine(world, arch, bf16=False, distributed=False, packed=packing is not None)
+    engine = _live_engine(world, arch, bf16=False, distributed=False, packed=packing is not None, recompute=recompute)
     shape = dict(samples=6, prompt=prompt, response=response, micro_batch_size=6, packing=packing)
     _train_once(engine, arch.vocab_size, **shape)
     keep = it.chain(param_tensors(engine.module), grad_buffer_tensors(engine.model),

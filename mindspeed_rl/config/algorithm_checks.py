@@ -45,3 +45,36 @@ def check_dynamic_sampling(config) -> None:
     if config.rl_config.filter_groups_enable and config.rollout_staleness:
         raise ConfigError("rl_config.filter_groups_enable", "dynamic sampling refills a rollout after scoring it: "
                                                             "it runs synchronously (async_generation_ratio: 0)")
+
+
+def check_recompute_layers(config) -> None:
+    """Megatron's uniform recompute runs chunks of recompute_num_layers layers of each pipeline stage: the
+    chunk must tile the stage (Megatron itself fails with an IndexError otherwise)."""
+    actor, arch = config.actor_config, config.selected_model
+    if actor.recompute_method != "uniform" or arch is None:
+        return
+    per_stage = arch.num_layers // actor.pipeline_model_parallel_size
+    if per_stage % actor.recompute_num_layers:
+        raise ConfigError("actor_config.recompute_num_layers", f"must divide the {per_stage} layers of each pipeline "
+                                                               f"stage with recompute_method uniform, got "
+                                                               f"{actor.recompute_num_layers}")
+
+
+def check_num_layer_list(config) -> None:
+    """actor_config.num_layer_list: one count per pipeline stage, adding up to the model's layers; the engine
+    builds even stages, so only the even split works (uneven stages are not implemented yet)."""
+    actor, arch = config.actor_config, config.selected_model
+    if actor.num_layer_list is None or arch is None:
+        return
+    key, pp = "actor_config.num_layer_list", actor.pipeline_model_parallel_size
+    try:
+        counts = [int(part) for part in str(actor.num_layer_list).split(",")]
+    except ValueError:
+        raise ConfigError(key, f"must be comma-separated layer counts, one per pipeline stage, got "
+                               f"{actor.num_layer_list!r}") from None
+    if len(counts) != pp or sum(counts) != arch.num_layers:
+        raise ConfigError(key, f"must list {pp} stages (pipeline_model_parallel_size) adding up to the model's "
+                               f"{arch.num_layers} layers, got {counts}")
+    if len(set(counts)) != 1:
+        raise ConfigError(key, f"uneven pipeline stages are not implemented yet (issue 25): only "
+                               f"{','.join([str(arch.num_layers // pp)] * pp)} works, got {actor.num_layer_list}")

@@ -21,7 +21,8 @@ from mindspeed_rl.config.resources import (
     build_resource_plan,
     check_supported,
 )
-from mindspeed_rl.config.algorithm_checks import check_dynamic_sampling, check_evaluation, check_packing
+from mindspeed_rl.config.algorithm_checks import (check_dynamic_sampling, check_evaluation, check_packing,
+                                                  check_num_layer_list, check_recompute_layers)
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 
@@ -169,6 +170,7 @@ class GRPOConfig:
         run_checks(
             self._check_train_layout, self._check_sequence_parallel, self._check_infer_layout,
             self._check_model_sharding, self._check_batch_sizes, self._check_lengths, partial(check_packing, self),
+            partial(check_recompute_layers, self), partial(check_num_layer_list, self),
         )
 
     def _check_model_selection(self) -> None:

@@ -190,6 +190,16 @@ class ActorConfig:
     no_load_rng: bool = False
     # Ours. Keep only the newest N checkpoints under `save`; null keeps all.
     keep_last_n: Optional[int] = None
+    # Megatron's activation recompute in the update (MindSpeed-RL's keys, Megatron's meaning): `full` keeps
+    # only each recomputed layer's input and runs its forward again in backward; `selective` recomputes the
+    # core attention only. `uniform` recomputes chunks of recompute_num_layers layers; `block` the first
+    # recompute_num_layers layers of each pipeline stage. Same loss and gradients, fewer activation bytes.
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    # MindSpeed-RL's layers per pipeline stage, "16,16,16,16". Only the even split (what the engine builds) is
+    # implemented; an uneven list is an error.
+    num_layer_list: Optional[str] = None
 
     def __post_init__(self) -> None:
         prefix = self.SECTION_KEY
@@ -211,5 +221,31 @@ class ActorConfig:
         require_in_range(prefix, self, "lr_warmup_fraction", 0.0, 1.0, high_open=True)
         require_in_range(prefix, self, "adam_beta1", 0.0, 1.0, high_open=True)
         require_in_range(prefix, self, "adam_beta2", 0.0, 1.0, high_open=True)
+        check_recompute(prefix, self)
         if self.keep_last_n is not None and self.keep_last_n < 1:
             raise ConfigError(f"{prefix}.keep_last_n", f"must be >= 1 or null (keep all), got {self.keep_last_n}")
+
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def check_recompute(prefix: str, actor: "ActorConfig") -> None:
+    """Megatron's rules (TransformerConfig), said with the key: full needs a method and a layer count,
+    selective takes neither."""
+    granularity, method, layers = actor.recompute_granularity, actor.recompute_method, actor.recompute_num_layers
+    if granularity is None:
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(actor, name) is not None:
+                raise ConfigError(f"{prefix}.{name}", f"is read only with recompute_granularity full, got {getattr(actor, name)!r}")
+        return
+    require_choice(prefix, actor, "recompute_granularity", RECOMPUTE_GRANULARITIES)
+    if granularity == "selective":
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(actor, name) is not None:
+                raise ConfigError(f"{prefix}.{name}", f"must be null with recompute_granularity selective "
+                                                      f"(it recomputes the core attention of every layer), got {getattr(actor, name)!r}")
+        return
+    require_choice(prefix, actor, "recompute_method", RECOMPUTE_METHODS)
+    if layers is None or layers < 1:
+        raise ConfigError(f"{prefix}.recompute_num_layers", f"must be >= 1 with recompute_granularity full, got {layers!r}")

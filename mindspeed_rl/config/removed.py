@@ -27,10 +27,6 @@ REMOVED_KEYS: dict[str, str] = {
         "multi_turn_enable", "tool_config_path", "tool_parser_format", "max_tool_calls", "max_parallel_calls",
         "max_tool_response_length", "tool_response_truncate_side", "max_total_response_length")},
     "actor_config.noop_layers": "no-op layers change the model; they are not implemented",
-    "actor_config.num_layer_list": f"uneven pipeline stages are {_NOT_YET}; without it the stages are even",
-    "actor_config.recompute_granularity": f"activation recompute is {_NOT_YET}",
-    "actor_config.recompute_method": f"activation recompute is {_NOT_YET}",
-    "actor_config.recompute_num_layers": f"activation recompute is {_NOT_YET}",
     "generate_config.enable_prefix_caching": f"prefix caching is {_NOT_YET} (its cache must be reset at every weight push)",
     **{f"model.*.{key}": _DEEPSEEK_V3 for key in (
         "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "v_head_dim", "qk_head_dim", "qk_pos_emb_head_dim",

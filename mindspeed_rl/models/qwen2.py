@@ -9,6 +9,7 @@ Megatron's layouts (checked against live shards by tests/test_megatron_layouts_m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +97,10 @@ class ModelOptions:
     kernel_fields: dict[str, bool] = field(default_factory=dict)
     # Rows of logits turned into log-probs and entropy at a time (engines/vocab_parallel.py).
     logprob_chunk_tokens: int = 1024
+    # Megatron's activation recompute (actor_config.recompute_*), passed to TransformerConfig as they are.
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
     # Packed micro-batches (rl_config.use_remove_padding): the layers' core attention takes THD packs
     # (models/packed_attention.py) and pipeline stages exchange each micro-batch's shape first.
     packed_sequences: bool = False
@@ -159,6 +164,9 @@ def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, p
         hidden_dropout=options.hidden_dropout,
         attention_dropout=options.attention_dropout,
         attention_softmax_in_fp32=options.attention_softmax_in_fp32,
+        recompute_granularity=options.recompute_granularity,
+        recompute_method=options.recompute_method,
+        recompute_num_layers=options.recompute_num_layers,
         **_packed_pipeline_fields(spec, options, pp),
         **fusions,
         **moe,

@@ -111,6 +111,8 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
                        max_model_len=gen.max_model_len),
         device_memory=device_memory, bucket_bytes=int(gen.resharding_bucket_mb * 2**20),
         packed=rl.use_remove_padding,
+        recompute_granularity=ac.recompute_granularity, recompute_method=ac.recompute_method,
+        recompute_num_layers=ac.recompute_num_layers,
         packing_token_budget=rl.packing_budgets["update"][0] if rl.use_dynamic_bsz else None,
         activation_profile=profile or ("accelerator" if not cpu and mt.use_fused_rmsnorm and mt.use_fused_swiglu
                                        else "cpu"),

@@ -97,6 +97,10 @@ class PlanInputs:
     packed: bool = False  # rl_config.use_remove_padding: per-sample attention, no score matrix kept
     # rl_config.use_dynamic_bsz: an update micro-batch holds at most this many tokens (update_max_packing_token_size)
     packing_token_budget: int | None = None
+    # actor_config.recompute_*: Megatron's activation recompute in the update
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.activation_profile not in ACTIVATION_PROFILES:
@@ -176,8 +180,9 @@ def activation_terms(inputs: PlanInputs) -> ActivationTerms:
     e = 2 if inputs.bf16 else 4
     h, s = arch.hidden_size, inputs.padded_seq_length
     h_split = t if inputs.sequence_parallel_effective else 1
-    # Flash attention and the packed path's per-sample attention keep no score matrix.
-    scores = 0.0 if inputs.flash_attention or inputs.packed else (4 if e == 4 else 4 + e) * arch.num_attention_heads / t * s
+    # Flash attention, the packed path's per-sample attention and selective recompute keep no score matrix.
+    no_scores = inputs.flash_attention or inputs.packed or inputs.recompute_granularity == "selective"
+    scores = 0.0 if no_scores else (4 if e == 4 else 4 + e) * arch.num_attention_heads / t * s
     if inputs.activation_profile == "cpu":
         attention = (16 + 2 * e) * h / h_split + 4 * e * arch.q_width / t + scores
         mlp_per_width = 5 * e
@@ -197,14 +202,35 @@ def activation_bytes(inputs: PlanInputs, pp_rank: int) -> int:
     """Peak bytes autograd keeps for backward on a rank of pipeline stage `pp_rank` during the update."""
     terms = activation_terms(inputs)
     layers = stage_layers(inputs.arch, pp_rank, inputs.pp)
-    per_token = sum(terms.moe_layer if inputs.arch.is_moe_layer(i) else terms.dense_layer for i in layers)
+    per_token, recomputing = _recomputed_layers(
+        inputs, [terms.moe_layer if inputs.arch.is_moe_layer(i) else terms.dense_layer for i in layers])
     if pp_rank == 0:
         per_token += terms.first_stage
+        recomputing += terms.first_stage if recomputing else 0.0
     if pp_rank == inputs.pp - 1:
         response = min(inputs.seq_length, inputs.response_length or inputs.seq_length)
         per_token += terms.last_stage + terms.last_stage_per_response_token * response / inputs.padded_seq_length
     in_flight = min(inputs.pp - pp_rank, inputs.micro_batches_per_step)
-    return int(in_flight * inputs.tokens_per_micro_batch * per_token)
+    # One micro-batch at a time runs its backward, and recomputes there: the others keep what forward left.
+    return int(((in_flight - 1) * per_token + max(per_token, recomputing)) * inputs.tokens_per_micro_batch)
+
+
+def _recomputed_layers(inputs: PlanInputs, layer_terms: list[float]) -> tuple[float, float]:
+    """Bytes per token a stage's layers keep after a micro-batch's forward, and the peak while its backward
+    recomputes (0 without full recompute). Full recompute keeps a recomputed chunk's input only (`uniform`:
+    chunks of n layers; `block`: the first n layers one by one) and rebuilds the chunk in backward, when the
+    layers after it have been freed and those before it still hold what forward kept (measured on CPU)."""
+    if inputs.recompute_granularity != "full":
+        return sum(layer_terms), 0.0
+    layer_input = (2 if inputs.bf16 else 4) * inputs.arch.hidden_size / (
+        inputs.tp if inputs.sequence_parallel_effective else 1)
+    n = inputs.recompute_num_layers or 1
+    if inputs.recompute_method == "uniform":
+        chunks = [sum(layer_terms[i:i + n]) for i in range(0, len(layer_terms), n)]
+        return len(chunks) * layer_input, max((j * layer_input + chunk for j, chunk in enumerate(chunks)), default=0.0)
+    recomputed = min(n, len(layer_terms))
+    kept = recomputed * layer_input + sum(layer_terms[recomputed:])
+    return kept, max((j * layer_input + term for j, term in enumerate(layer_terms[:recomputed])), default=0.0)
 
 
 # -- per rank -------------------------------------------------------------------------------------------

@@ -58,7 +58,10 @@ def model_options(config: GRPOConfig, accelerator, *, announce: bool):
     return ModelOptions(sequence_parallel=mt.sequence_parallel, attention_dropout=mt.attention_dropout,
                         hidden_dropout=mt.hidden_dropout, attention_softmax_in_fp32=mt.attention_softmax_in_fp32,
                         kernel_fields=kernels.transformer_fields, logprob_chunk_tokens=mt.logprob_chunk_tokens,
-                        packed_sequences=config.rl_config.use_remove_padding)
+                        packed_sequences=config.rl_config.use_remove_padding,
+                        recompute_granularity=config.actor_config.recompute_granularity,
+                        recompute_method=config.actor_config.recompute_method,
+                        recompute_num_layers=config.actor_config.recompute_num_layers)
 
 
 def params_dtype(config: GRPOConfig) -> torch.dtype:
