@@ -163,9 +163,13 @@ def test_arith_acc_shaping(response, answer, expected):
     assert arith_acc(response, answer) == expected
 
 
+def starts_with_space(response: str, answer: str) -> float:
+    # Module level: verifiers run in the verifier process, which imports them by name.
+    return float(response.startswith(" "))
+
+
 def test_weighted_sum_of_two_verifiers(monkeypatch):
-    monkeypatch.setitem(rewards.VERIFIERS, "starts_with_space",
-                        lambda response, answer: float(response.startswith(" ")))
+    monkeypatch.setitem(rewards.VERIFIERS, "starts_with_space", starts_with_space)
     got = compute_rule_rewards([" 7", "12", "x"], ["7", "1", "7"],
                                ["arith_acc", "starts_with_space"], [1.0, 0.5])
     assert got.total.dtype == torch.float32

@@ -31,6 +31,8 @@ from typing import Iterator
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+from mindspeed_rl.data.answer_forms import canonical_answer
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_SAMPLE_TIME_LIMIT_SECONDS = 5.0
@@ -101,7 +103,7 @@ def sample_time_limit(seconds: float) -> Iterator[None]:
 
     A context variable, so the verifiers keep the plain ``(response, label)`` signature.
     """
-    token = _sample_time_limit_seconds.set(_checked_time_limit(seconds))
+    token = _sample_time_limit_seconds.set(checked_time_limit(seconds))
     try:
         yield
     finally:
@@ -112,14 +114,15 @@ def answers_equivalent(predicted: str, label: str, *, timeout_seconds: float | N
     """Whether ``predicted`` is mathematically the same answer as ``label``, per math-verify.
 
     Both are answer texts (e.g. a box's content), not whole responses: ``0.5``, ``\\frac12``,
-    ``\\dfrac{1}{2}`` and ``1/2`` are equivalent; units in ``\\text{}`` are dropped. Empty texts
-    are never equivalent. ``timeout_seconds`` defaults to :func:`current_sample_time_limit`.
+    ``\\dfrac{1}{2}`` and ``1/2`` are equivalent; units in ``\\text{}`` are dropped; ``1e3``, ``∅``,
+    full-width digits and number words are read first as :mod:`answer_forms` says. Empty texts are never
+    equivalent. ``timeout_seconds`` defaults to :func:`current_sample_time_limit`.
     """
-    limit = current_sample_time_limit() if timeout_seconds is None else _checked_time_limit(timeout_seconds)
-    return _equivalent(predicted.strip(), label.strip(), _alarm_seconds(limit))
+    limit = current_sample_time_limit() if timeout_seconds is None else checked_time_limit(timeout_seconds)
+    return _equivalent(canonical_answer(predicted), canonical_answer(label), _alarm_seconds(limit))
 
 
-def _checked_time_limit(seconds: float) -> float:
+def checked_time_limit(seconds: float) -> float:
     if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"per-sample time limit must be a positive number of seconds, got {seconds!r}")
     return float(seconds)

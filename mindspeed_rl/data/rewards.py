@@ -11,6 +11,7 @@ whitespace stripped: a newline before the end-of-sequence token is not a format 
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -22,12 +23,15 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: config checks rea
 from mindspeed_rl.data.math_answers import (
     DEFAULT_SAMPLE_TIME_LIMIT_SECONDS,
     answers_equivalent,
+    checked_time_limit,
     last_answer_line,
     last_boxed_content,
-    sample_time_limit,
 )
 
 Verifier = Callable[[str, str], float]
+
+logger = logging.getLogger(__name__)
+_FAILURES_SHOWN = 3
 
 # ASCII digits only: str.isdigit() also accepts e.g. "²", which int() rejects.
 _LEADING_INTEGER = re.compile(r"\s*([0-9]+)")
@@ -157,14 +161,16 @@ def _is_think_answer_boxed(text: str) -> bool:
 
 def has_strict_structure(response: str) -> bool:
     """Exactly one each of ``<think>``, ``</think>``, ``<answer>``, ``\\boxed{``, ``</answer>``, in
-    that order, the response starting with ``<think>`` and ending with ``</answer>``."""
+    that order, the response starting with ``<think>`` and ending with ``</answer>``, and the box closed
+    inside the answer (an unclosed ``\\boxed{`` is malformed)."""
     text = response.strip()
     markers = ("<think>", "</think>", "<answer>", "\\boxed{", "</answer>")
     if any(text.count(marker) != 1 for marker in markers):
         return False
     positions = [text.find(marker) for marker in markers]
     in_order = positions == sorted(positions)
-    return in_order and text.startswith("<think>") and text.endswith("</answer>")
+    closed = last_boxed_content(text[positions[3]:positions[4]]) is not None
+    return in_order and closed and text.startswith("<think>") and text.endswith("</answer>")
 
 
 def step(response: str, label: str) -> float:
@@ -255,16 +261,22 @@ def compute_rule_rewards(
 ) -> RuleRewards:
     """Score every response with every named verifier; ``total = sum_k weight_k * score_k``.
 
-    ``timeout_seconds`` bounds each sample's answer check (see :mod:`math_answers`). A name
-    listed twice is scored once and its weights add up.
+    The verifiers run behind a hard wall (:mod:`verifier_process`): each sample's check by each verifier gets
+    ``timeout_seconds`` (math-verify's own limit inside, see :mod:`math_answers`) and a process that is killed
+    past it, whatever the response is; such a sample, or one whose verifier raises, scores 0 from that
+    verifier and is named in a warning. A name listed twice is scored once and its weights add up.
     """
+    from mindspeed_rl.data.verifier_process import shared_verifier_process
+
     _check_rule_reward_args(responses, labels, verifier_functions, verifier_weights)
-    scores: dict[str, list[float]] = {}
-    with sample_time_limit(timeout_seconds):
-        for name in verifier_functions:
-            if name not in scores:
-                verify = VERIFIERS[name]
-                scores[name] = [float(verify(response, label)) for response, label in zip(responses, labels)]
+    checked_time_limit(timeout_seconds)
+    verifiers = {name: VERIFIERS[name] for name in dict.fromkeys(verifier_functions)}
+    scores, failures = shared_verifier_process().score(verifiers, responses, labels, timeout_seconds=timeout_seconds)
+    for failure in failures[:_FAILURES_SHOWN]:
+        logger.warning("verifier %s on sample %d scored 0: %s", failure.verifier, failure.sample, failure.reason)
+    if len(failures) > _FAILURES_SHOWN:
+        logger.warning("... and %d more verifier failures in this batch, each scored 0",
+                       len(failures) - _FAILURES_SHOWN)
     return combine_verifier_scores(scores, verifier_functions, verifier_weights)
 
 
