@@ -11,6 +11,10 @@ from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 from mindspeed_rl.resharding.naive import load_full_hf
 
 PROMPTS = [[5, 9, 6, 11], [7, 9, 8, 11]]
+# vLLM caches whole KV blocks (128 tokens on CPU): prompts sharing a 130-token prefix reuse one block.
+SHARED_PREFIX = [(7 * i) % 60 + 2 for i in range(130)]
+LONG_PROMPTS = [SHARED_PREFIX + [5, 9], SHARED_PREFIX + [7, 8], SHARED_PREFIX + [5, 9]]
+MAX_MODEL_LEN = 160
 TOP = 3
 
 
@@ -27,8 +31,8 @@ def rollout(world, checkpoint):
     from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
     engine = VLLMEngine(VLLMEngineConfig(
-        model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=32, max_num_seqs=16,
-        max_num_batched_tokens=512, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
+        model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
+        max_num_batched_tokens=1024, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
         cpu_kvcache_space_gb=0.03125, on_cpu=True, trust_remote_code=True))
     spec, state = load_hf_checkpoint(checkpoint)
     load_full_hf(engine.named_weights(), state, spec, tp=1, tp_rank=0)
@@ -62,3 +66,50 @@ def test_detokenize_returns_the_tokenizers_text(rollout, checkpoint):
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     for g in _generate(rollout, detokenize=True):
         assert g.text == tokenizer.decode(g.token_ids, skip_special_tokens=True)
+
+
+# -- generate_config.enable_prefix_caching ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cached(world, checkpoint, rollout):
+    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    engine = VLLMEngine(VLLMEngineConfig(
+        model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
+        max_num_batched_tokens=1024, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
+        cpu_kvcache_space_gb=0.03125, on_cpu=True, enable_prefix_caching=True))
+    spec, state = load_hf_checkpoint(checkpoint)
+    load_full_hf(engine.named_weights(), state, spec, tp=1, tp_rank=0)
+    engine.mark_weights_loaded()
+    return engine
+
+
+def _greedy(engine):
+    return [(g.token_ids, g.logprobs) for g in engine.generate(
+        LONG_PROMPTS, n=1, max_tokens=6, temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None)]
+
+
+def test_prefix_caching_generates_what_the_plain_engine_does_across_weight_pushes_and_kv_rebuilds(
+        cached, rollout, checkpoint):
+    """Prefix caching reaches vLLM and never serves KV of old weights: after a push of other weights and after a
+    KV release/rebuild, the cached engine's greedy tokens and log-probs equal the plain engine's."""
+    assert cached.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
+    assert rollout.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+
+    def assert_same():
+        for (tokens, logprobs), (want_tokens, want_logprobs) in zip(_greedy(cached), _greedy(rollout)):
+            assert tokens == want_tokens
+            assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
+
+    assert_same()
+    spec, state = load_hf_checkpoint(checkpoint)
+    other = {name: tensor * 1.5 if tensor.dim() == 2 else tensor for name, tensor in state.items()}
+    for engine in (cached, rollout):
+        load_full_hf(engine.named_weights(), other, spec, tp=1, tp_rank=0)
+        engine.mark_weights_loaded()
+    assert_same()
+    cached.release_kv_cache()
+    cached.rebuild_kv_cache()
+    assert_same()
+    for engine in (cached, rollout):  # the other tests of this module use the checkpoint's weights
+        load_full_hf(engine.named_weights(), state, spec, tp=1, tp_rank=0)
+        engine.mark_weights_loaded()

@@ -70,6 +70,9 @@ class GenerateConfig:
     # MindSpeed-RL's switch of vLLM's expert parallelism; here it follows from infer_expert_parallel_size > 1,
     # so a value given must agree with that.
     enable_expert_parallel: Optional[bool] = None
+    # vLLM's automatic prefix caching: the samples of a prompt (and prompts sharing a prefix) reuse its KV
+    # blocks. The cache is forgotten at every weight push and KV rebuild, so it never serves stale KV.
+    enable_prefix_caching: bool = False
     max_num_seqs: int = 256
     # Prompt + response tokens per sequence.
     max_model_len: int

@@ -17,7 +17,6 @@ _INTEGRATED = (
     "reference and reward models reuse actor_config"
 )
 _MULTI_TURN = "multi-turn tool use is not implemented"
-_NOT_YET = "not implemented yet (issue 25)"
 _DEEPSEEK_V3 = "the DeepSeek-V3 architecture (MLA attention, group-limited routing) is not built by this engine yet"
 
 REMOVED_KEYS: dict[str, str] = {
@@ -27,7 +26,6 @@ REMOVED_KEYS: dict[str, str] = {
         "multi_turn_enable", "tool_config_path", "tool_parser_format", "max_tool_calls", "max_parallel_calls",
         "max_tool_response_length", "tool_response_truncate_side", "max_total_response_length")},
     "actor_config.noop_layers": "no-op layers change the model; they are not implemented",
-    "generate_config.enable_prefix_caching": f"prefix caching is {_NOT_YET} (its cache must be reset at every weight push)",
     **{f"model.*.{key}": _DEEPSEEK_V3 for key in (
         "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "v_head_dim", "qk_head_dim", "qk_pos_emb_head_dim",
         "rope_scaling_type", "rope_scaling_factor", "rope_scaling_original_max_position_embeddings",

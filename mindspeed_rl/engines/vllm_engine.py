@@ -41,6 +41,9 @@ class VLLMEngineConfig:
     on_cpu: bool
     # Lets vLLM run model/tokenizer code shipped inside the checkpoint directory.
     trust_remote_code: bool = False
+    # vLLM's automatic prefix caching (the samples of one prompt share its KV blocks). Cached blocks are
+    # forgotten at every weight load and KV rebuild (mark_weights_loaded, rebuild_kv_cache): never stale.
+    enable_prefix_caching: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +94,7 @@ class VLLMEngine:
             seed=config.seed,
             # Temperature-scaled log-probs, the same quantity the trainer computes from logits/T.
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=False,
+            enable_prefix_caching=config.enable_prefix_caching,
             trust_remote_code=config.trust_remote_code,
             **kwargs,
         )

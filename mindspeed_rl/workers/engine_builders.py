@@ -117,7 +117,7 @@ def build_inference_model(config: GRPOConfig, accelerator, *, model_dir: str):
         seed=config.megatron_training.seed, enforce_eager=gen.enforce_eager,
         gpu_memory_utilization=gen.gpu_memory_utilization, cpu_kvcache_space_gb=gen.cpu_kvcache_space_gb,
         on_cpu=accelerator.is_host, enable_expert_parallel=gen.infer_expert_parallel_size > 1,
-        trust_remote_code=gen.trust_remote_code,
+        trust_remote_code=gen.trust_remote_code, enable_prefix_caching=gen.enable_prefix_caching,
     ))
 
 
