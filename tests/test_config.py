@@ -444,9 +444,9 @@ def test_removed_key_in_a_yaml_mapping_is_found_without_hydra() -> None:
         ("model.tiny_qwen2.disable_bias_linear=false", "model.tiny_qwen2.disable_bias_linear: must be true: "),
         ("model.tiny_qwen2.make_vocab_size_divisible_by=128", "model.tiny_qwen2.make_vocab_size_divisible_by: must be 1: "),
         ("model.tiny_qwen2.use_mcore_models=false", "model.tiny_qwen2.use_mcore_models: must be true: "),
-        ("+model.tiny_qwen2.moe_aux_loss_coeff=0.001", "model.tiny_qwen2.moe_aux_loss_coeff: must be 0.0: RL fine-tuning"),
-        ("+model.tiny_qwen2.moe_router_load_balancing_type=aux_loss",
-         "model.tiny_qwen2.moe_router_load_balancing_type: must be 'none': "),
+        ("+model.tiny_qwen2.moe_aux_loss_coeff=-0.001", "model.tiny_qwen2.moe_aux_loss_coeff: must be >= 0"),
+        ("+model.tiny_qwen2.moe_router_load_balancing_type=sinkhorn",
+         "model.tiny_qwen2.moe_router_load_balancing_type: must be one of none, aux_loss, seq_aux_loss"),
     ],
 )
 def test_key_with_one_working_value_rejects_the_others(override: str, expected: str) -> None:

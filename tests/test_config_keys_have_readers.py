@@ -67,8 +67,6 @@ VALIDATED_ONLY: dict[str, str] = {
     f"{MODEL_BLOCK}.position_embedding_type": "rope only: the Qwen family",
     f"{MODEL_BLOCK}.normalization": "RMSNorm only: the Qwen family",
     f"{MODEL_BLOCK}.swiglu": "true only: the Qwen family",
-    f"{MODEL_BLOCK}.moe_router_load_balancing_type": "none only: no auxiliary loss in the RL objective",
-    f"{MODEL_BLOCK}.moe_aux_loss_coeff": "0 only: no auxiliary loss in the RL objective",
 }
 
 

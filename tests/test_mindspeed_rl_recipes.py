@@ -48,6 +48,13 @@ def test_their_32b_recipe_uses_math_verify_reward_and_a_sampling_seed() -> None:
     assert config.generate_config.sampling_config.seed == 1  # the rollouts' base seed (actor_hybrid_worker)
 
 
+def test_their_qwen3_moe_recipe_keeps_its_router_load_balancing() -> None:
+    config = load_recipe("dapo_qwen3_30b_a3b_A3")
+    block = config.selected_model
+    assert (block.moe_router_load_balancing_type, block.moe_aux_loss_coeff) == ("aux_loss", 0.001)
+    assert config.generate_config.enable_expert_parallel is True
+
+
 def test_strict_keys_makes_every_knob_an_error() -> None:
     notices: list[str] = []
     load_recipe("grpo_qwen3_8b_A3", notices=notices)

@@ -12,9 +12,10 @@ family's one value; kernel options are not architecture and are rejected here (`
 from dataclasses import dataclass
 from typing import Optional
 
-from mindspeed_rl.config.checks import full_key, require_only, require_positive
+from mindspeed_rl.config.checks import full_key, require_choice, require_non_negative, require_only, require_positive
 from mindspeed_rl.config.errors import ConfigError
 
+MOE_LOAD_BALANCING_TYPES = ("none", "aux_loss", "seq_aux_loss")
 FAMILY = "the engine builds the Qwen2/Qwen3 family from the HF checkpoint"
 
 
@@ -52,7 +53,8 @@ class ModelArchConfig:
     num_experts: Optional[int] = None
     moe_router_topk: Optional[int] = None
     moe_ffn_hidden_size: Optional[int] = None
-    # Validated only ("none", 0): RL fine-tuning has no auxiliary load-balancing loss in its objective.
+    # Megatron's router load balancing in the update: "none" (null), or "aux_loss" (Switch Transformer) and
+    # "seq_aux_loss" (per sequence) adding moe_aux_loss_coeff x the balance loss to the objective.
     moe_router_load_balancing_type: Optional[str] = None
     moe_aux_loss_coeff: Optional[float] = None
     norm_topk_prob: Optional[bool] = None
@@ -115,6 +117,6 @@ class ModelArchConfig:
         require_only(prefix, self, "position_embedding_type", "rope", f"{FAMILY}, which uses rotary embeddings")
         require_only(prefix, self, "normalization", "RMSNorm", f"{FAMILY}, which uses RMSNorm")
         require_only(prefix, self, "swiglu", True, f"{FAMILY}, whose MLP is SwiGLU")
-        objective = "RL fine-tuning has no auxiliary load-balancing loss (the engine builds the router without one)"
-        require_only(prefix, self, "moe_router_load_balancing_type", "none", objective)
-        require_only(prefix, self, "moe_aux_loss_coeff", 0.0, objective)
+        if self.moe_router_load_balancing_type is not None:
+            require_choice(prefix, self, "moe_router_load_balancing_type", MOE_LOAD_BALANCING_TYPES)
+        require_non_negative(prefix, self, "moe_aux_loss_coeff")

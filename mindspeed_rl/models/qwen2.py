@@ -101,6 +101,10 @@ class ModelOptions:
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
+    # MoE: Megatron's router load-balancing loss in the update (model.<name>.moe_router_load_balancing_type,
+    # moe_aux_loss_coeff); "none" adds nothing to the objective.
+    moe_router_load_balancing_type: str = "none"
+    moe_aux_loss_coeff: float = 0.0
     # Packed micro-batches (rl_config.use_remove_padding): the layers' core attention takes THD packs
     # (models/packed_attention.py) and pipeline stages exchange each micro-batch's shape first.
     packed_sequences: bool = False
@@ -133,7 +137,8 @@ def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, p
     if spec.is_moe:
         from mindspeed_rl.models.qwen3_moe import moe_config_fields
 
-        moe = moe_config_fields(spec, ep=ep, tp=tp)
+        moe = moe_config_fields(spec, ep=ep, tp=tp, load_balancing_type=options.moe_router_load_balancing_type,
+                                aux_loss_coeff=options.moe_aux_loss_coeff)
         seq_parallel = seq_parallel or tp > 1  # megatron: MoE with TP needs sequence parallel
     fusions = {name: options.kernel_fields.get(name, False) for name in _FUSION_FIELDS}
     return TransformerConfig(

@@ -16,8 +16,10 @@ from __future__ import annotations
 import torch
 
 
-def moe_config_fields(spec, *, ep: int, tp: int) -> dict:
-    """TransformerConfig keyword arguments of the MoE part."""
+def moe_config_fields(spec, *, ep: int, tp: int, load_balancing_type: str = "none", aux_loss_coeff: float = 0.0) -> dict:
+    """TransformerConfig keyword arguments of the MoE part. With a load-balancing type other than "none",
+    Megatron's router adds aux_loss_coeff x its balance loss to the gradient in the update (only there: the
+    router adds it in training mode with autograd on, so log-probs and generation are unchanged)."""
     if spec.num_experts % ep:
         raise ValueError(f"train EP={ep} must divide num_experts={spec.num_experts}")
     if spec.moe_ffn_hidden_size % tp:
@@ -31,8 +33,8 @@ def moe_config_fields(spec, *, ep: int, tp: int) -> dict:
         # gloo cannot all-gather tensors of different sizes, which the
         # alltoall dispatcher does with ETP > 1; allgather works at any ETP.
         moe_token_dispatcher_type="allgather",
-        moe_router_load_balancing_type="none",  # RL fine-tuning: no auxiliary loss in the objective
-        moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type=load_balancing_type,
+        moe_aux_loss_coeff=aux_loss_coeff if load_balancing_type != "none" else 0.0,
         moe_permute_fusion=False,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp,

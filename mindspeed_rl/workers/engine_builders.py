@@ -61,7 +61,17 @@ def model_options(config: GRPOConfig, accelerator, *, announce: bool):
                         packed_sequences=config.rl_config.use_remove_padding,
                         recompute_granularity=config.actor_config.recompute_granularity,
                         recompute_method=config.actor_config.recompute_method,
-                        recompute_num_layers=config.actor_config.recompute_num_layers)
+                        recompute_num_layers=config.actor_config.recompute_num_layers,
+                        **_moe_load_balancing(config))
+
+
+def _moe_load_balancing(config: GRPOConfig) -> dict:
+    """The selected model block's router load balancing (MindSpeed-RL keeps it in the model block)."""
+    block = config.selected_model
+    if block is None or block.moe_router_load_balancing_type in (None, "none"):
+        return {}
+    return dict(moe_router_load_balancing_type=block.moe_router_load_balancing_type,
+                moe_aux_loss_coeff=block.moe_aux_loss_coeff or 0.0)
 
 
 def params_dtype(config: GRPOConfig) -> torch.dtype:
