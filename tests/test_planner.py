@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 HF = REPO / "configs" / "model" / "hf"
 
 # Published totals (model cards / the safetensors metadata on the Hub); DeepSeek-V3 without its MTP module.
-PUBLISHED = {"qwen25_7b": 7.61e9, "qwen25_32b": 32.8e9, "qwen3_30b_a3b": 30.5e9, "deepseek_v3": 671e9}
+PUBLISHED = {"qwen25_7b": 7.61e9, "qwen25_32b": 32.8e9, "qwen3_8b": 8.19e9, "qwen3_30b_a3b": 30.5e9, "deepseek_v3": 671e9}
 
 
 def _arch(name: str):

@@ -189,6 +189,47 @@ def test_the_7b_recipe_on_this_host_passes_every_check_then_names_the_device_cou
                       "was written for"]
 
 
+# MindSpeed-RL's recipes shipped verbatim, with a tiny checkpoint whose heads, groups, layers and experts their
+# layouts can split (TP4 x PP4; TP4 x EP2 with vLLM's EP over 16 ranks).
+VERBATIM_RECIPES = {
+    "grpo_qwen3_8b_A3": ("cli/train_grpo.py", "dense", 16),
+    "grpo_qwen25_32b_A2": ("cli/train_grpo.py", "dense", 16),
+    "dapo_qwen3_30b_a3b_A3": ("cli/train_dapo.py", "moe", 16),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(VERBATIM_RECIPES))
+def test_mindspeed_rls_own_recipes_pass_every_start_check_then_name_the_device_count(tmp_path, recipe):
+    """Their files as shipped, only the paths given: the knobs line at start, then on this 2-core host the one
+    line refusing the 16 ranks, exit 2."""
+    from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+    from mindspeed_rl.data.tiny_moe import create_tiny_qwen3_moe_checkpoint
+
+    script, kind, ranks = VERBATIM_RECIPES[recipe]
+    cores = os.cpu_count() or 1
+    if cores >= ranks:
+        pytest.skip(f"this host could start all {ranks} CPU ranks")
+    if kind == "dense":
+        model = create_tiny_qwen2_checkpoint(tmp_path / "model", vocab_size=64, hidden_size=128, ffn_hidden_size=128,
+                                             num_layers=4, num_attention_heads=8, num_query_groups=4,
+                                             max_position_embeddings=32768, seed=1)
+    else:
+        model = create_tiny_qwen3_moe_checkpoint(tmp_path / "model", hidden_size=128, num_attention_heads=8,
+                                                 num_query_groups=4, num_experts=16, moe_ffn_hidden_size=64, seed=1,
+                                                 max_position_embeddings=32768)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(64)))
+    done = run_cli(tmp_path, recipe, f"megatron_training.tokenizer_name_or_path={model}", f"actor_config.load={model}",
+                   f"megatron_training.data_path={data}", "runtime.device=cpu", "runtime.max_ranks_per_cpu_core=1",
+                   timeout=180, script=script)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "[config] no effect on this engine: megatron_training.seq_length" in done.stdout
+    errors = [line for line in done.stderr.splitlines() if line.startswith("config error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"config error: rl_config.actor_resource.num_npus: {ranks} ranks "
+                                                     "on runtime.device=cpu"), done.stderr[-2000:]
+
+
 def test_evaluation_runs_before_training_and_after_every_interval_th_update(tmp_path):
     """Held-out prompts generated greedily and scored: a record of their own before the first update, then in
     the records of the interval's iterations only (and in the curves)."""

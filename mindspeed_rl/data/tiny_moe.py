@@ -20,7 +20,7 @@ def create_tiny_qwen3_moe_checkpoint(out_dir: str | os.PathLike[str], *, vocab_s
                                      num_layers: int = 2, num_attention_heads: int = 4, num_query_groups: int = 2,
                                      head_dim: int = 32, num_experts: int = 4, moe_topk: int = 2,
                                      moe_ffn_hidden_size: int = 64, norm_topk_prob: bool = True, seed: int = 0,
-                                     init_std: float = 0.05) -> Path:
+                                     init_std: float = 0.05, max_position_embeddings: int = 256) -> Path:
     """Write config.json + model.safetensors + tokenizer to `out_dir`. vLLM's CPU attention needs
     head_dim 32 or more; its MoE kernel wants hidden and per-rank intermediate sizes divisible by 32."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -30,7 +30,7 @@ def create_tiny_qwen3_moe_checkpoint(out_dir: str | os.PathLike[str], *, vocab_s
         moe_intermediate_size=moe_ffn_hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads, num_key_value_heads=num_query_groups, head_dim=head_dim,
         num_experts=num_experts, num_experts_per_tok=moe_topk, norm_topk_prob=norm_topk_prob,
-        max_position_embeddings=256, rms_norm_eps=RMS_NORM_EPS, initializer_range=init_std,
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=RMS_NORM_EPS, initializer_range=init_std,
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, tie_word_embeddings=False,
         router_aux_loss_coef=0.0, dtype="float32",
         bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID,
