@@ -438,7 +438,7 @@ def test_removed_key_in_a_yaml_mapping_is_found_without_hydra() -> None:
         ("actor_config.keep_last_n=0", "actor_config.keep_last_n: must be >= 1 or null (keep all), got 0"),
         ("rl_config.use_integrated_worker=false", "rl_config.use_integrated_worker: must be true: "),
         ("rl_config.rule_reward=false", "rl_config.rule_reward: must be true: "),
-        ("rl_config.adv_estimator=gae", "rl_config.adv_estimator: must be one of group_norm, got 'gae'"),
+        ("rl_config.adv_estimator=gae", "rl_config.adv_estimator: must be one of group_norm, rloo, reinforce_plus_plus, got 'gae'"),
         ("rl_config.kl_ctrl_type=adaptive", "rl_config.kl_ctrl_type: must be one of fixed, got 'adaptive'"),
         ("model.tiny_qwen2.normalization=LayerNorm", "model.tiny_qwen2.normalization: must be 'RMSNorm': "),
         ("model.tiny_qwen2.swiglu=false", "model.tiny_qwen2.swiglu: must be true: "),

@@ -44,7 +44,6 @@ VALIDATED_ONLY: dict[str, str] = {
     "megatron_training.dataset_additional_keys": "['labels'] only: the label column feeds the verifiers",
     "rl_config.use_integrated_worker": "true only: the integrated worker is the only worker",
     "rl_config.rule_reward": "true only: rule verifiers are the only reward",
-    "rl_config.adv_estimator": "group_norm only: GAE is not implemented",
     "rl_config.kl_ctrl_type": "fixed only: the KL coefficient stays init_kl_coef",
     "generate_config.enable_expert_parallel": "infer_expert_parallel_size > 1 only, which the engine reads",
     "actor_config.num_layer_list": "the even split only: the stages the engine builds (uneven is not implemented)",

@@ -25,9 +25,13 @@ _LOW_VAR_KL_CLAMP = 10.0
 
 
 def group_normalized_advantages(
-    rewards: Tensor, n_samples_per_prompt: int, eps: float = 1e-6
+    rewards: Tensor, n_samples_per_prompt: int, eps: float = 1e-6, *, normalize_by_std: bool = True
 ) -> Tensor:
     """Per-sample GRPO advantage ``(r - mean_g) / (std_g + eps)`` over each prompt's group.
+
+    ``normalize_by_std=False`` is Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
+    Perspective"; verl's ``norm_adv_by_std_in_grpo: false``): ``r - mean_g``, so that groups of nearly equal
+    rewards (too easy or too hard prompts) are not weighted up.
 
     The ``n_samples_per_prompt`` samples of one prompt are contiguous in ``rewards``. std is
     torch's unbiased default; the statistics are computed in float64 (small groups of nearly
@@ -46,9 +50,10 @@ def group_normalized_advantages(
             f"n_samples_per_prompt={n_samples_per_prompt}"
         )
     grouped = rewards.to(torch.float64).view(-1, n_samples_per_prompt)
-    mean = grouped.mean(dim=1, keepdim=True)
-    std = grouped.std(dim=1, keepdim=True)
-    return ((grouped - mean) / (std + eps)).reshape(num_samples).to(torch.float32)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_by_std:
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+    return centered.reshape(num_samples).to(torch.float32)
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:

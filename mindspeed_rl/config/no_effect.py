@@ -7,7 +7,7 @@ error instead. Only keys that do not change what is computed (the model, the alg
 here; where only some values are harmless (``reset_attention_mask: true``), any other is an error.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -20,6 +20,14 @@ class NoEffect:
     why: str
     # The values that are harmless here (None: any value); any other is an error.
     values: Optional[tuple[Any, ...]] = None
+    # Given the tree and the key's value: true when the key does have an effect in this config (it then stays
+    # for the schema).
+    applies: Optional[Callable[[Mapping[str, Any], Any], bool]] = None
+
+
+def _estimator(tree: Mapping[str, Any]) -> Any:
+    rl = tree.get("rl_config")
+    return rl.get("adv_estimator", "group_norm") if isinstance(rl, Mapping) else "group_norm"
 
 
 _NPU_KERNEL = "an NPU kernel or layout choice of MindSpeed; the values computed are the same"
@@ -55,7 +63,9 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
     "actor_config.attention_mask_type": NoEffect("the actor's attention is causal", ("causal",)),
     "rl_config.guarantee_order": NoEffect("rollouts run in the driver's order; there is no asynchronous dispatch"),
     "rl_config.blocking": NoEffect("every phase is a blocking call of the integrated worker"),
-    "rl_config.gamma": NoEffect("GAE's discount; group_norm (GRPO) does not read it, in MindSpeed-RL either"),
+    "rl_config.gamma": NoEffect(
+        "a discount of token returns; group_norm (GRPO) and rloo do not read it, in MindSpeed-RL either",
+        applies=lambda tree, value: _estimator(tree) == "reinforce_plus_plus" or value == 1.0),
     "rl_config.lam": NoEffect("GAE's lambda; group_norm (GRPO) does not read it, in MindSpeed-RL either"),
     "rl_config.use_kl_in_reward": NoEffect("GRPO's KL is in the loss (rl_config.kl_penalty, init_kl_coef)", (False,)),
     "rl_config.num_cpus_for_local_task": NoEffect(
@@ -92,6 +102,8 @@ def drop_no_effect_keys(tree: dict[str, Any], *, strict: bool) -> tuple[list[str
     notices, errors = [], []
     for pattern, entry in NO_EFFECT_KEYS.items():
         for key in present_keys(tree, pattern.split(".")):
+            if entry.applies is not None and entry.applies(tree, _get(tree, key)):
+                continue
             value = _pop(tree, key)
             if entry.values is not None and value not in entry.values:
                 allowed = " or ".join(repr(allowed) for allowed in entry.values)
@@ -131,9 +143,19 @@ def no_effect_notice(notices: list[str]) -> Optional[str]:
     return f"[config] no effect on this engine: {', '.join(notices)}" if notices else None
 
 
-def _pop(tree: Mapping[str, Any], key: str) -> Any:
+def _parent(tree: Mapping[str, Any], key: str) -> tuple[Any, str]:
     *parents, last = key.split(".")
     node: Any = tree
     for part in parents:
         node = node[part]
+    return node, last
+
+
+def _get(tree: Mapping[str, Any], key: str) -> Any:
+    node, last = _parent(tree, key)
+    return node[last]
+
+
+def _pop(tree: Mapping[str, Any], key: str) -> Any:
+    node, last = _parent(tree, key)
     return node.pop(last)

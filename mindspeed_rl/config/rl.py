@@ -10,7 +10,9 @@ from mindspeed_rl.config.checks import (
 )
 from mindspeed_rl.config.errors import ConfigError
 
-ADV_ESTIMATORS = ("group_norm",)
+# group_norm: GRPO (MindSpeed-RL's name); rloo and reinforce_plus_plus: verl's names (algorithms/advantages.py).
+ADV_ESTIMATORS = ("group_norm", "rloo", "reinforce_plus_plus")
+GROUP_ESTIMATORS = ("group_norm", "rloo")  # a baseline from the other samples of the prompt
 PACKING_PHASES = ("ref", "actor", "update")  # MindSpeed-RL's prefixes: reference / old log-probs, the update
 PACKING_SIZE_KEYS = ("max_packing_token_size", "dynamic_max_batch_size",
                      *(f"{phase}_{key}" for phase in PACKING_PHASES
@@ -56,8 +58,12 @@ class RLConfig:
     # Forward-only micro-batch sizes in samples; None = actor_config.micro_batch_size.
     actor_forward_micro_batch_size: Optional[int] = None
     ref_forward_micro_batch_size: Optional[int] = None
-    # Validated only: GRPO's group-normalised advantages are the only estimator.
+    # The critic-free advantage estimator (algorithms/advantages.py): group_norm (GRPO), rloo, reinforce_plus_plus.
     adv_estimator: str = "group_norm"
+    # verl's key: false is Dr. GRPO (group_norm without the division by the group's std).
+    norm_adv_by_std_in_grpo: bool = True
+    # The discount of reinforce_plus_plus's token returns (1: every token gets the outcome reward).
+    gamma: float = 1.0
     kl_penalty: str = "low_var_kl"
     # Validated only: the KL coefficient stays init_kl_coef.
     kl_ctrl_type: str = "fixed"
@@ -181,12 +187,17 @@ class RLConfig:
         require_choice(prefix, self, "adv_estimator", ADV_ESTIMATORS)
         require_choice(prefix, self, "kl_penalty", KL_PENALTIES)
         require_choice(prefix, self, "kl_ctrl_type", KL_CTRL_TYPES)
-        if self.n_samples_per_prompt < 2:
+        if self.n_samples_per_prompt < 2 and self.adv_estimator in GROUP_ESTIMATORS:
             raise ConfigError(
                 f"{prefix}.n_samples_per_prompt",
-                "must be >= 2: group_norm advantages normalise over the samples of one prompt "
-                f"(the std of a single sample is undefined), got {self.n_samples_per_prompt}",
+                f"must be >= 2: {self.adv_estimator} advantages take their baseline from the other samples of "
+                f"the prompt, got {self.n_samples_per_prompt}",
             )
+        if not 0.0 < self.gamma <= 1.0:
+            raise ConfigError(f"{prefix}.gamma", f"must be in (0, 1], got {self.gamma}")
+        if not isinstance(self.norm_adv_by_std_in_grpo, bool):
+            raise ConfigError(f"{prefix}.norm_adv_by_std_in_grpo", f"must be true or false, got "
+                                                                    f"{self.norm_adv_by_std_in_grpo!r}")
         require_non_negative(prefix, self, "eval_interval")
         require_positive(prefix, self, "filter_groups_train_batch_size")
         if self.filter_groups_metric not in ("acc", "reward", *self.verifier_function):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mindspeed_rl.algorithms.grpo import group_normalized_advantages
+from mindspeed_rl.algorithms.advantages import compute_advantages
 from mindspeed_rl.checkpoint.trainer_state import save_run_checkpoint
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler
@@ -49,7 +49,7 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
             started = time.perf_counter()
             scored = sampling.next(iteration)  # generated now or during the last update, scored, maybe refilled
             batch, rewards, metrics = scored.batch, scored.rewards, scored.metrics
-            batch.columns["advantages"] = group_normalized_advantages(rewards.total, rl.n_samples_per_prompt)
+            batch.columns["advantages"] = compute_advantages(rl, rewards.total, batch.response_mask)
             ref_metrics = {}
             if config.uses_reference:  # the KL term's only input
                 batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor_group, "compute_ref_log_prob", batch)

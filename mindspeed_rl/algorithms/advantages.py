@@ -1,0 +1,67 @@
+"""Advantage estimators without a critic (``rl_config.adv_estimator``), formulas as verl's ``core_algos``.
+
+``rewards`` is the outcome reward per sample ``[num_samples]``, the ``n`` samples of one prompt contiguous;
+``response_mask`` ``[num_samples, response_len]`` marks the generated tokens. Statistics are taken in float64
+and the result is float32: per sample ``[num_samples]`` (broadcast over its tokens by the loss) or per token.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mindspeed_rl.algorithms.grpo import group_normalized_advantages
+
+# verl's masked_whiten epsilon (under the square root).
+WHITEN_EPS = 1e-8
+
+
+def rloo_advantages(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
+    """RLOO (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
+    Human Feedback in LLMs"): each sample's baseline is the mean reward of the other samples of its prompt,
+
+        A_i = r_i - 1/(n-1) * sum_{j != i} r_j  =  n/(n-1) * (r_i - mean_g).
+    """
+    grouped = _grouped(rewards, n_samples_per_prompt)
+    n = n_samples_per_prompt
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (n - 1)
+    return (grouped - others_mean).reshape(-1).to(torch.float32)
+
+
+def reinforce_plus_plus_advantages(rewards: Tensor, response_mask: Tensor, gamma: float) -> Tensor:
+    """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models"):
+    the outcome reward sits on each response's last token, the return of token t is the discounted sum of the
+    rewards after it, and the returns are whitened over every response token of the batch (global
+    normalisation, no per-prompt group):
+
+        G_t = gamma^(T-1-t) * r,   A_t = (G_t - mean(G)) / sqrt(var(G) + 1e-8)   (mean, unbiased var: valid tokens)
+
+    Per token ``[num_samples, response_len]``, 0 on padding.
+    """
+    mask = response_mask.to(torch.float64)
+    if rewards.shape != mask.shape[:1]:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and response_mask {tuple(mask.shape)} disagree")
+    # Steps from each token to its response's last token (the reward), counted over valid tokens only.
+    steps_to_end = mask.flip(-1).cumsum(-1).flip(-1) - 1.0
+    returns = rewards.to(torch.float64).unsqueeze(-1) * gamma ** steps_to_end.clamp(min=0) * mask
+    count = mask.sum()
+    mean = returns.sum() / count
+    var = ((returns - mean) ** 2 * mask).sum() / (count - 1).clamp(min=1)
+    return ((returns - mean) * torch.rsqrt(var + WHITEN_EPS) * mask).to(torch.float32)
+
+
+def compute_advantages(rl, rewards: Tensor, response_mask: Tensor) -> Tensor:
+    """The advantages ``rl_config.adv_estimator`` names (config/rl.py ADV_ESTIMATORS)."""
+    if rl.adv_estimator == "group_norm":
+        return group_normalized_advantages(rewards, rl.n_samples_per_prompt, normalize_by_std=rl.norm_adv_by_std_in_grpo)
+    if rl.adv_estimator == "rloo":
+        return rloo_advantages(rewards, rl.n_samples_per_prompt)
+    if rl.adv_estimator == "reinforce_plus_plus":
+        return reinforce_plus_plus_advantages(rewards, response_mask, rl.gamma)
+    raise ValueError(f"unknown adv_estimator {rl.adv_estimator!r}")
+
+
+def _grouped(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
+    if rewards.dim() != 1 or rewards.numel() % n_samples_per_prompt or n_samples_per_prompt < 2:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not form groups of n_samples_per_prompt="
+                         f"{n_samples_per_prompt} (>= 2)")
+    return rewards.to(torch.float64).view(-1, n_samples_per_prompt)
