@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from mindspeed_rl.config import ConfigError, default_config_name, error_lines, load_config
 from mindspeed_rl.config.no_effect import no_effect_notice
+from mindspeed_rl.console import quiet_console
 from mindspeed_rl.config.overrides import hydra_argv
 from mindspeed_rl.interrupts import RunInterrupted, stop_signals
 from mindspeed_rl.trainer.stopping import RunStopped
@@ -43,6 +44,7 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 def main(cfg: DictConfig) -> None:
     global _task_started
     _task_started = True
+    quiet_console()
     with stop_signals():
         try:
             notices: list[str] = []

@@ -27,6 +27,11 @@ def test_two_iterations_write_metrics(tmp_path):
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("[iter")]
     assert len(lines) == 2, done.stdout[-2000:]
+    # The console shows our lines and warnings; Megatron's INFO chatter (its gradient buckets' parameter
+    # lists) is in the run's log file only, and 256 prompts draw no progress bar.
+    console = done.stdout + done.stderr
+    assert "Params for bucket" not in console and "tokenizing prompts" not in console
+    assert "Params for bucket" in (run_dir / "train_grpo.log").read_text()
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]

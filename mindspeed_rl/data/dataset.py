@@ -235,10 +235,13 @@ def _read_raw(path: Path, tokenizer, prompt_type: str, fields: dict[str, str], k
               show_progress: bool) -> list[PromptRecord]:
     from tqdm.auto import tqdm
 
+    from mindspeed_rl.console import show_progress_bar
+
     tables = _read_tables(path, keys)
     records = []
-    rows = tqdm(_raw_rows(tables, fields, keys), total=sum(len(table) for _, table, _ in tables),
-                desc="tokenizing prompts", unit="prompt", disable=not show_progress)
+    total = sum(len(table) for _, table, _ in tables)
+    rows = tqdm(_raw_rows(tables, fields, keys), total=total, desc="tokenizing prompts", unit="prompt",
+                disable=not (show_progress and show_progress_bar(total)))
     for origin, prompt, label, system in rows:
         try:
             text, token_ids = render_prompt_with_text(prompt, tokenizer=tokenizer, prompt_type=prompt_type,
