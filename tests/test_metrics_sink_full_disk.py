@@ -53,8 +53,10 @@ _TENSORBOARD_CHILD = textwrap.dedent("""
     import resource, signal, sys
     from pathlib import Path
     from mindspeed_rl.trainer.sinks import MetricsSinks
+    from mindspeed_rl.trainer.trackers import TensorBoardTracker
 
-    sinks = MetricsSinks(Path(sys.argv[1]), metrics_file="metrics.jsonl", use_tensorboard=True)
+    sinks = MetricsSinks(Path(sys.argv[1]), metrics_file="metrics.jsonl",
+                         trackers=[TensorBoardTracker(Path(sys.argv[1]))])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     # TensorBoard's event records are larger than the JSON line: its file reaches the limit first.
     resource.setrlimit(resource.RLIMIT_FSIZE, (20000, resource.RLIM_INFINITY))

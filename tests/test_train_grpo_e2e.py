@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli_runner import run_cli
+from wandb_reader import history_rows
 from planner_checks import assert_prediction_matches_ledger
 
 
@@ -19,7 +20,9 @@ def test_two_iterations_write_metrics(tmp_path):
     run_dir, ray_tmp = tmp_path / "run", tmp_path / "ray_tmp"
     # Ray puts every session it starts (ray.init, its daemons) under $RAY_TMPDIR/ray: it stays absent.
     done = run_cli(tmp_path, "grpo_tiny_cpu", "megatron_training.train_iters=2", "rl_config.use_tensorboard=true",
-                   f"synthetic_data.data_dir={tmp_path / 'assets'}", env={"RAY_TMPDIR": str(ray_tmp)})
+                   "rl_config.use_wandb=true", "rl_config.wandb_project=e2e", "rl_config.wandb_exp_name=two",
+                   f"synthetic_data.data_dir={tmp_path / 'assets'}",
+                   env={"RAY_TMPDIR": str(ray_tmp), "WANDB_MODE": "offline"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[init] one rank: running it in this process (no Ray; runtime.local_single_rank=false uses Ray)" \
         in done.stdout.splitlines()
@@ -35,6 +38,11 @@ def test_two_iterations_write_metrics(tmp_path):
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
+    # wandb (offline here) holds every numeric scalar of every record
+    (wandb_run,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    for row, record in zip(history_rows(wandb_run), records, strict=True):
+        assert row["_step"] == record["iteration"]
+        assert all(row[k] == pytest.approx(v) for k, v in record.items() if k != "iteration" and isinstance(v, (int, float)))
     # The planner (cli/plan.py) printed its per-phase bytes at start; each record carries them beside the
     # ledger's: within 10% per category, 30% for the activations.
     assert sum(line.startswith("[plan] ") for line in done.stdout.splitlines()) == 4, done.stdout[-3000:]

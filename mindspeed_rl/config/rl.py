@@ -90,6 +90,12 @@ class RLConfig:
     log_max_throughput: bool = False
     # Also write the metrics as TensorBoard event files in the run directory.
     use_tensorboard: bool = False
+    # MindSpeed-RL's wandb keys (trainer/trackers.py): project and run name are needed; the run's files go to
+    # wandb_save_dir ("" : <run dir>/wandb), offline when wandb cannot reach its server.
+    use_wandb: bool = False
+    wandb_project: str = ""
+    wandb_exp_name: str = ""
+    wandb_save_dir: str = ""
     # The actor's ranks. May be left out when actor_train.device_mapping gives them (then filled in from it).
     actor_resource: Optional[ResourceConfig] = None
     integrated_mode_config: IntegratedModeConfig = field(default_factory=IntegratedModeConfig)
@@ -193,6 +199,10 @@ class RLConfig:
                 f"must be >= 2: {self.adv_estimator} advantages take their baseline from the other samples of "
                 f"the prompt, got {self.n_samples_per_prompt}",
             )
+        if self.use_wandb:
+            for name in ("wandb_project", "wandb_exp_name"):
+                if not getattr(self, name):
+                    raise ConfigError(f"{prefix}.{name}", "must name the wandb project and run with use_wandb true")
         if not 0.0 < self.gamma <= 1.0:
             raise ConfigError(f"{prefix}.gamma", f"must be in (0, 1], got {self.gamma}")
         if not isinstance(self.norm_adv_by_std_in_grpo, bool):

@@ -25,6 +25,7 @@ from mindspeed_rl.trainer.metrics import format_line, iteration_metrics
 from mindspeed_rl.trainer.rollout import decode_responses, forward_logprobs, rollout_batch
 from mindspeed_rl.trainer.reward_model import model_score_metrics, with_model_scores
 from mindspeed_rl.trainer.sinks import MetricsSinks
+from mindspeed_rl.trainer.trackers import build_trackers
 from mindspeed_rl.trainer.stopping import RunProgress
 from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics
 
@@ -152,7 +153,7 @@ class Recorder:
         self.config, self.run_dir, self.prediction = config, run_dir, prediction
         self.start_iteration = start_iteration
         self.sinks = MetricsSinks(run_dir, metrics_file=config.runtime.metrics_file,
-                                  use_tensorboard=config.rl_config.use_tensorboard)
+                                  trackers=build_trackers(run_dir, config))
         self.before_train: dict | None = None  # the evaluation before the first update, drawn with the curves
 
     def evaluation_before_train(self, metrics: dict) -> None:

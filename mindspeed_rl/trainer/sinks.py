@@ -1,5 +1,5 @@
-"""Where each iteration's metrics go: one JSON line in metrics.jsonl, and TensorBoard event files
-(`rl_config.use_tensorboard`, the real `tensorboard` writer through torch's SummaryWriter)."""
+"""Where each iteration's metrics go: one JSON line in metrics.jsonl, and each tracker's scalars
+(trainer/trackers.py: TensorBoard event files, wandb)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,32 +13,21 @@ TENSORBOARD_SUBDIR = "tensorboard"
 
 
 class MetricsSinks:
-    def __init__(self, run_dir: Path, *, metrics_file: str, use_tensorboard: bool):
+    def __init__(self, run_dir: Path, *, metrics_file: str, trackers: list | None = None):
         self.metrics_path = run_dir / metrics_file
-        self.tensorboard_dir = run_dir / TENSORBOARD_SUBDIR
-        self.tensorboard = None
-        if use_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            _quiet_tensorboard_thread_errors()
-            with errors_name(self.tensorboard_dir):
-                self.tensorboard = SummaryWriter(log_dir=str(self.tensorboard_dir))
+        self.trackers = list(trackers or [])
 
     def write(self, record: dict) -> None:
         append_jsonl(self.metrics_path, record)
-        if self.tensorboard is not None:
-            step = int(record["iteration"])
-            with errors_name(self.tensorboard_dir):
-                for key, value in record.items():
-                    if key != "iteration" and isinstance(value, (int, float)):
-                        self.tensorboard.add_scalar(key, value, global_step=step)
-                self.tensorboard.flush()
+        scalars = {key: value for key, value in record.items()
+                   if key != "iteration" and isinstance(value, (int, float))}
+        for tracker in self.trackers:
+            tracker.log(scalars, step=int(record["iteration"]))
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            writer, self.tensorboard = self.tensorboard, None  # closed once, even when closing fails
-            with errors_name(self.tensorboard_dir):
-                writer.close()
+        trackers, self.trackers = self.trackers, []  # closed once, even when closing fails
+        for tracker in trackers:
+            tracker.close()
 
 
 @contextlib.contextmanager
@@ -53,7 +42,7 @@ def errors_name(path: Path):
         raise OSError(error.errno, error.strerror or str(error), str(path)) from error
 
 
-def _quiet_tensorboard_thread_errors() -> None:
+def quiet_tensorboard_thread_errors() -> None:
     """TensorBoard's writer thread prints its error's traceback as it dies and the writer raises the same error
     on the next flush in the trainer's thread, which ends the run with one line; the thread's copy is dropped."""
     previous = threading.excepthook
