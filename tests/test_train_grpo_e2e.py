@@ -233,8 +233,8 @@ def test_mindspeed_rls_own_recipes_pass_every_start_check_then_name_the_device_c
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(64)))
     done = run_cli(tmp_path, recipe, f"megatron_training.tokenizer_name_or_path={model}", f"actor_config.load={model}",
-                   f"megatron_training.data_path={data}", "runtime.device=cpu", "runtime.max_ranks_per_cpu_core=1",
-                   timeout=180, script=script)
+                   f"megatron_training.data_path={data}", f"actor_config.save={tmp_path / 'save'}",
+                   "runtime.device=cpu", "runtime.max_ranks_per_cpu_core=1", timeout=180, script=script)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert "[config] no effect on this engine: megatron_training.seq_length" in done.stdout
