@@ -10,6 +10,7 @@ prediction beside the ledger).
 - `report`: the text table and the JSON document.
 """
 from mindspeed_rl.planner.arch import Architecture, ArchitectureError, from_hf_config
-from mindspeed_rl.planner.memory import MemoryPlan, PlanInputs, plan_memory
+from mindspeed_rl.planner.inputs import PlanInputs
+from mindspeed_rl.planner.memory import MemoryPlan, plan_memory
 
 __all__ = ["Architecture", "ArchitectureError", "MemoryPlan", "PlanInputs", "from_hf_config", "plan_memory"]

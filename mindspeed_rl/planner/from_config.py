@@ -17,7 +17,8 @@ from pathlib import Path
 from mindspeed_rl.config import ConfigError, GRPOConfig
 from mindspeed_rl.memory.residency import ResidencyPolicy
 from mindspeed_rl.planner.arch import Architecture, ArchitectureError, from_hf_config, hf_config_from_model_block
-from mindspeed_rl.planner.memory import GIB, KVCacheSpec, MemoryPlan, PlanInputs, plan_memory
+from mindspeed_rl.planner.inputs import GIB, KVCacheSpec, PlanInputs
+from mindspeed_rl.planner.memory import MemoryPlan, plan_memory
 from mindspeed_rl.planner.switch import SwitchPlan, plan_switch
 
 REPO = Path(__file__).resolve().parents[2]

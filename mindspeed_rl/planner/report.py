@@ -4,7 +4,9 @@ from __future__ import annotations
 from mindspeed_rl.memory.residency import (INFER_WEIGHTS, KV_CACHE, REF_PARAMS, REWARD_PARAMS, TRAIN_GRADS,
                                            TRAIN_OPTIMIZER, TRAIN_PARAMS)
 from mindspeed_rl.planner.from_config import Suggestion
-from mindspeed_rl.planner.memory import (ACTIVATIONS, DTYPE_BYTES, MemoryPlan, activation_terms, format_bytes,
+from mindspeed_rl.planner.activations import activation_terms
+from mindspeed_rl.planner.inputs import DTYPE_BYTES
+from mindspeed_rl.planner.memory import (ACTIVATIONS, MemoryPlan, format_bytes,
                                          kv_needed_bytes)
 from mindspeed_rl.planner.switch import SwitchPlan, iteration_moves
 

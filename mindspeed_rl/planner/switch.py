@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mindspeed_rl.memory.residency import REF_PARAMS, REWARD_PARAMS, TRAIN_OPTIMIZER, TRAIN_PARAMS
-from mindspeed_rl.planner.memory import DTYPE_BYTES, PlanInputs
+from mindspeed_rl.planner.inputs import DTYPE_BYTES, PlanInputs
 
 COPIED = (TRAIN_PARAMS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS)  # groups whose contents cross host <-> device
 

@@ -1,0 +1,108 @@
+"""The update's activations: bytes autograd keeps for backward on a rank, per pipeline stage.
+
+Activations (the update phase; forward-only phases save nothing for backward), bytes per token of a
+micro-batch of `micro_batch_size x seq_length` tokens, `e` the param dtype's bytes, `t` the train TP, two
+profiles (`PlanInputs.activation_profile`):
+
+cpu (what this engine's CPU path keeps: Megatron's local spec, torch norms, unfused attention; measured)
+    per layer   (16 + 2e) h [/t with sequence parallel] + 4e q/t + 5e f/t + c a/t s
+accelerator (the published count, Korthikanti et al. 2022 "Reducing Activation Recomputation in Large
+Transformer Models", Table 2: 34 s b h / t with sequence parallel, adjusted for GQA, SwiGLU, RMSNorm and
+no dropout, with the fused kernels MindSpeed/TE select: fused RMSNorm and SwiGLU keep their input only,
+flash attention its output and a logsumexp)
+    per layer   4e h [/t with sequence parallel] + (2e q + 2e kv + 3e f) / t + c a/t s
+                (the two norms' inputs 2eh, the QKV and fc1 inputs eh each; Q eq, K and V 2e kv, the
+                attention output eq; fc1's gate and up 2ef, fc2's input ef)
+both
+    first stage + 8 (the token ids the embedding keeps)
+    last stage  + (8 + e) h, and per response token + e V/t + 24 (the response rows of the logits, in their own
+                dtype and vocabulary-sharded, and four numbers per token: engines/vocab_parallel.py)
+with q = heads x head_dim, kv = KV heads x head_dim, f the MLP width (MoE layers: top-k x the expert width +
+the shared experts' width, + 8 E for the router's fp32 logits and probabilities + 2e k h for the dispatched
+tokens), c = 4 in fp32 and 4 + e otherwise (the attention probabilities in fp32; 0 with flash attention on
+an accelerator or with packed sequences, whose per-sample attention keeps none: measured within 4%). A
+micro-batch holds micro_batch_size x seq_length tokens, or with use_dynamic_bsz its token budget. A pipeline
+stage p of PP holds min(PP - p, micro-batches per step) micro-batches (1F1B).
+The cpu coefficients were measured on this engine's path (`with_entropy=True` in the loss) by varying each
+of h, f, head_dim, heads, seq, V, TP, PP and dtype on CPU; they reproduce the demos' measured
+`memory/update/activations_bytes` within 3%. The accelerator profile is the formula, not a measurement
+(no accelerator here); MoE and MLA terms are estimates, not calibrated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mindspeed_rl.planner.params import stage_layers
+
+if TYPE_CHECKING:
+    from mindspeed_rl.planner.inputs import PlanInputs
+
+
+@dataclass(frozen=True)
+class ActivationTerms:
+    """Bytes per token (see the module docstring)."""
+
+    dense_layer: float
+    moe_layer: float
+    first_stage: float
+    last_stage: float
+    last_stage_per_response_token: float
+
+
+def activation_terms(inputs: PlanInputs) -> ActivationTerms:
+    arch, t = inputs.arch, inputs.tp
+    e = 2 if inputs.bf16 else 4
+    h, s = arch.hidden_size, inputs.padded_seq_length
+    h_split = t if inputs.sequence_parallel_effective else 1
+    # Flash attention, the packed path's per-sample attention and selective recompute keep no score matrix.
+    no_scores = inputs.flash_attention or inputs.packed or inputs.recompute_granularity == "selective"
+    scores = 0.0 if no_scores else (4 if e == 4 else 4 + e) * arch.num_attention_heads / t * s
+    if inputs.activation_profile == "cpu":
+        attention = (16 + 2 * e) * h / h_split + 4 * e * arch.q_width / t + scores
+        mlp_per_width = 5 * e
+    else:
+        attention = 4 * e * h / h_split + (2 * e * arch.q_width + 2 * e * arch.kv_width) / t + scores
+        mlp_per_width = 3 * e
+    dense = attention + mlp_per_width * arch.intermediate_size / t
+    moe = attention
+    if arch.is_moe:
+        moe += mlp_per_width * (arch.moe_topk * arch.moe_intermediate_size + arch.shared_expert_size) / t
+        moe += 8 * arch.num_experts + 2 * e * arch.moe_topk * h
+    return ActivationTerms(dense_layer=dense, moe_layer=moe, first_stage=8.0, last_stage=(8 + e) * h,
+                           last_stage_per_response_token=e * arch.vocab_size / t + 24)
+
+
+def activation_bytes(inputs: PlanInputs, pp_rank: int) -> int:
+    """Peak bytes autograd keeps for backward on a rank of pipeline stage `pp_rank` during the update."""
+    terms = activation_terms(inputs)
+    layers = stage_layers(inputs.arch, pp_rank, inputs.pp)
+    per_token, recomputing = _recomputed_layers(
+        inputs, [terms.moe_layer if inputs.arch.is_moe_layer(i) else terms.dense_layer for i in layers])
+    if pp_rank == 0:
+        per_token += terms.first_stage
+        recomputing += terms.first_stage if recomputing else 0.0
+    if pp_rank == inputs.pp - 1:
+        response = min(inputs.seq_length, inputs.response_length or inputs.seq_length)
+        per_token += terms.last_stage + terms.last_stage_per_response_token * response / inputs.padded_seq_length
+    in_flight = min(inputs.pp - pp_rank, inputs.micro_batches_per_step)
+    # One micro-batch at a time runs its backward, and recomputes there: the others keep what forward left.
+    return int(((in_flight - 1) * per_token + max(per_token, recomputing)) * inputs.tokens_per_micro_batch)
+
+
+def _recomputed_layers(inputs: PlanInputs, layer_terms: list[float]) -> tuple[float, float]:
+    """Bytes per token a stage's layers keep after a micro-batch's forward, and the peak while its backward
+    recomputes (0 without full recompute). Full recompute keeps a recomputed chunk's input only (`uniform`:
+    chunks of n layers; `block`: the first n layers one by one) and rebuilds the chunk in backward, when the
+    layers after it have been freed and those before it still hold what forward kept (measured on CPU)."""
+    if inputs.recompute_granularity != "full":
+        return sum(layer_terms), 0.0
+    layer_input = (2 if inputs.bf16 else 4) * inputs.arch.hidden_size / (
+        inputs.tp if inputs.sequence_parallel_effective else 1)
+    n = inputs.recompute_num_layers or 1
+    if inputs.recompute_method == "uniform":
+        chunks = [sum(layer_terms[i:i + n]) for i in range(0, len(layer_terms), n)]
+        return len(chunks) * layer_input, max((j * layer_input + chunk for j, chunk in enumerate(chunks)), default=0.0)
+    recomputed = min(n, len(layer_terms))
+    kept = recomputed * layer_input + sum(layer_terms[recomputed:])
+    return kept, max((j * layer_input + term for j, term in enumerate(layer_terms[:recomputed])), default=0.0)

@@ -1,0 +1,124 @@
+"""What the planner reads: the model, the layouts, the batch shape and the residency policy of one run
+(`planner/from_config.py` builds it from a config)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mindspeed_rl.memory.residency import ResidencyPolicy
+from mindspeed_rl.planner.arch import Architecture
+
+if TYPE_CHECKING:
+    from mindspeed_rl.resharding.plan import InferLayout
+
+ACTIVATION_PROFILES = ("cpu", "accelerator")
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+    """How vLLM sizes its KV cache: bytes on CPU (`cpu_kvcache_space_gb`); on an accelerator the
+    `gpu_memory_utilization` share of the device minus the weights, or without a device size what
+    `max_num_seqs` sequences of `max_model_len` tokens need."""
+
+    on_cpu: bool
+    cpu_bytes: int = 0
+    gpu_memory_utilization: float = 0.5
+    max_num_seqs: int = 1
+    max_model_len: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    arch: Architecture
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    infer_tp: int = 1
+    infer_pp: int = 1  # vLLM pipeline stages (generate_config.infer_pipeline_parallel_size)
+    infer_expert_parallel: bool = False
+    bf16: bool = False
+    infer_dtype: str = "float32"
+    distributed_optimizer: bool = False
+    sequence_parallel: bool = False
+    flash_attention: bool = False
+    micro_batch_size: int = 1
+    mini_batch_samples: int = 1  # samples per optimizer step, over all DP ranks
+    seq_length: int = 1  # prompt + response tokens of a micro-batch's rows
+    response_length: int | None = None  # response tokens of a row (scored by the loss); None: seq_length
+    policy: ResidencyPolicy = field(default_factory=ResidencyPolicy)
+    kv: KVCacheSpec = field(default_factory=lambda: KVCacheSpec(on_cpu=True))
+    device_memory: int | None = None
+    bucket_bytes: int = 64 << 20  # generate_config.resharding_bucket_mb
+    # The reward model's architecture (rewards.<name>.model_path) when policy.has_reward_model; None: the actor's.
+    reward_arch: Architecture | None = None
+    activation_profile: str = "cpu"  # ACTIVATION_PROFILES: which kernels' activations the update keeps
+    packed: bool = False  # rl_config.use_remove_padding: per-sample attention, no score matrix kept
+    # rl_config.use_dynamic_bsz: an update micro-batch holds at most this many tokens (update_max_packing_token_size)
+    packing_token_budget: int | None = None
+    # actor_config.recompute_*: Megatron's activation recompute in the update
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.activation_profile not in ACTIVATION_PROFILES:
+            raise ValueError(f"activation_profile must be one of {ACTIVATION_PROFILES}, got {self.activation_profile!r}")
+        if self.world_size % (self.tp * self.pp):
+            raise ValueError(f"train TP*PP={self.tp * self.pp} must divide the world size {self.world_size}")
+        if self.world_size % (self.infer_tp * self.infer_pp):
+            raise ValueError(f"infer TP*PP={self.infer_tp}*{self.infer_pp}={self.infer_tp * self.infer_pp} must "
+                             f"divide the world size {self.world_size}")
+        if self.dp % self.ep:
+            raise ValueError(f"EP={self.ep} must divide the data-parallel size {self.dp}")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def infer_dp(self) -> int:
+        return self.world_size // (self.infer_tp * self.infer_pp)
+
+    @property
+    def infer_layout(self) -> "InferLayout":
+        """The engine's own inference layout: its rank order is the one the planner's coordinates follow."""
+        from mindspeed_rl.resharding.plan import InferLayout
+
+        return InferLayout(tp=self.infer_tp, pp=self.infer_pp, expert_parallel=self.infer_expert_parallel)
+
+    @property
+    def sequence_parallel_effective(self) -> bool:
+        return self.tp > 1 and (self.sequence_parallel or self.arch.is_moe)  # Megatron: MoE + TP needs SP
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        if self.packing_token_budget is not None:  # at the worst case every sample is seq_length long
+            tokens = self.mini_batch_samples // self.dp * self.seq_length
+            return max(1, -(-tokens // self.packing_token_budget))
+        return max(1, self.mini_batch_samples // (self.dp * self.micro_batch_size))
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """The update micro-batch's tokens at the worst case: micro_batch_size rows of padded_seq_length, or the
+        token budget of a token-budget micro-batch."""
+        if self.packing_token_budget is not None:
+            return self.packing_token_budget
+        return self.micro_batch_size * self.padded_seq_length
+
+    @property
+    def padded_seq_length(self) -> int:
+        multiple = self.tp if self.sequence_parallel_effective else 1
+        return -(-self.seq_length // multiple) * multiple
+
+    def rank_coordinates(self, rank: int) -> dict[str, int]:
+        """Megatron's order tp-cp-ep-dp-pp (the engine's TrainLayout) and vLLM's DP x PP x TP (InferLayout)."""
+        tp_rank, pp_rank = rank % self.tp, rank // (self.tp * self.dp)
+        dp_rank = (rank // self.tp) % self.dp
+        ep_rank = dp_rank % self.ep
+        infer = self.infer_layout
+        return dict(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, ep_rank=ep_rank,
+                    expert_dp_rank=dp_rank // self.ep, infer_tp_rank=infer.tp_rank(rank),
+                    infer_pp_rank=infer.pp_rank(rank), infer_dp_rank=infer.dp_rank(rank))
