@@ -44,11 +44,12 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 def main(cfg: DictConfig) -> None:
     global _task_started
     _task_started = True
-    quiet_console()
+    quiet_console()  # until the config is read: runtime.log_level may show more
     with stop_signals():
         try:
             notices: list[str] = []
             config = load_config(cfg, notices=notices)
+            quiet_console(config.runtime.log_level)
             if notices:
                 print(no_effect_notice(notices), flush=True)
             if config.megatron_training.stage != STAGE:

@@ -16,17 +16,27 @@ OUR_LOGGERS = ("mindspeed_rl", "__main__")
 PROGRESS_BAR_MIN_ROWS = 10_000
 
 
-class _OursOrWarnings(logging.Filter):
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _OursOrLibraryLevel(logging.Filter):
+    def __init__(self, library_level: int):
+        super().__init__()
+        self.library_level = library_level
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or record.name.startswith(OUR_LOGGERS)
+        return record.levelno >= self.library_level or record.name.startswith(OUR_LOGGERS)
 
 
-def quiet_console() -> None:
-    """Filter the root logger's console handlers (not its file handlers)."""
+def quiet_console(library_level: str = "warning") -> None:
+    """Filter the root logger's console handlers (not its file handlers): the libraries' records from
+    `library_level` up (runtime.log_level), ours at any level."""
+    level = getattr(logging, library_level.upper())
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-            if not any(isinstance(existing, _OursOrWarnings) for existing in handler.filters):
-                handler.addFilter(_OursOrWarnings())
+            for existing in [f for f in handler.filters if isinstance(f, _OursOrLibraryLevel)]:
+                handler.removeFilter(existing)
+            handler.addFilter(_OursOrLibraryLevel(level))
 
 
 def show_progress_bar(rows: int) -> bool:

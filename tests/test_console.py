@@ -35,5 +35,14 @@ def test_library_info_goes_to_the_file_only(handlers):
     assert file.getvalue().splitlines() == ["Params for bucket 1", "a real warning", "initialized"]
 
 
+def test_runtime_log_level_shows_the_libraries_info(handlers):
+    console, _ = handlers
+    quiet_console("warning")
+    quiet_console("info")  # replaces the filter
+    logging.getLogger("megatron.core").info("Params for bucket 1")
+    logging.getLogger("megatron.core").debug("detail")
+    assert console.getvalue().splitlines() == ["Params for bucket 1"]
+
+
 def test_no_progress_bar_for_small_inputs_or_off_a_terminal():
     assert not show_progress_bar(256)

@@ -5,6 +5,7 @@ from typing import ClassVar
 
 from mindspeed_rl.config.checks import require_choice, require_non_negative, require_positive
 from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.console import LOG_LEVELS
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
 # arith: "a+b=" prompts, answer = the leading integer (verifier arith_acc).
@@ -54,11 +55,15 @@ class RuntimeConfig:
     # actor_config.load is a save root whose newest checkpoint is damaged (a file missing, truncated, corrupt):
     # false stops the run naming the newest intact one; true resumes from that one, saying so.
     resume_from_last_intact: bool = False
+    # The libraries' log records (Megatron, vLLM, Ray) reach the console from this level up (debug, info,
+    # warning, error); all of them are in the run's log file. Our own lines are always shown.
+    log_level: str = "warning"
     # MindSpeed-RL keys of its own implementation are accepted and listed at start as having no effect here
     # (config/no_effect.py); true makes each an error.
     strict_keys: bool = False
 
     def __post_init__(self) -> None:
+        require_choice(self.SECTION_KEY, self, "log_level", LOG_LEVELS)
         for name in ("local_single_rank", "resume_from_last_intact", "strict_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{self.SECTION_KEY}.{name}", f"expected true or false, got {getattr(self, name)!r}")
