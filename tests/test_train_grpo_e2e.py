@@ -34,6 +34,7 @@ def test_two_iterations_write_metrics(tmp_path):
     # lists) is in the run's log file only, and 256 prompts draw no progress bar.
     console = done.stdout + done.stderr
     assert "Params for bucket" not in console and "tokenizing prompts" not in console
+    assert "[summary] 2 iterations" in done.stdout
     assert "Params for bucket" in (run_dir / "train_grpo.log").read_text()
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,6 +1,7 @@
 """The loop's derived metrics (MindSpeed-RL names and formulas), the TensorBoard sink and the
 training-curves plot. Runs where: in-process, no Ray, no engines."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +137,16 @@ def test_a_wandb_run_offline_holds_each_iterations_scalars(tmp_path, monkeypatch
         for key, value in record.items():
             if key != "iteration" and isinstance(value, (int, float)):
                 assert row[key] == pytest.approx(value), key
+
+
+def test_the_end_of_run_summary_averages_phases_and_the_ends():
+    from mindspeed_rl.trainer.summary import summary_lines
+
+    history = [{"iteration": i, "timing/all": 2.0, "timing/update/total": float(i), "memory/update/total_bytes": i << 20,
+                "reward/mean": i / 20} for i in range(1, 21)]
+    lines = summary_lines(history, run_dir=Path("/run"), artefacts=["metrics.jsonl"])
+    assert lines[0] == "[summary] 20 iterations, 40.0 s (2.00 s each)"
+    assert lines[2].split() == ["update", "10.500", "20.0"]  # mean seconds 1..20, peak 20 MiB
+    assert lines[3] == "  reward: 0.275 -> 0.775 (mean of the first -> last 10 iterations)"
+    assert lines[-1] == "  files: /run\n    metrics.jsonl"
+    assert summary_lines([], run_dir=Path("/run"), artefacts=[]) == []

@@ -27,6 +27,7 @@ from mindspeed_rl.trainer.reward_model import model_score_metrics, with_model_sc
 from mindspeed_rl.trainer.sinks import MetricsSinks
 from mindspeed_rl.trainer.trackers import build_trackers
 from mindspeed_rl.trainer.stopping import RunProgress
+from mindspeed_rl.trainer.summary import summary_lines
 from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics
 
 
@@ -186,11 +187,16 @@ class Recorder:
         history = [r for r in read_jsonl(path) if r["iteration"] >= self.start_iteration] if path.is_file() else []
         if history:
             plot_curves(history, self.run_dir, self.config, before_train=self.before_train)
+        artefacts = [path.name for path in sorted(self.run_dir.iterdir()) if path.suffix in (".jsonl", ".png", ".log")]
         if self.config.megatron_training.save_hf:
             from mindspeed_rl.checkpoint.hf_export import export_run_actor
 
             exported = export_run_actor(actor_group, run_dir=self.run_dir, config_dir=hf_dir)
             print(f"[export] HF checkpoint: {exported}", flush=True)
+            artefacts.append(f"{exported} (HF export)")
+        if self.config.actor_config.save is not None:
+            artefacts.append(f"{self.config.actor_config.save} (checkpoints)")
+        print("\n".join(summary_lines(history, run_dir=self.run_dir, artefacts=artefacts)), flush=True)
         return history
 
 
