@@ -40,17 +40,22 @@ class ItemFailure:
 
 
 def _serve(conn: Connection, memory_limit_bytes: int) -> None:
-    """The child: score each job's items in order, one message per item."""
+    """The child: score each job's items in order, one message per item. Ctrl-C reaches the whole process group:
+    the driver decides what happens then (it stops the child), so the child ignores it; it ends when the driver's
+    end of the pipe closes."""
     import resource
+    import signal
 
     from mindspeed_rl.data.math_answers import sample_time_limit
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     try:
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]))
     except (ValueError, OSError):  # a lower hard limit already applies
         pass
     conn.send(("ready",))
-    while (job := conn.recv()) is not None:
+    while (job := _next_job(conn)) is not None:
         verifiers, responses, labels, first_item, timeout_seconds = job
         with sample_time_limit(timeout_seconds):
             for item in range(first_item, len(responses) * len(verifiers)):
@@ -61,6 +66,13 @@ def _serve(conn: Connection, memory_limit_bytes: int) -> None:
                     conn.send(("failed", item, "ran out of the verifier process's memory limit"))
                 except Exception as error:  # a verifier's bug on one output must not stop the step
                     conn.send(("failed", item, f"raised {type(error).__name__}: {str(error)[:200]}"))
+
+
+def _next_job(conn: Connection) -> Optional[tuple]:
+    try:
+        return conn.recv()
+    except (EOFError, OSError):  # the driver is gone
+        return None
 
 
 class VerifierProcess:
