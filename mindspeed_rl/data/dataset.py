@@ -20,6 +20,7 @@ from typing import Any, Optional
 import numpy as np
 
 from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.console import show_progress_bar
 from mindspeed_rl.data.json_rows import row_lines
 from mindspeed_rl.data.templates import (
     CHAT_PROMPT_TYPE,
@@ -234,8 +235,6 @@ def _read_meta(path: Path, keys: DataKeys) -> dict[str, Any]:
 def _read_raw(path: Path, tokenizer, prompt_type: str, fields: dict[str, str], keys: DataKeys,
               show_progress: bool) -> list[PromptRecord]:
     from tqdm.auto import tqdm
-
-    from mindspeed_rl.console import show_progress_bar
 
     tables = _read_tables(path, keys)
     records = []
