@@ -150,15 +150,7 @@ def wait_all(calls: list[tuple["RayActorGroup", str, list]]) -> list[list[Any]]:
                 with interrupts.shielded():
                     results[index][rank] = ray.get(ref)
             except ray.exceptions.RayError as error:
-                waiting = sorted(r for i, r in pending.values() if i == index)
-                message = group._failure_message(rank, method, error, waiting)
-                # A sender that failed because its receiver died: name the receiver too.
-                for other in sorted({i for i, _ in pending.values()} - {index}):
-                    other_group = calls[other][0]
-                    silent = silent_ranks(other_group.run_key, sorted(r for i, r in pending.values() if i == other))
-                    if silent:
-                        message += "; not responding: " + ", ".join(other_group.addresses[r].describe() for r in silent)
-                raise WorkerFailure(message) from None
+                raise WorkerFailure(_failure_message(calls, pending, index, rank, error)) from None
         _raise_if_frozen(calls, pending)
         if pending and time.monotonic() - started > deadline_seconds:
             waiting = {index: sorted(r for i, r in pending.values() if i == index) for index, _ in pending.values()}
@@ -169,6 +161,53 @@ def wait_all(calls: list[tuple["RayActorGroup", str, list]]) -> list[list[Any]]:
     for group, method, _ in calls:
         group.deadlines.observe(method, time.monotonic() - started)
     return results
+
+
+# A rank's peers see its death (a closed connection in a collective) before Ray reports it.
+DEATH_GRACE_SECONDS = 5.0
+
+
+def _failure_message(calls: list[tuple["RayActorGroup", str, list]], pending: dict, index: int, rank: int,
+                     error: BaseException) -> str:
+    """The line for the first failed rank. When it raised (not died), a rank that dies within DEATH_GRACE_SECONDS is
+    the cause, usually: that one is named first, then the error it caused."""
+    group, method, _ = calls[index]
+    if not isinstance(error, ray.exceptions.RayActorError):
+        died = _died_meanwhile(pending)
+        if died is not None:
+            dead_index, dead_rank, death = died
+            dead_group, dead_method, _ = calls[dead_index]
+            return (f"{dead_group.addresses[dead_rank].describe()} failed in {dead_method}: "
+                    f"{describe_worker_error(death)}; then {group.addresses[rank].describe()} failed in {method}: "
+                    f"{describe_worker_error(error)}")
+    waiting = sorted(r for i, r in pending.values() if i == index)
+    message = group._failure_message(rank, method, error, waiting)
+    # A sender that failed because its receiver died: name the receiver too.
+    for other in sorted({i for i, _ in pending.values()} - {index}):
+        other_group = calls[other][0]
+        silent = silent_ranks(other_group.run_key, sorted(r for i, r in pending.values() if i == other))
+        if silent:
+            message += "; not responding: " + ", ".join(other_group.addresses[r].describe() for r in silent)
+    return message
+
+
+def _died_meanwhile(pending: dict) -> tuple[int, int, BaseException] | None:
+    """(call index, rank, error) of a pending rank whose process dies within DEATH_GRACE_SECONDS, else None."""
+    remaining = dict(pending)
+    deadline = time.monotonic() + DEATH_GRACE_SECONDS
+    while remaining and time.monotonic() < deadline:
+        with interrupts.shielded():
+            ready, _ = ray.wait(list(remaining), num_returns=1, timeout=interrupts.RAY_WAIT_SLICE_SECONDS)
+        for ref in ready:
+            index, rank = remaining.pop(ref)
+            try:
+                with interrupts.shielded():
+                    ray.get(ref)
+            except ray.exceptions.RayActorError as death:
+                return index, rank, death
+            except ray.exceptions.RayError:
+                pass
+    return None
 
 
 def _raise_if_frozen(calls: list[tuple["RayActorGroup", str, list]], pending: dict) -> None:
