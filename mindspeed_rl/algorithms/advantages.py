@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mindspeed_rl.algorithms.grpo import group_normalized_advantages
+from mindspeed_rl.algorithms.grpo import group_normalized_advantages, grouped_rewards
 
 # verl's masked_whiten epsilon (under the square root).
 WHITEN_EPS = 1e-8
@@ -21,7 +21,7 @@ def rloo_advantages(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
 
         A_i = r_i - 1/(n-1) * sum_{j != i} r_j  =  n/(n-1) * (r_i - mean_g).
     """
-    grouped = _grouped(rewards, n_samples_per_prompt)
+    grouped = grouped_rewards(rewards, n_samples_per_prompt)
     n = n_samples_per_prompt
     others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (n - 1)
     return (grouped - others_mean).reshape(-1).to(torch.float32)
@@ -59,9 +59,3 @@ def compute_advantages(rl, rewards: Tensor, response_mask: Tensor) -> Tensor:
         return reinforce_plus_plus_advantages(rewards, response_mask, rl.gamma)
     raise ValueError(f"unknown adv_estimator {rl.adv_estimator!r}")
 
-
-def _grouped(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
-    if rewards.dim() != 1 or rewards.numel() % n_samples_per_prompt or n_samples_per_prompt < 2:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not form groups of n_samples_per_prompt="
-                         f"{n_samples_per_prompt} (>= 2)")
-    return rewards.to(torch.float64).view(-1, n_samples_per_prompt)

@@ -37,6 +37,16 @@ def group_normalized_advantages(
     torch's unbiased default; the statistics are computed in float64 (small groups of nearly
     equal rewards lose precision in float32) and the result is float32.
     """
+    grouped = grouped_rewards(rewards, n_samples_per_prompt)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_by_std:
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+    return centered.reshape(-1).to(torch.float32)
+
+
+def grouped_rewards(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
+    """``rewards`` [num_samples] as float64 [prompts, n_samples_per_prompt] (each prompt's samples contiguous),
+    for the estimators whose baseline comes from the other samples of the prompt."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [num_samples], got shape {tuple(rewards.shape)}")
     if n_samples_per_prompt < 2:
@@ -49,11 +59,7 @@ def group_normalized_advantages(
             f"num_samples={num_samples} is not a multiple of "
             f"n_samples_per_prompt={n_samples_per_prompt}"
         )
-    grouped = rewards.to(torch.float64).view(-1, n_samples_per_prompt)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
-    if normalize_by_std:
-        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
-    return centered.reshape(num_samples).to(torch.float32)
+    return rewards.to(torch.float64).view(-1, n_samples_per_prompt)
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
