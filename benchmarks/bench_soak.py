@@ -1,6 +1,6 @@
 """A long run of the demo: does memory or iteration time grow with the number of iterations?
 
-    python benchmarks/bench_soak.py --json FILE [--iterations 2000] [--warmup 100]
+    python benchmarks/bench_soak.py --json FILE [--iterations 2000] [--warmup 100] [--keep-free-heap-too]
 
 Runs `cli/train_grpo.py --config-name grpo_tiny_cpu` (one rank, in the CLI's process, so the process's RSS is the
 whole run's) for `--iterations` iterations, reads the process's RSS at every `[iter` line, and prints:
@@ -10,6 +10,10 @@ whole run's) for `--iterations` iterations, reads the process's RSS at every `[i
 - the same for the CPU seconds the process itself spent per iteration (user + system, all its threads), which
   other load on a shared machine moves far less than the wall time: more work per iteration shows there.
 The machine's load average is printed beside the figures: a busy machine moves the times, not the RSS.
+
+`--keep-free-heap-too` runs a second demo at the same time, side by side, with the heap trim off
+(MINDSPEED_RL_KEEP_FREE_HEAP=1: glibc keeps the freed chunks, accelerator/host_memory.return_free_heap), and
+prints its figures beside the first's: what the per-iteration trim is worth, measured in one run.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,11 +36,12 @@ ITER_LINE = re.compile(r"^\[iter\s+(\d+)\]")
 WINDOW = 100
 
 
-def soak(iterations: int, run_dir: Path) -> tuple[list[tuple[int, int, float]], list[dict]]:
+def soak(iterations: int, run_dir: Path, *, keep_free_heap: bool = False) -> tuple[list[tuple[int, int, float]], list[dict]]:
     """(iteration, RSS bytes, CPU seconds so far) at each iteration's line, and the run's metrics records."""
     argv = [sys.executable, "cli/train_grpo.py", "--config-name", "grpo_tiny_cpu",
             f"megatron_training.train_iters={iterations}", "runtime.memory_timeline=false", f"hydra.run.dir={run_dir}"]
-    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    env = os.environ | ({"MINDSPEED_RL_KEEP_FREE_HEAP": "1"} if keep_free_heap else {})
+    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     rss = []
     for line in process.stdout:
         match = ITER_LINE.match(line)
@@ -56,38 +62,65 @@ def slope_mb_per_100(points: list[tuple[int, int, float]]) -> float:
     return 100 * covariance / sum((x - mean_x) ** 2 for x in xs)
 
 
+def figures(rss: list[tuple[int, int, float]], records: list[dict], warmup: int) -> dict:
+    measured = [r for r in records if r["iteration"] > warmup]
+    first, last = (statistics.median(r["timing/all"] for r in part) for part in (measured[:WINDOW], measured[-WINDOW:]))
+    cpu = [(i, now - before) for (_, _, before), (i, _, now) in zip(rss, rss[1:]) if i > warmup]
+    cpu_first, cpu_last = (statistics.median(s for _, s in part) for part in (cpu[:WINDOW], cpu[-WINDOW:]))
+    return {
+        "rss_mb_first": rss[warmup][1] / 1e6, "rss_mb_last": rss[-1][1] / 1e6,
+        "rss_slope_mb_per_100_iterations": slope_mb_per_100([p for p in rss if p[0] > warmup]),
+        "seconds_per_iteration_first": first, "seconds_per_iteration_last": last,
+        "drift_percent": 100 * (last - first) / first,
+        "cpu_seconds_per_iteration_first": cpu_first, "cpu_seconds_per_iteration_last": cpu_last,
+        "cpu_drift_percent": 100 * (cpu_last - cpu_first) / cpu_first,
+    }
+
+
+def print_figures(label: str, result: dict) -> None:
+    print(f"{label}: RSS {result['rss_mb_first']:.1f} -> {result['rss_mb_last']:.1f} MB, slope "
+          f"{result['rss_slope_mb_per_100_iterations']:.3f} MB per 100 iterations (target <= 0.2)")
+    print(f"{label}: seconds per iteration, median of the first / last {WINDOW} after the warm-up: "
+          f"{result['seconds_per_iteration_first']:.3f} / {result['seconds_per_iteration_last']:.3f} "
+          f"({result['drift_percent']:+.1f}%, target <= 2%)")
+    print(f"{label}: CPU seconds per iteration (the process's own), first / last {WINDOW}: "
+          f"{result['cpu_seconds_per_iteration_first']:.3f} / {result['cpu_seconds_per_iteration_last']:.3f} "
+          f"({result['cpu_drift_percent']:+.1f}%)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--iterations", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--keep-free-heap-too", action="store_true",
+                        help="a second run beside the first with the heap trim off")
     args = parser.parse_args(argv)
     if args.iterations < args.warmup + 2 * WINDOW:
         parser.error(f"--iterations must be at least --warmup + {2 * WINDOW}")
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    rss, records = soak(args.iterations, Path(tempfile.mkdtemp(prefix="bench_soak-")) / "run")
-    measured = [r for r in records if r["iteration"] > args.warmup]
-    first, last = (statistics.median(r["timing/all"] for r in part) for part in (measured[:WINDOW], measured[-WINDOW:]))
-    cpu = [(i, now - before) for (_, _, before), (i, _, now) in zip(rss, rss[1:]) if i > args.warmup]
-    cpu_first, cpu_last = (statistics.median(s for _, s in part) for part in (cpu[:WINDOW], cpu[-WINDOW:]))
-    result = {
-        "iterations": args.iterations, "warmup": args.warmup,
-        "rss_mb_first": rss[args.warmup][1] / 1e6, "rss_mb_last": rss[-1][1] / 1e6,
-        "rss_slope_mb_per_100_iterations": slope_mb_per_100([p for p in rss if p[0] > args.warmup]),
-        "seconds_per_iteration_first": first, "seconds_per_iteration_last": last,
-        "drift_percent": 100 * (last - first) / first,
-        "cpu_seconds_per_iteration_first": cpu_first, "cpu_seconds_per_iteration_last": cpu_last,
-        "cpu_drift_percent": 100 * (cpu_last - cpu_first) / cpu_first,
-        "wall_seconds": time.perf_counter() - started, "load_average": (load_before, os.getloadavg()[0]),
-    }
-    print(f"RSS {result['rss_mb_first']:.1f} -> {result['rss_mb_last']:.1f} MB, slope "
-          f"{result['rss_slope_mb_per_100_iterations']:.3f} MB per 100 iterations (target <= 0.2)")
-    print(f"seconds per iteration, median of the first / last {WINDOW} after the warm-up: {first:.3f} / {last:.3f} "
-          f"({result['drift_percent']:+.1f}%, target <= 2%); load {result['load_average'][0]:.1f} -> "
-          f"{result['load_average'][1]:.1f}; {result['wall_seconds']:.0f} s")
-    print(f"CPU seconds per iteration (the process's own), first / last {WINDOW}: {cpu_first:.3f} / {cpu_last:.3f} "
-          f"({result['cpu_drift_percent']:+.1f}%)")
+    root = Path(tempfile.mkdtemp(prefix="bench_soak-"))
+    sides = {"heap trimmed": False} | ({"free heap kept": True} if args.keep_free_heap_too else {})
+    outcomes: dict[str, tuple] = {}
+
+    def run(label: str, keep: bool) -> None:
+        outcomes[label] = soak(args.iterations, root / label.replace(" ", "_") / "run", keep_free_heap=keep)
+
+    threads = [threading.Thread(target=run, args=side) for side in sides.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if len(outcomes) != len(sides):
+        raise SystemExit("a soak run failed")
+    result = {"iterations": args.iterations, "warmup": args.warmup,
+              "wall_seconds": time.perf_counter() - started, "load_average": (load_before, os.getloadavg()[0]),
+              **{label: figures(*outcomes[label], args.warmup) for label in sides}}
+    for label in sides:
+        print_figures(label, result[label])
+    print(f"load {result['load_average'][0]:.1f} -> {result['load_average'][1]:.1f}; {result['wall_seconds']:.0f} s"
+          + ("; the two runs shared the machine" if len(sides) > 1 else ""))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -4,6 +4,8 @@ allocated once, device storage really freed, dropped contents, re-bound tensors;
 
 Runs where: in the pytest process, CPU, no distributed world; < 2 s.
 """
+import sys
+
 import pytest
 import torch
 
@@ -183,3 +185,26 @@ def test_a_dropped_large_storage_comes_back_as_zeros_without_touching_its_pages(
     # Writing 32 MiB faults 16 huge pages (8192 small ones); acquiring the mapping faults none.
     assert _minor_faults() - faults < 4, "the reload touched the pages of the storage it acquired"
     assert torch.count_nonzero(kv) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_return_free_heap_gives_freed_chunks_back_to_the_kernel():
+    """Freed C-heap chunks below a live one stay in RSS until trimmed (what a long run accumulated)."""
+    import ctypes
+
+    import psutil
+
+    from mindspeed_rl.accelerator.host_memory import return_free_heap
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    chunks = [libc.malloc(4096) for _ in range(25_000)]  # 100 MB in 4 KiB chunks, each touched
+    for chunk in chunks:
+        ctypes.memset(chunk, 1, 4096)
+    top = libc.malloc(4096)  # above them: the heap cannot shrink from its end by itself
+    for chunk in chunks:
+        libc.free(chunk)
+    before = psutil.Process().memory_info().rss
+    return_free_heap()
+    assert before - psutil.Process().memory_info().rss > 80e6
+    libc.free(top)

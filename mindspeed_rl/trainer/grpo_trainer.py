@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.algorithms.advantages import compute_advantages
 from mindspeed_rl.checkpoint.trainer_state import save_run_checkpoint
 from mindspeed_rl.config import GRPOConfig
@@ -175,6 +176,7 @@ class Recorder:
             print(format_line(metrics), flush=True)
         if "eval/updates" in metrics:
             print(format_eval_line(metrics), flush=True)
+        return_free_heap()  # the driver's own iteration ends here
 
     def close(self) -> None:
         self.sinks.close()

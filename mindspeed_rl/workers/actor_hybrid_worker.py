@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.memory.residency import GENERATE, IDLE, OLD_LOGPROB, REF_LOGPROB, REWARD, SWITCH, UPDATE
 from mindspeed_rl.protocol import RolloutBatch
@@ -183,7 +184,7 @@ class ActorHybridWorkerBase:
 
         train, infer = build.switch_layouts(self.config)
         self.weight_push = bridge_push(
-            spec=read_spec(self.model_dir), train=train, infer=infer, train_world_size=train_world_size,
+            spec=build.train_spec(self.config, read_spec(self.model_dir)), train=train, infer=infer, train_world_size=train_world_size,
             infer_world_size=infer_world_size,
             bridge_rank=self.rank_info.rank + (0 if self.TRAINS else train_world_size),
             dtypes=infer_dtypes if infer_dtypes is not None else self.inference_dtypes(),
@@ -230,6 +231,7 @@ class ActorHybridWorkerBase:
         )
         metrics = {"timing/rollout": time.perf_counter() - t0, **in_phase.metrics()}
         value = [(start + g.prompt_index, g.token_ids, g.logprobs) for g in generations] if block_rank == 0 else None
+        return_free_heap()  # an inference-only rank (disaggregated) has no update to end its iteration
         return Shard(start=start, stop=stop, value=value), metrics
 
     @phase_rpc(REWARD)
@@ -291,6 +293,7 @@ class ActorHybridWorkerBase:
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         metrics["actor/lr"] = steps[-1]["actor/lr"]  # the rate the iteration ended on, not a mean
         metrics["actor/optimizer_steps"] = float(len(steps))
+        return_free_heap()  # the update ends a rank's iteration
         return {**metrics, **in_phase.metrics()}
 
     # -- checkpoints (mindspeed_rl/checkpoint/FORMAT.md) -------------------------------------------
