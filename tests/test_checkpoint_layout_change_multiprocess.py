@@ -1,4 +1,5 @@
-"""A checkpoint saved at TP2 loads at PP2 with equal weights (2 spawned processes, gloo, real Megatron).
+"""A checkpoint saved at TP2 loads at PP2 with uneven stages (2 + 1 layers, actor_config.num_layer_list) with equal
+weights (2 spawned processes, gloo, real Megatron dist-checkpointing: the layers' global numbers follow the stages).
 
 The TP2 engine takes one real optimizer step first so the saved weights differ from the initial HF ones;
 the PP2 engine starts from the initial weights and must end with the TP2 engine's full HF tensors."""
@@ -15,7 +16,9 @@ from resharding_oracle import free_port
 ADAM = dict(lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
 
 
-def _engine(hf_dir, tp, pp):
+def _engine(hf_dir, tp, pp, stages=None):
+    from dataclasses import replace
+
     from megatron.core import parallel_state as ps
 
     from mindspeed_rl.accelerator import get_accelerator
@@ -26,7 +29,7 @@ def _engine(hf_dir, tp, pp):
     acc = get_accelerator("cpu")
     acc.seed_model_parallel_rng(1)
     spec, state = load_hf_checkpoint(hf_dir)
-    return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc,
+    return MegatronEngine(spec=replace(spec, pipeline_stage_layers=stages), hf_state=state, params_dtype=torch.float32, accelerator=acc,
                           optimizer=OptimizerSettings(**ADAM))
 
 
@@ -54,7 +57,7 @@ def _worker(rank, world_size, port, hf_dir, save_dir, out_dir):
         expected = hf_weights_from_megatron(saver.named_weights(), saver.spec)
         ps.destroy_model_parallel()
 
-        loader = _engine(hf_dir, tp=1, pp=2)
+        loader = _engine(hf_dir, tp=1, pp=2, stages=(2, 1))
         loader.load_sharded(save_dir, load_optimizer=False, scheduler_state=None)
         got = hf_weights_from_megatron(loader.named_weights(), loader.spec)
         ps.destroy_model_parallel()
@@ -64,9 +67,9 @@ def _worker(rank, world_size, port, hf_dir, save_dir, out_dir):
         dist.destroy_process_group()
 
 
-def test_saved_at_tp2_loads_at_pp2_with_equal_weights(tmp_path):
+def test_saved_at_tp2_loads_at_uneven_pp2_with_equal_weights(tmp_path):
     hf_dir = str(tmp_path / "model")
-    create_tiny_qwen2_checkpoint(hf_dir, vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=2,
+    create_tiny_qwen2_checkpoint(hf_dir, vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=3,
                                  num_attention_heads=4, num_query_groups=2, seed=5)
     save_dir = tmp_path / "ckpt"
     save_dir.mkdir()

@@ -46,7 +46,7 @@ VALIDATED_ONLY: dict[str, str] = {
     "rl_config.rule_reward": "true only: rule verifiers are the only reward",
     "rl_config.kl_ctrl_type": "fixed only: the KL coefficient stays init_kl_coef",
     "generate_config.enable_expert_parallel": "infer_expert_parallel_size > 1 only, which the engine reads",
-    "actor_config.num_layer_list": "the even split only: the stages the engine builds (uneven is not implemented)",
+    "actor_config.num_layer_list": "the layers of each training pipeline stage (Megatron's pipeline layout)",
     "runtime.strict_keys": "read by config/loader.py from the raw tree, before the schema: no-effect keys become errors",
     # ROLL's role sections (config/resources.py): parsed, computed and checked; the values other than
     # these are refused at load as not supported yet, so they are listed here although resources.py reads them.

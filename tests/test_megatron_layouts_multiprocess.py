@@ -1,7 +1,10 @@
-"""Megatron TP2 and PP2 on 2 real gloo ranks agree with HF transformers (the unsharded oracle).
+"""Megatron TP2, PP2 and uneven PP2 (3 + 1 layers, actor_config.num_layer_list) on 2 real gloo ranks agree with HF
+transformers (the unsharded oracle).
 
-Runs where: 2 spawned processes (torch.multiprocessing), gloo; one spawn covers both layouts.
+Runs where: 2 spawned processes (torch.multiprocessing), gloo; one spawn covers the three layouts.
 """
+from dataclasses import replace
+
 import os
 
 import torch
@@ -21,7 +24,7 @@ def _hf_reference(checkpoint, ids):
     return torch.log_softmax(logits, -1), logits
 
 
-def _check_layout(rank, checkpoint, tp, pp, ids, oracle_logprobs, oracle_logits):
+def _check_layout(rank, checkpoint, tp, pp, stages, ids, oracle_logprobs, oracle_logits):
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -34,7 +37,10 @@ def _check_layout(rank, checkpoint, tp, pp, ids, oracle_logprobs, oracle_logits)
     acc = get_accelerator("cpu")
     acc.seed_model_parallel_rng(1)
     spec, state = load_hf_checkpoint(checkpoint)
+    spec = replace(spec, pipeline_stage_layers=stages)
     engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc, optimizer=None)
+    stage_sizes = stages or (spec.num_layers // pp,) * pp
+    assert len(engine.module.decoder.layers) == stage_sizes[ps.get_pipeline_model_parallel_rank()]
 
     if pp == 1:  # full logits are only visible without a pipeline
         with torch.no_grad(), acc.megatron_context():
@@ -65,15 +71,15 @@ def _worker(rank, world_size, port, checkpoint, ids, oracle_logprobs, oracle_log
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        for tp, pp in ((2, 1), (1, 2)):
-            _check_layout(rank, checkpoint, tp, pp, ids, oracle_logprobs, oracle_logits)
+        for tp, pp, stages in ((2, 1, None), (1, 2, None), (1, 2, (3, 1))):
+            _check_layout(rank, checkpoint, tp, pp, stages, ids, oracle_logprobs, oracle_logits)
     finally:
         dist.destroy_process_group()
 
 
-def test_tp2_and_pp2_match_hf(tmp_path):
+def test_tp2_pp2_and_uneven_pp2_match_hf(tmp_path):
     checkpoint = str(tmp_path / "model")
-    create_tiny_qwen2_checkpoint(checkpoint, vocab_size=64, hidden_size=128, ffn_hidden_size=256, num_layers=2,
+    create_tiny_qwen2_checkpoint(checkpoint, vocab_size=64, hidden_size=128, ffn_hidden_size=256, num_layers=4,
                                  num_attention_heads=4, num_query_groups=2, seed=5)
     ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(1))
     oracle_logprobs, oracle_logits = _hf_reference(checkpoint, ids)

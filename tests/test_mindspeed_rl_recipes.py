@@ -99,3 +99,18 @@ def test_enable_expert_parallel_must_agree_with_the_inference_ep() -> None:
 
 def test_every_no_effect_key_has_a_reason() -> None:
     assert all(entry.why for entry in NO_EFFECT_KEYS.values())
+
+
+def test_their_uneven_pipeline_recipe_keeps_its_stages_and_the_planner_reads_them() -> None:
+    """grpo_qwen25_32b_A3 gives its 4 stages 16, 17, 16 and 15 of Qwen2.5-32B's 64 layers."""
+    from mindspeed_rl.planner.arch import from_hf_config, hf_config_from_model_block
+    from mindspeed_rl.planner.from_config import plan_inputs
+    from mindspeed_rl.planner.params import megatron_params
+
+    config = load_recipe("grpo_qwen25_32b_A3", "runtime.device=cpu")
+    assert config.actor_config.pipeline_stage_layers == (16, 17, 16, 15)
+    arch = from_hf_config(hf_config_from_model_block(config.selected_model, "qwen25_32b"))
+    inputs = plan_inputs(config, arch, device="npu")
+    layers = [{p.name.split(".")[2] for p in megatron_params(inputs.arch, tp=4, tp_rank=0, pp=4, pp_rank=rank)
+               if p.name.startswith("decoder.layers.")} for rank in range(4)]
+    assert [len(stage) for stage in layers] == [16, 17, 16, 15]

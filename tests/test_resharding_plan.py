@@ -57,6 +57,24 @@ def test_every_rank_gets_exactly_the_oracle(world, tp, pp, infer_tp, kv):
             assert torch.equal(got[rank][name], tensor), (rank, name)
 
 
+@pytest.mark.parametrize("world,tp,stages,infer_tp", [(2, 1, (3, 1), 2), (4, 2, (1, 3), 1), (3, 1, (1, 2, 1), 1)])
+def test_uneven_pipeline_stages_give_every_rank_the_oracle(world, tp, stages, infer_tp):
+    """actor_config.num_layer_list: each stage's layers are its own count, wherever they come from."""
+    from dataclasses import replace
+
+    spec = replace(tiny_spec(kv=4, heads=8, hidden=64, vocab=96), pipeline_stage_layers=stages)
+    train = TrainLayout(tp=tp, pp=len(stages))
+    shards = train_shards(random_hf_state(spec), spec, train, world)
+    for rank, shard in shards.items():
+        layers = {int(name.split(".")[2]) for name in shard if name.startswith("decoder.layers.")}
+        assert layers == set(range(stages[train.coordinates(rank, world)[1]]))
+    got = simulate(build_plan(spec, train, InferLayout(tp=infer_tp), world), shards, spec, infer_tp)
+    hf = random_hf_state(spec)
+    for rank in range(world):
+        expected = vllm_shard_oracle(hf, spec, infer_tp, rank % infer_tp)
+        assert all(torch.equal(got[rank][name], tensor) for name, tensor in expected.items()), rank
+
+
 @pytest.mark.parametrize("world,tp,pp,infer_tp", LAYOUTS)
 def test_received_bytes_are_the_minimum(world, tp, pp, infer_tp):
     """Minimum per rank = elements of its vLLM shard whose HF range it does not hold itself."""

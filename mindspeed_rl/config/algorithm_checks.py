@@ -49,32 +49,42 @@ def check_dynamic_sampling(config) -> None:
 
 def check_recompute_layers(config) -> None:
     """Megatron's uniform recompute runs chunks of recompute_num_layers layers of each pipeline stage: the
-    chunk must tile the stage (Megatron itself fails with an IndexError otherwise)."""
+    chunk must tile every stage (Megatron itself fails with an IndexError otherwise)."""
     actor, arch = config.actor_config, config.selected_model
     if actor.recompute_method != "uniform" or arch is None:
         return
-    per_stage = arch.num_layers // actor.pipeline_model_parallel_size
-    if per_stage % actor.recompute_num_layers:
-        raise ConfigError("actor_config.recompute_num_layers", f"must divide the {per_stage} layers of each pipeline "
+    try:
+        stages = _stage_layer_counts(actor, arch.num_layers)
+    except ValueError:
+        return  # check_num_layer_list reports it
+    if any(count % actor.recompute_num_layers for count in stages):
+        shown = stages[0] if len(set(stages)) == 1 else "/".join(map(str, stages))
+        raise ConfigError("actor_config.recompute_num_layers", f"must divide the {shown} layers of each pipeline "
                                                                f"stage with recompute_method uniform, got "
                                                                f"{actor.recompute_num_layers}")
 
 
+def _stage_layer_counts(actor, num_layers: int) -> tuple[int, ...]:
+    from mindspeed_rl.models.pipeline_stages import stage_layer_range
+
+    pp = actor.pipeline_model_parallel_size
+    stages = actor.pipeline_stage_layers
+    return tuple(len(stage_layer_range(num_layers, rank, pp, stages)) for rank in range(pp))
+
+
 def check_num_layer_list(config) -> None:
-    """actor_config.num_layer_list: one count per pipeline stage, adding up to the model's layers; the engine
-    builds even stages, so only the even split works (uneven stages are not implemented yet)."""
+    """actor_config.num_layer_list: one positive count per pipeline stage, adding up to the model's layers."""
     actor, arch = config.actor_config, config.selected_model
     if actor.num_layer_list is None or arch is None:
         return
+    from mindspeed_rl.models.pipeline_stages import parse_num_layer_list
+
     key, pp = "actor_config.num_layer_list", actor.pipeline_model_parallel_size
     try:
-        counts = [int(part) for part in str(actor.num_layer_list).split(",")]
+        counts = parse_num_layer_list(actor.num_layer_list)
     except ValueError:
         raise ConfigError(key, f"must be comma-separated layer counts, one per pipeline stage, got "
                                f"{actor.num_layer_list!r}") from None
-    if len(counts) != pp or sum(counts) != arch.num_layers:
-        raise ConfigError(key, f"must list {pp} stages (pipeline_model_parallel_size) adding up to the model's "
-                               f"{arch.num_layers} layers, got {counts}")
-    if len(set(counts)) != 1:
-        raise ConfigError(key, f"uneven pipeline stages are not implemented yet (issue 25): only "
-                               f"{','.join([str(arch.num_layers // pp)] * pp)} works, got {actor.num_layer_list}")
+    if len(counts) != pp or sum(counts) != arch.num_layers or min(counts) < 1:
+        raise ConfigError(key, f"must list {pp} stages (pipeline_model_parallel_size) of at least one layer, "
+                               f"adding up to the model's {arch.num_layers} layers, got {list(counts)}")

@@ -267,12 +267,13 @@ class GRPOConfig:
             vocab_desc = f"{prefix}.padded_vocab_size={arch.padded_vocab_size}"
             require_divides(train_key, train_tp, arch.padded_vocab_size, vocab_desc)
             require_divides(infer_key, infer_tp, arch.padded_vocab_size, vocab_desc)
-        require_divides(
-            "actor_config.pipeline_model_parallel_size",
-            self.actor_config.pipeline_model_parallel_size,
-            arch.num_layers,
-            f"{prefix}.num_layers={arch.num_layers}",
-        )
+        if self.actor_config.num_layer_list is None:  # listed stages: check_num_layer_list checks them
+            require_divides(
+                "actor_config.pipeline_model_parallel_size",
+                self.actor_config.pipeline_model_parallel_size,
+                arch.num_layers,
+                f"{prefix}.num_layers={arch.num_layers} (or list each stage's layers in actor_config.num_layer_list)",
+            )
         self._check_experts(arch, prefix)
 
     def _check_experts(self, arch: ModelArchConfig, prefix: str) -> None:

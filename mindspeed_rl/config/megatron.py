@@ -197,9 +197,18 @@ class ActorConfig:
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
-    # MindSpeed-RL's layers per pipeline stage, "16,16,16,16". Only the even split (what the engine builds) is
-    # implemented; an uneven list is an error.
+    # MindSpeed-RL's layers per pipeline stage, "16,17,16,15" (one count per stage, adding up to the model's
+    # layers; checked against the model in config/algorithm_checks.py). Null: Megatron's even split.
     num_layer_list: Optional[str] = None
+
+    @property
+    def pipeline_stage_layers(self) -> Optional[tuple[int, ...]]:
+        """num_layer_list as counts; None for the even split (unset, or PP 1)."""
+        if self.num_layer_list is None or self.pipeline_model_parallel_size == 1:
+            return None
+        from mindspeed_rl.models.pipeline_stages import parse_num_layer_list
+
+        return parse_num_layer_list(self.num_layer_list)
 
     def __post_init__(self) -> None:
         prefix = self.SECTION_KEY

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from mindspeed_rl.accelerator import Accelerator
 from mindspeed_rl.engines.vocab_parallel import response_logprobs_from_logits
-from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, transformer_config
+from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, layers_of_stage, transformer_config
 from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
 from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
 
@@ -74,7 +74,8 @@ def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: 
     if config.sequence_parallel:
         from mindspeed_rl.accelerator.megatron_cpu import with_sequence_parallel_norms
 
-        layer_spec = with_sequence_parallel_norms(layer_spec, spec.num_layers // pp)
+        stage = layers_of_stage(spec, parallel_state.get_pipeline_model_parallel_rank(), pp)
+        layer_spec = with_sequence_parallel_norms(layer_spec, len(stage))
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

@@ -14,6 +14,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mindspeed_rl.models.pipeline_stages import megatron_layout as megatron_pipeline_layout
+from mindspeed_rl.models.pipeline_stages import stage_layer_range
+
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen2Spec:
@@ -36,6 +39,9 @@ class Qwen2Spec:
     moe_ffn_hidden_size: int = 0
     moe_topk: int = 0
     norm_topk_prob: bool = True
+    # Layers of each training pipeline stage (actor_config.num_layer_list); None: Megatron's even split.
+    # Part of the spec because every layout computation (HF <-> Megatron, the weight push) needs it.
+    pipeline_stage_layers: Optional[tuple[int, ...]] = None
 
     @property
     def is_moe(self) -> bool:
@@ -173,6 +179,7 @@ def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, p
         recompute_method=options.recompute_method,
         recompute_num_layers=options.recompute_num_layers,
         **_packed_pipeline_fields(spec, options, pp),
+        **_pipeline_layout_fields(spec, pp),
         **fusions,
         **moe,
     )
@@ -191,7 +198,15 @@ def _packed_pipeline_fields(spec: Qwen2Spec, options: ModelOptions, pp: int) -> 
 
 
 def layers_of_stage(spec: Qwen2Spec, pp_rank: int, pp: int) -> range:
-    """Global layer indices owned by pipeline stage `pp_rank` (even split, as megatron does)."""
-    assert spec.num_layers % pp == 0, "validated in config: num_layers divisible by PP"
-    per_stage = spec.num_layers // pp
-    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+    """Global layer indices owned by training pipeline stage `pp_rank` (models/pipeline_stages.py)."""
+    stages = spec.pipeline_stage_layers if pp > 1 else None
+    return stage_layer_range(spec.num_layers, pp_rank, pp, stages)
+
+
+def _pipeline_layout_fields(spec: Qwen2Spec, pp: int) -> dict:
+    """Uneven stages reach Megatron as its layout; even ones keep Megatron's own split (no layout)."""
+    stages = spec.pipeline_stage_layers
+    if pp == 1 or stages is None or len(set(stages)) == 1:
+        return {}
+    stage_layer_range(spec.num_layers, 0, pp, stages)  # the same check as every other reader
+    return {"pipeline_model_parallel_layout": megatron_pipeline_layout(stages)}

@@ -50,6 +50,8 @@ class Architecture:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    # Layers of each training pipeline stage (actor_config.num_layer_list); None: the even split.
+    pipeline_stage_layers: tuple[int, ...] | None = None
 
     # -- what it is ------------------------------------------------------------------------------------
     @property
@@ -166,7 +168,7 @@ class Architecture:
             rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings, qkv_bias=self.qkv_bias, qk_layernorm=self.qk_norm,
             num_experts=self.num_experts, moe_ffn_hidden_size=self.moe_intermediate_size, moe_topk=self.moe_topk,
-            norm_topk_prob=self.norm_topk_prob,
+            norm_topk_prob=self.norm_topk_prob, pipeline_stage_layers=self.pipeline_stage_layers,
         )
 
 

@@ -93,7 +93,7 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
     mt, ac, rl, gen = config.megatron_training, config.actor_config, config.rl_config, config.generate_config
     cpu = on_cpu(config, device_memory, device)
     return PlanInputs(
-        arch=arch, world_size=config.world_size, tp=ac.tensor_model_parallel_size,
+        arch=replace(arch, pipeline_stage_layers=ac.pipeline_stage_layers), world_size=config.world_size, tp=ac.tensor_model_parallel_size,
         pp=ac.pipeline_model_parallel_size, ep=ac.expert_model_parallel_size,
         infer_tp=gen.infer_tensor_parallel_size, infer_pp=gen.infer_pipeline_parallel_size,
         infer_expert_parallel=gen.infer_expert_parallel_size > 1,
@@ -175,10 +175,12 @@ def _knobs(config: GRPOConfig, arch: Architecture) -> list[list[dict[str, object
                 if (tp, pp, ep) == current:
                     continue
                 layout = {"actor_config.tensor_model_parallel_size": tp, "actor_config.pipeline_model_parallel_size": pp}
+                if ac.num_layer_list is not None and pp != current[1]:  # the listed stages are for the current PP
+                    layout["actor_config.num_layer_list"] = None
                 if arch.is_moe:
                     layout["actor_config.expert_model_parallel_size"] = ep
                 layouts.append(layout)
-    layouts.sort(key=lambda layout: math.prod(layout.values()))  # the least model parallelism first
+    layouts.sort(key=lambda layout: math.prod(v for v in layout.values() if isinstance(v, int)))  # the least model parallelism first
     infer = [{"generate_config.infer_tensor_parallel_size": tp} for tp in _divisors(world)
              if tp != gen.infer_tensor_parallel_size]
     return [knob for knob in (flags, mbs, layouts, infer) if knob]
@@ -229,7 +231,8 @@ def _override_text(overrides: dict[str, object], cfg, base: GRPOConfig) -> tuple
         if _config_value(base, key) == value:
             continue
         absent = OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT
-        text.append(f"{'+' if absent else ''}{key}={str(value).lower() if isinstance(value, bool) else value}")
+        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        text.append(f"{'+' if absent else ''}{key}={shown}")
     return tuple(text)
 
 

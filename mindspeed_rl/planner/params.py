@@ -86,10 +86,9 @@ def _registration_order(param: Param) -> tuple:
 
 
 def stage_layers(arch: Architecture, pp_rank: int, pp: int) -> range:
-    if arch.num_layers % pp:
-        raise ValueError(f"PP={pp} must divide num_layers={arch.num_layers} (the engine splits layers evenly)")
-    per_stage = arch.num_layers // pp
-    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+    from mindspeed_rl.models.pipeline_stages import stage_layer_range
+
+    return stage_layer_range(arch.num_layers, pp_rank, pp, arch.pipeline_stage_layers if pp > 1 else None)
 
 
 def _deepseek_megatron(arch: Architecture, tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int, ep_rank: int):

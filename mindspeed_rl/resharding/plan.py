@@ -12,6 +12,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from mindspeed_rl.models.pipeline_stages import stage_layer_range
 from mindspeed_rl.models.qwen2 import Qwen2Spec
 from mindspeed_rl.resharding.layouts import LocalTensor, hf_shapes, megatron_layout, vllm_layout
 
@@ -168,8 +169,7 @@ def _check_sizes(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_
         raise ValueError(f"train TP={train.tp} must divide num_key_value_heads={spec.num_query_groups}")
     if spec.vocab_size % train.tp or (not spec.is_moe and spec.ffn_hidden_size % train.tp):
         raise ValueError(f"train TP={train.tp} must divide the vocabulary and intermediate sizes")
-    if spec.num_layers % train.pp:
-        raise ValueError(f"train PP={train.pp} must divide num_layers={spec.num_layers}")
+    stage_layer_range(spec.num_layers, 0, train.pp, spec.pipeline_stage_layers if train.pp > 1 else None)
     if train.ep > 1 and not spec.is_moe:
         raise ValueError(f"train EP={train.ep} needs a MoE model (num_experts > 0)")
     if infer.expert_parallel and not spec.is_moe:

@@ -78,6 +78,14 @@ def params_dtype(config: GRPOConfig) -> torch.dtype:
     return torch.bfloat16 if config.megatron_training.bf16 else torch.float32
 
 
+def train_spec(config: GRPOConfig, spec):
+    """The model as the actor's training layout holds it: with its pipeline stages (actor_config.num_layer_list),
+    which the Megatron model, the HF mapping and the weight push's plan all read from the spec."""
+    from dataclasses import replace
+
+    return replace(spec, pipeline_stage_layers=config.actor_config.pipeline_stage_layers)
+
+
 def build_megatron_engines(config: GRPOConfig, accelerator, options, *, model_dir: str, ref_model_dir: str,
                            progress: Callable[[str], None]):
     """The actor (with Megatron's optimizer) and the reference (None without a KL term), from the HF checkpoints."""
@@ -85,6 +93,7 @@ def build_megatron_engines(config: GRPOConfig, accelerator, options, *, model_di
     from mindspeed_rl.workers.actor_steps import optimizer_settings
 
     spec, actor_state = load_hf_checkpoint(model_dir)
+    spec = train_spec(config, spec)
     progress("checkpoint read")
     dtype = params_dtype(config)
     actor = MegatronEngine(spec=spec, hf_state=actor_state, params_dtype=dtype, accelerator=accelerator,
