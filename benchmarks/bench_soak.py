@@ -36,10 +36,12 @@ ITER_LINE = re.compile(r"^\[iter\s+(\d+)\]")
 WINDOW = 100
 
 
-def soak(iterations: int, run_dir: Path, *, keep_free_heap: bool = False) -> tuple[list[tuple[int, int, float]], list[dict]]:
+def soak(iterations: int, run_dir: Path, *, keep_free_heap: bool = False,
+         threads: int = 0) -> tuple[list[tuple[int, int, float]], list[dict]]:
     """(iteration, RSS bytes, CPU seconds so far) at each iteration's line, and the run's metrics records."""
     argv = [sys.executable, "cli/train_grpo.py", "--config-name", "grpo_tiny_cpu",
-            f"megatron_training.train_iters={iterations}", "runtime.memory_timeline=false", f"hydra.run.dir={run_dir}"]
+            f"megatron_training.train_iters={iterations}", "runtime.memory_timeline=false", f"hydra.run.dir={run_dir}",
+            f"runtime.num_threads_per_rank={threads}"]
     env = os.environ | ({"MINDSPEED_RL_KEEP_FREE_HEAP": "1"} if keep_free_heap else {})
     process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     rss = []
@@ -105,7 +107,10 @@ def main(argv=None) -> int:
     outcomes: dict[str, tuple] = {}
 
     def run(label: str, keep: bool) -> None:
-        outcomes[label] = soak(args.iterations, root / label.replace(" ", "_") / "run", keep_free_heap=keep)
+        # Side by side, each run gets its share of the cores: oversubscribed threads spin and slow both 5x.
+        threads = max(1, (os.cpu_count() or 2) // len(sides)) if len(sides) > 1 else 0
+        outcomes[label] = soak(args.iterations, root / label.replace(" ", "_") / "run", keep_free_heap=keep,
+                               threads=threads)
 
     threads = [threading.Thread(target=run, args=side) for side in sides.items()]
     for thread in threads:

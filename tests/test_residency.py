@@ -39,7 +39,25 @@ def test_with_every_flag_on_each_phase_holds_only_what_it_needs():
         "ref_logprob": {REF_PARAMS},
         "old_logprob": {TRAIN_PARAMS},
         "update": {TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER},
+        "critic_values": frozenset(),  # no critic (GRPO): never entered
+        "critic_update": frozenset(),
     }
+
+
+def test_a_critic_has_its_own_two_phases_between_the_actors():
+    """PPO: the critic's values after the old log-probs, its update after the actor's; each phase holds one role's
+    states, so the critic's and the actor's optimizer states are never on the device together."""
+    from mindspeed_rl.memory.residency import CRITIC_GRADS, CRITIC_OPTIMIZER, CRITIC_PARAMS, CRITIC_UPDATE, CRITIC_VALUES
+
+    policy = ResidencyPolicy(has_critic=True)
+    assert policy.phases()[-4:] == (OLD_LOGPROB, CRITIC_VALUES, UPDATE, CRITIC_UPDATE)
+    assert policy.resident(CRITIC_VALUES) == {CRITIC_PARAMS}
+    assert policy.resident(CRITIC_UPDATE) == {CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER}
+    assert policy.after(OLD_LOGPROB) == frozenset()  # the critic's forward comes between: the actor leaves
+    assert policy.after(UPDATE) == frozenset()
+    assert all(not (policy.resident(phase) & {CRITIC_PARAMS}) for phase in policy.phases()
+               if phase not in (CRITIC_VALUES, CRITIC_UPDATE))
+    assert ResidencyPolicy().phases() == tuple(p for p in policy.phases() if p not in (CRITIC_VALUES, CRITIC_UPDATE))
 
 
 @pytest.mark.parametrize("flags", FLAG_COMBINATIONS)
@@ -89,7 +107,9 @@ def test_the_iteration_and_the_phase_lists_come_from_the_one_table():
     with_reward = ResidencyPolicy(has_reward_model=True)
     assert [name for name, _ in with_reward.iteration()][:5] == [SWITCH, GENERATE, IDLE, REWARD, IDLE]
     assert ResidencyPolicy().recorded_phases() == (GENERATE, REF_LOGPROB, OLD_LOGPROB, UPDATE)
-    assert with_reward.recorded_phases() == (GENERATE, REWARD, REF_LOGPROB, OLD_LOGPROB, UPDATE) == LEDGER_PHASES
+    assert with_reward.recorded_phases() == (GENERATE, REWARD, REF_LOGPROB, OLD_LOGPROB, UPDATE)
+    every_role = ResidencyPolicy(has_reward_model=True, has_critic=True)
+    assert every_role.recorded_phases() == LEDGER_PHASES
 
 
 def test_the_inference_ranks_of_a_disaggregated_actor_never_move_their_states():

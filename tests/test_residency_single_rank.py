@@ -3,7 +3,8 @@ entering each phase through the sharding manager (generate through the real weig
 leaves exactly the table's row of state groups on the device, and leaving it what the table keeps.
 
 Runs where: in the pytest process (world of 1 rank, gloo): real Megatron actor and reference, real
-vLLM engine, a Megatron reward model, the offloader over all of their states.
+vLLM engine, a Megatron reward model, a Megatron critic (PPO's two critic phases), the offloader over all of
+their states.
 """
 import itertools
 
@@ -19,6 +20,7 @@ FLAG_COMBINATIONS = list(itertools.product([True, False], repeat=3))
 
 @pytest.fixture(scope="module")
 def manager(world, tmp_path_factory):
+    from mindspeed_rl.engines.critic import CriticEngine, register_critic_states
     from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
     from mindspeed_rl.engines.reward_model import RewardModelEngine, register_reward_states
     from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
@@ -41,6 +43,8 @@ def manager(world, tmp_path_factory):
     reward_spec, reward_state = load_hf_checkpoint(str(create_tiny_reward_checkpoint(
         tmp_path_factory.mktemp("residency") / "reward", base_model_dir=checkpoint, seed=4)))
     reward = RewardModelEngine(spec=reward_spec, hf_state=reward_state, params_dtype=torch.float32, accelerator=world)
+    critic = CriticEngine(spec=reward_spec, hf_state=reward_state, params_dtype=torch.float32, accelerator=world,
+                          optimizer=adam)
     inference_model = VLLMEngine(VLLMEngineConfig(
         model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=32, max_num_seqs=8,
         max_num_batched_tokens=256, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
@@ -48,6 +52,7 @@ def manager(world, tmp_path_factory):
     offloader = Offloader(world)
     register_megatron_states(offloader, actor, reference)
     register_reward_states(offloader, reward)
+    register_critic_states(offloader, critic)
     register_inference_states(offloader, inference_model, world)
     push = colocated_push(actor=actor, inference_model=inference_model, train=TrainLayout(tp=1, pp=1),
                           infer=InferLayout(tp=1), rank=0, world_size=1, bucket_bytes=2**20, check_weights=True)
@@ -62,7 +67,7 @@ def _resident(manager) -> set[str]:
 def test_each_phase_leaves_exactly_the_tables_row_on_the_device(manager, flags):
     param, grad, optimizer = flags
     manager.policy = ResidencyPolicy(offload_train_param=param, offload_train_grad=grad,
-                                     offload_train_optimizer=optimizer, has_reward_model=True)
+                                     offload_train_optimizer=optimizer, has_reward_model=True, has_critic=True)
     # An iteration's calls, in order, each entering its phase and leaving it as the worker's RPCs do.
     manager.enter("idle")
     assert _resident(manager) == manager.policy.resident("idle")

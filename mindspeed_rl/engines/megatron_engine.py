@@ -222,6 +222,10 @@ class MegatronEngine:
             return output, partial(loss_func, mb)
 
         assert packed or all(mb.input_ids.shape[1] == width for mb in micro_batches), "pipeline p2p needs one shape"
+        # Stages receive every micro-batch in the first one's shape: a smaller last one would be read wrongly.
+        assert packed or self.pp == 1 or len({mb.input_ids.shape[0] for mb in micro_batches}) == 1, (
+            f"pipeline parallelism needs micro-batches of one size: {len(micro_batches)} micro-batches of "
+            f"{[mb.input_ids.shape[0] for mb in micro_batches]} samples")
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro_batches),
@@ -264,6 +268,17 @@ class MegatronEngine:
         the mini-batch's. The returned stats are those sums, the same on every rank, plus
         `actor/grad_norm` and `actor/lr` (the learning rate this step used).
         """
+
+        def loss_from_output(mb: MicroBatch, logits: torch.Tensor):
+            logprobs, entropy = response_logprobs_from_logits(logits, mb, temperature, with_entropy=True,
+                                                              chunk_tokens=self.logprob_chunk_tokens)
+            return loss_fn(logprobs, entropy, mb)
+
+        return self._optimizer_step(batch, micro_batch_size, packing, loss_from_output)
+
+    def _optimizer_step(self, batch: RolloutBatch, micro_batch_size: int, packing: Packing | None,
+                        loss_from_output: Callable, metrics_prefix: str = "actor") -> dict[str, float]:
+        """The step behind `train_step`: loss_from_output(mb, model output) -> (loss, stats) per micro-batch."""
         from megatron.core import parallel_state as ps
         from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
@@ -272,10 +287,8 @@ class MegatronEngine:
         num_micro_batches = len(micro_batches)
         dp_size = ps.get_data_parallel_world_size()
 
-        def loss_func(mb: MicroBatch, logits: torch.Tensor):
-            logprobs, entropy = response_logprobs_from_logits(logits, mb, temperature, with_entropy=True,
-                                                              chunk_tokens=self.logprob_chunk_tokens)
-            loss, stats = loss_fn(logprobs, entropy, mb)
+        def loss_func(mb: MicroBatch, output: torch.Tensor):
+            loss, stats = loss_from_output(mb, output)
             # The schedule divides by the number of micro-batches and DDP averages over DP ranks;
             # our loss is already a mini-batch token mean, so undo both.
             return loss * num_micro_batches * dp_size, stats
@@ -291,8 +304,8 @@ class MegatronEngine:
         assert update_successful, "fp32/bf16 optimizer steps never skip"
         stats = {k: sum(s[k] for s in stats_per_mb) for k in stats_per_mb[0]} if stats_per_mb else {}
         stats = self._sum_over_data_parallel(self._stats_from_last_stage(stats))
-        stats["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
-        stats["actor/lr"] = float(lr)
+        stats[f"{metrics_prefix}/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        stats[f"{metrics_prefix}/lr"] = float(lr)
         return stats
 
     def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int, packing: Packing | None) -> list[MicroBatch]:

@@ -25,11 +25,12 @@ SCORE_WEIGHT = "score.weight"
 
 class ScoreHead(torch.nn.Module):
     """hidden -> 1, replicated on every TP rank (it is one row: splitting it would save nothing). Called the
-    way GPTModel calls its output layer, and returns what that returns: (output, bias)."""
+    way GPTModel calls its output layer, and returns what that returns: (output, bias). Trainable for the
+    critic (its gradient is the same on every TP rank: they all see the whole hidden states)."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, *, trainable: bool = False):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype), requires_grad=trainable)
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden_states, self.weight), None
@@ -51,7 +52,8 @@ def check_reward_checkpoint(spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], 
         raise ValueError(f"{model_dir}: a MoE reward model is not supported (dense Qwen2 only)")
 
 
-def build_reward_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, options: ModelOptions):
+def build_reward_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, options: ModelOptions,
+                           trainable_head: bool = False):
     """The GPTModel trunk with the score head as its output layer (on the last stage). Sequence parallel is off
     for it whatever the actor uses: the head reads whole hidden states, and a forward-only pass has no
     activations worth splitting."""
@@ -73,7 +75,7 @@ def build_reward_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: in
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      rotary_base=int(spec.rope_theta))
     if post_process:
-        model.output_layer = ScoreHead(spec.hidden_size, params_dtype)
+        model.output_layer = ScoreHead(spec.hidden_size, params_dtype, trainable=trainable_head)
     return model
 
 

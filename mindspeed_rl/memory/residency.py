@@ -18,15 +18,21 @@ from dataclasses import dataclass
 TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER = "train_params", "train_grads", "optimizer_states"
 REF_PARAMS = "reference_params"
 REWARD_PARAMS = "reward_params"  # a reward model's params (rewards.<name>.model_path), colocated
+# PPO's critic (engines/critic.py): its own params, grads and Adam states, moved like the actor's.
+CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER = "critic_params", "critic_grads", "critic_optimizer_states"
 INFER_WEIGHTS, KV_CACHE = "inference_weights", "kv_cache"
-STATE_GROUPS = (TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS, INFER_WEIGHTS, KV_CACHE)
+STATE_GROUPS = (TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS, CRITIC_PARAMS, CRITIC_GRADS,
+                CRITIC_OPTIMIZER, INFER_WEIGHTS, KV_CACHE)
+CRITIC_STATES = frozenset({CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER})
 
 IDLE, SWITCH, GENERATE, REWARD = "idle", "switch", "generate", "reward"
 REF_LOGPROB, OLD_LOGPROB, UPDATE = "ref_logprob", "old_logprob", "update"
+CRITIC_VALUES, CRITIC_UPDATE = "critic_values", "critic_update"
 # Every phase, in the order an iteration enters them: `idle` is between calls (after initialize, after
 # an iteration); `switch` is the weight push, entered on the way into `generate`; `reward` scores the
-# responses with the reward model (a run without one never enters it).
-PHASES = (IDLE, SWITCH, GENERATE, REWARD, REF_LOGPROB, OLD_LOGPROB, UPDATE)
+# responses with the reward model (a run without one never enters it); the critic's phases only with a
+# critic (PPO): its values of the rollout before the update, its own update after the actor's.
+PHASES = (IDLE, SWITCH, GENERATE, REWARD, REF_LOGPROB, OLD_LOGPROB, CRITIC_VALUES, UPDATE, CRITIC_UPDATE)
 # The phases that run a model; the ledger records each while it runs (`memory/<phase>/...`).
 RECORDED_PHASES = tuple(phase for phase in PHASES if phase not in (IDLE, SWITCH))
 
@@ -37,6 +43,8 @@ _NEEDS = {
     REF_LOGPROB: frozenset({REF_PARAMS}),
     OLD_LOGPROB: frozenset({TRAIN_PARAMS}),
     UPDATE: frozenset({TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER}),
+    CRITIC_VALUES: frozenset({CRITIC_PARAMS}),
+    CRITIC_UPDATE: CRITIC_STATES,
 }
 # The push reads the weights the actor's forward runs on and writes generate's weights; the KV cache
 # comes after it, once the train params have left, so the cache and the train params never peak together.
@@ -56,6 +64,7 @@ class ResidencyPolicy:
     offload_train_optimizer: bool = True
     has_reference: bool = True
     has_reward_model: bool = False
+    has_critic: bool = False
     # False on the inference ranks of a disaggregated actor: their devices hold nothing else.
     offload_inference: bool = True
 
@@ -70,9 +79,10 @@ class ResidencyPolicy:
 
     def phases(self) -> tuple[str, ...]:
         """The phases this run enters, in order (`reward` only with a reward model, `ref_logprob` only with a
-        reference)."""
+        reference, the critic's only with a critic)."""
         return tuple(p for p in PHASES if (p != REWARD or self.has_reward_model)
-                     and (p != REF_LOGPROB or self.has_reference))
+                     and (p != REF_LOGPROB or self.has_reference)
+                     and (p not in (CRITIC_VALUES, CRITIC_UPDATE) or self.has_critic))
 
     def recorded_phases(self) -> tuple[str, ...]:
         """The phases the ledger records in this run, in order."""
@@ -82,7 +92,8 @@ class ResidencyPolicy:
         if phase not in _NEEDS:
             raise ValueError(f"unknown phase {phase!r}; phases are {PHASES}")
         absent = ({REF_PARAMS} if not self.has_reference else set()) | (
-            {REWARD_PARAMS} if not self.has_reward_model else set())
+            {REWARD_PARAMS} if not self.has_reward_model else set()) | (
+            CRITIC_STATES if not self.has_critic else set())
         return (_NEEDS[phase] | self.pinned) - absent
 
     def after(self, phase: str) -> frozenset[str]:
