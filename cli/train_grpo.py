@@ -33,7 +33,7 @@ _task_started = False
 
 # The training stage this entry point runs (megatron_training.stage); cli/train_dapo.py sets ray_dapo.
 STAGE = "ray_grpo"
-ENTRY_POINTS = {"ray_grpo": "cli/train_grpo.py", "ray_dapo": "cli/train_dapo.py"}
+ENTRY_POINTS = {"ray_grpo": "cli/train_grpo.py", "ray_dapo": "cli/train_dapo.py", "ray_ppo": "cli/train_ppo.py"}
 
 
 # Absolute: cli/train_dapo.py imports this module, and Hydra resolves a relative path against the importer.

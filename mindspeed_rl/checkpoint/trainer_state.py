@@ -23,14 +23,17 @@ LOAD_KEY = "actor_config.load"
 
 
 def save_run_checkpoint(*, actor_group, save_root: str, iteration: int, sampler, kl_coef: float, seed: int,
-                        hf_dir: str, keep_last_n: int | None) -> Path:
+                        hf_dir: str, keep_last_n: int | None, with_critic: bool = False) -> Path:
     """Every rank writes its shards into a temporary dir, the driver adds its state and commits it."""
     tmp = begin_save(save_root, iteration)
     with disk_error_named(tmp):
         results = actor_group.call("save_checkpoint", str(tmp))
+        critic = actor_group.call("save_critic_checkpoint", str(tmp)) if with_critic else None
     scheduler_state = results[0][0]
     state = {"iteration": iteration, "sampler": sampler.state_dict(), "scheduler": scheduler_state,
              "kl_coef": kl_coef, "seed": seed}
+    if critic is not None:
+        state["critic_scheduler"] = critic[0][0]
     (tmp / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=1, sort_keys=True))
     (tmp / HF_SUBDIR).mkdir()
     for name in HF_FILES:
@@ -72,12 +75,18 @@ def verify_same_model(checkpoint: str, hf_config: dict, *, key: str, fall_back_t
     return verified.path
 
 
-def resume_actor(actor_group, point: ResumePoint, *, finetune: bool, no_load_optim: bool, no_load_rng: bool) -> None:
-    """Load weights (and, resuming, optimizer/scheduler/RNG) into every rank."""
+def resume_actor(actor_group, point: ResumePoint, *, finetune: bool, no_load_optim: bool, no_load_rng: bool,
+                 with_critic: bool = False) -> None:
+    """Load weights (and, resuming, optimizer/scheduler/RNG) into every rank; the critic's too when the run has
+    one and the checkpoint holds one (a GRPO checkpoint starting PPO leaves the critic as critic_config made it)."""
     resuming = not finetune
-    actor_group.call("load_checkpoint", str(point.path), load_optimizer=resuming and not no_load_optim,
-               load_rng=resuming and not no_load_rng,
-               scheduler_state=point.state["scheduler"] if resuming and not no_load_optim else None)
+    load_optimizer = resuming and not no_load_optim
+    actor_group.call("load_checkpoint", str(point.path), load_optimizer=load_optimizer,
+                     load_rng=resuming and not no_load_rng,
+                     scheduler_state=point.state["scheduler"] if load_optimizer else None)
+    if with_critic and "critic_scheduler" in point.state:
+        actor_group.call("load_critic_checkpoint", str(point.path), load_optimizer=load_optimizer,
+                         scheduler_state=point.state["critic_scheduler"] if load_optimizer else None)
 
 
 def truncate_metrics_after(metrics_path: Path, iteration: int) -> None:

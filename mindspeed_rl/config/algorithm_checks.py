@@ -88,3 +88,35 @@ def check_num_layer_list(config) -> None:
     if len(counts) != pp or sum(counts) != arch.num_layers or min(counts) < 1:
         raise ConfigError(key, f"must list {pp} stages (pipeline_model_parallel_size) of at least one layer, "
                                f"adding up to the model's {arch.num_layers} layers, got {list(counts)}")
+
+
+def check_critic(config) -> None:
+    """PPO: adv_estimator gae and critic_config come together; the critic shares the actor's ranks and layout."""
+    rl, critic, actor = config.rl_config, config.critic_config, config.actor_config
+    if (rl.adv_estimator == "gae") != (critic is not None):
+        raise ConfigError("critic_config" if critic is None else "rl_config.adv_estimator",
+                          "adv_estimator gae (PPO) needs a critic_config section, and a critic_config needs "
+                          f"adv_estimator gae; got adv_estimator {rl.adv_estimator!r}"
+                          f"{' and no' if critic is None else ' and a'} critic_config")
+    if critic is None:
+        return
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                 "num_layer_list"):
+        if getattr(critic, name) != getattr(actor, name):
+            raise ConfigError(f"critic_config.{name}", f"must equal actor_config.{name}={getattr(actor, name)!r}: "
+                                                       f"the critic is colocated with the actor and shares its "
+                                                       f"parallel groups, got {getattr(critic, name)!r}")
+    if critic.model not in config.model and config.model:
+        raise ConfigError("critic_config.model", f"must name a block under `model` ({', '.join(config.model)}), "
+                                                 f"got {critic.model!r}")
+    resource = rl.critic_resource
+    if resource is not None and resource.num_npus != config.world_size:
+        raise ConfigError("rl_config.critic_resource.num_npus", f"must equal the actor's {config.world_size} devices: "
+                                                                f"the critic is colocated (its own devices are not "
+                                                                f"supported yet), got {resource.num_npus}")
+    if config.disaggregated:
+        raise ConfigError("critic_config", "a critic with disaggregated actor_train/actor_infer roles is not "
+                                           "supported yet: colocate the roles")
+    arch = config.model.get(critic.model)
+    if arch is not None and arch.num_experts:
+        raise ConfigError("critic_config.model", "a MoE critic is not supported (dense Qwen2/Qwen3 only)")

@@ -7,7 +7,7 @@ from typing import Optional
 from mindspeed_rl.config.checks import require_divides, require_equal
 from mindspeed_rl.config.errors import ConfigError, run_checks
 from mindspeed_rl.config.generate import GenerateConfig
-from mindspeed_rl.config.megatron import ActorConfig, MegatronTrainingConfig
+from mindspeed_rl.config.megatron import ActorConfig, CriticConfig, MegatronTrainingConfig
 from mindspeed_rl.config.model_arch import ModelArchConfig
 from mindspeed_rl.config.resources import (
     ActorInferResources,
@@ -21,7 +21,7 @@ from mindspeed_rl.config.resources import (
     build_resource_plan,
     check_supported,
 )
-from mindspeed_rl.config.algorithm_checks import (check_dynamic_sampling, check_evaluation, check_packing,
+from mindspeed_rl.config.algorithm_checks import (check_critic, check_dynamic_sampling, check_evaluation, check_packing,
                                                   check_num_layer_list, check_recompute_layers)
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
@@ -42,6 +42,8 @@ class GRPOConfig:
 
     megatron_training: MegatronTrainingConfig
     actor_config: ActorConfig
+    # PPO (rl_config.adv_estimator gae): the critic's layout and optimizer, colocated with the actor.
+    critic_config: Optional[CriticConfig] = None
     rl_config: RLConfig
     generate_config: GenerateConfig
     model: dict[str, ModelArchConfig] = field(default_factory=dict)
@@ -123,6 +125,7 @@ class GRPOConfig:
             self.check_layout, self._check_synthetic_data, self._check_asset_paths,
             lambda: check_supported(self.resource_plan, self.rewards), self._check_reward_model,
             self._check_async_generation, partial(check_evaluation, self), partial(check_dynamic_sampling, self),
+            partial(check_critic, self),
         )
 
     @property

@@ -23,7 +23,7 @@ from mindspeed_rl.config.errors import ConfigError
 # Megatron's WSD also needs an anneal length (lr_wsd_decay_iters) that this schema has no key for.
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 OVERLONG_PROMPT_POLICIES = ("filter", "error")
-TRAINING_STAGES = ("ray_grpo", "ray_dapo")  # the entry point each names: cli/train_grpo.py, cli/train_dapo.py
+TRAINING_STAGES = ("ray_grpo", "ray_dapo", "ray_ppo")  # their entry points: cli/train_grpo.py, train_dapo.py, train_ppo.py
 # Our fields of a dataset row; values of map_keys name where each lives in the row.
 MAP_KEYS_REQUIRED = ("prompt", "labels")
 MAP_KEYS_OPTIONAL = ("system",)
@@ -68,8 +68,9 @@ class MegatronTrainingConfig:
     # <hydra run dir>/hf_export (safetensors, config, tokenizer), whatever actor_config.save says.
     save_hf: bool = False
     train_iters: int
-    # ray_grpo (cli/train_grpo.py) or ray_dapo (cli/train_dapo.py): the same trainer, DAPO's steps are rl_config
-    # keys; each entry point refuses the other's recipes so a recipe runs as its authors ran it.
+    # ray_grpo (cli/train_grpo.py), ray_dapo (cli/train_dapo.py) or ray_ppo (cli/train_ppo.py): the same trainer,
+    # DAPO's steps are rl_config keys, PPO's a critic_config; each entry point refuses the others' recipes so a
+    # recipe runs as its authors ran it.
     stage: str = "ray_grpo"
     # RL fine-tuning keeps dropout off (Megatron's default is 0.1) so that old and new log-probs of
     # the same weights agree.
@@ -224,7 +225,7 @@ class ActorConfig:
         )
         require_non_negative(prefix, self, "min_lr", "weight_decay", "clip_grad")
         if self.min_lr > self.lr:
-            raise ConfigError(f"{prefix}.min_lr", f"must be <= actor_config.lr={self.lr}, got {self.min_lr}")
+            raise ConfigError(f"{prefix}.min_lr", f"must be <= {prefix}.lr={self.lr}, got {self.min_lr}")
         require_choice(prefix, self, "lr_decay_style", LR_DECAY_STYLES)
         # Megatron asserts warmup steps < total steps.
         require_in_range(prefix, self, "lr_warmup_fraction", 0.0, 1.0, high_open=True)
@@ -233,6 +234,16 @@ class ActorConfig:
         check_recompute(prefix, self)
         if self.keep_last_n is not None and self.keep_last_n < 1:
             raise ConfigError(f"{prefix}.keep_last_n", f"must be >= 1 or null (keep all), got {self.keep_last_n}")
+
+
+@dataclass(kw_only=True)
+class CriticConfig(ActorConfig):
+    """`critic_config` (PPO, MindSpeed-RL's section): the critic's training layout and optimizer, the same keys as
+    actor_config's. `load`: its initial weights (an HF reward model, whose score head becomes the value head, or a
+    causal LM with a fresh head; null: the actor's initial weights), or one of our checkpoints' critic. The
+    critic is colocated with the actor: its parallel sizes are the actor's (config/algorithm_checks.py)."""
+
+    SECTION_KEY: ClassVar[str] = "critic_config"
 
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")

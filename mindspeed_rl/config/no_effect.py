@@ -30,6 +30,8 @@ def _estimator(tree: Mapping[str, Any]) -> Any:
     return rl.get("adv_estimator", "group_norm") if isinstance(rl, Mapping) else "group_norm"
 
 
+_CRITIC_IN_ACTOR_CHECKPOINT = ("the critic is saved in and resumed from the actor's checkpoints: actor_config.{key} "
+                              "decides for both")
 _NPU_KERNEL = "an NPU kernel or layout choice of MindSpeed; the values computed are the same"
 _TRANSFER_DOCK = "MindSpeed-RL's transfer-dock transport between its workers; there is none here"
 _MOE_KERNEL = "a MoE kernel/communication choice (the engine's per-expert linears and allgather dispatch compute the same)"
@@ -65,9 +67,14 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
     "rl_config.blocking": NoEffect("every phase is a blocking call of the integrated worker"),
     "rl_config.gamma": NoEffect(
         "a discount of token returns; group_norm (GRPO) and rloo do not read it, in MindSpeed-RL either",
-        applies=lambda tree, value: _estimator(tree) == "reinforce_plus_plus" or value == 1.0),
-    "rl_config.lam": NoEffect("GAE's lambda; group_norm (GRPO) does not read it, in MindSpeed-RL either"),
-    "rl_config.use_kl_in_reward": NoEffect("GRPO's KL is in the loss (rl_config.kl_penalty, init_kl_coef)", (False,)),
+        applies=lambda tree, value: _estimator(tree) in ("reinforce_plus_plus", "gae") or value == 1.0),
+    "rl_config.lam": NoEffect("GAE's lambda; only adv_estimator gae (PPO) reads it, in MindSpeed-RL too",
+                              applies=lambda tree, value: _estimator(tree) == "gae"),
+    "rl_config.use_kl_in_reward": NoEffect("GRPO's KL is in the loss (rl_config.kl_penalty, init_kl_coef); PPO "
+                                           "(adv_estimator gae) reads it", (False,),
+                                           applies=lambda tree, value: _estimator(tree) == "gae"),
+    **{f"critic_config.{key}": NoEffect(_CRITIC_IN_ACTOR_CHECKPOINT.format(key=key))
+       for key in ("save", "keep_last_n", "finetune", "no_load_optim", "no_load_rng")},
     "rl_config.num_cpus_for_local_task": NoEffect(
         "rule rewards run in the driver, or on rewards.<name>.world_size CPU workers"),
     "rl_config.verifier_parallel": NoEffect("rule rewards run in the driver, or on rewards.<name>.world_size CPU workers"),

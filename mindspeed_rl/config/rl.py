@@ -10,15 +10,16 @@ from mindspeed_rl.config.checks import (
 )
 from mindspeed_rl.config.errors import ConfigError
 
-# group_norm: GRPO (MindSpeed-RL's name); rloo and reinforce_plus_plus: verl's names (algorithms/advantages.py).
-ADV_ESTIMATORS = ("group_norm", "rloo", "reinforce_plus_plus")
+# group_norm: GRPO (MindSpeed-RL's name); rloo and reinforce_plus_plus: verl's names (algorithms/advantages.py);
+# gae: PPO with a critic (critic_config; algorithms/ppo.py).
+ADV_ESTIMATORS = ("group_norm", "rloo", "reinforce_plus_plus", "gae")
 GROUP_ESTIMATORS = ("group_norm", "rloo")  # a baseline from the other samples of the prompt
 PACKING_PHASES = ("ref", "actor", "update")  # MindSpeed-RL's prefixes: reference / old log-probs, the update
 PACKING_SIZE_KEYS = ("max_packing_token_size", "dynamic_max_batch_size",
                      *(f"{phase}_{key}" for phase in PACKING_PHASES
                        for key in ("max_packing_token_size", "dynamic_max_batch_size")))
 KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")
-KL_CTRL_TYPES = ("fixed",)
+KL_CTRL_TYPES = ("fixed", "adaptive")
 EVAL_SAMPLINGS = ("greedy", "train")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -62,11 +63,19 @@ class RLConfig:
     adv_estimator: str = "group_norm"
     # verl's key: false is Dr. GRPO (group_norm without the division by the group's std).
     norm_adv_by_std_in_grpo: bool = True
-    # The discount of reinforce_plus_plus's token returns (1: every token gets the outcome reward).
+    # The discount of reinforce_plus_plus's and GAE's token returns (1: every token gets the outcome reward).
     gamma: float = 1.0
+    # PPO (adv_estimator gae, MindSpeed-RL's and verl's keys): GAE's lambda; the value loss's clip around the
+    # rollout's values; the KL to the reference in the reward instead of the loss (kl_penalty's estimator,
+    # coefficient init_kl_coef), its coefficient fixed or adaptive (Ziegler et al.: toward kl_target over
+    # kl_horizon samples).
+    lam: float = 1.0
+    cliprange_value: float = 0.5
+    use_kl_in_reward: bool = False
     kl_penalty: str = "low_var_kl"
-    # Validated only: the KL coefficient stays init_kl_coef.
     kl_ctrl_type: str = "fixed"
+    kl_target: Optional[float] = None
+    kl_horizon: Optional[int] = None
     init_kl_coef: float = 0.01
     # Prompts per optimizer step (MindSpeed-RL semantics); see mini_batch_size_in_samples.
     mini_batch_size: int = 1
@@ -98,6 +107,8 @@ class RLConfig:
     wandb_save_dir: str = ""
     # The actor's ranks. May be left out when actor_train.device_mapping gives them (then filled in from it).
     actor_resource: Optional[ResourceConfig] = None
+    # PPO: the critic's ranks (MindSpeed-RL's key); colocated with the actor here, so the actor's number.
+    critic_resource: Optional[ResourceConfig] = None
     integrated_mode_config: IntegratedModeConfig = field(default_factory=IntegratedModeConfig)
     # True: the loss is a mean over all response tokens of a micro-batch; False: per-sequence mean first.
     token_level_loss: bool = True
@@ -230,6 +241,24 @@ class RLConfig:
                                                           "are packed; padded ones are cut by sample count)")
         # use_integrated_worker is checked with the role sections (GRPOConfig, config/resources.py).
         self._check_rewards()
+        self._check_ppo()
+
+    def _check_ppo(self) -> None:
+        prefix = self.SECTION_KEY
+        if not 0.0 <= self.lam <= 1.0:
+            raise ConfigError(f"{prefix}.lam", f"must be in [0, 1], got {self.lam}")
+        require_positive(prefix, self, "cliprange_value")
+        if self.use_kl_in_reward and self.adv_estimator != "gae":
+            raise ConfigError(f"{prefix}.use_kl_in_reward", f"the KL in the reward is PPO's (adv_estimator gae); "
+                                                            f"{self.adv_estimator} keeps it in the loss")
+        if self.kl_ctrl_type == "adaptive":
+            if not self.use_kl_in_reward:
+                raise ConfigError(f"{prefix}.kl_ctrl_type", "adaptive moves the coefficient of the KL in the reward: "
+                                                            "it needs use_kl_in_reward true")
+            require_positive(prefix, self, "kl_target", "kl_horizon")
+            if self.kl_target is None or self.kl_horizon is None:
+                raise ConfigError(f"{prefix}.kl_target" if self.kl_target is None else f"{prefix}.kl_horizon",
+                                  "must be set with kl_ctrl_type adaptive")
 
     def _check_rewards(self) -> None:
         prefix = self.SECTION_KEY

@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 
 from mindspeed_rl.accelerator.host_memory import return_free_heap
-from mindspeed_rl.algorithms.advantages import compute_advantages
 from mindspeed_rl.checkpoint.trainer_state import save_run_checkpoint
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler
 from mindspeed_rl.data.rewards import RuleRewards, compute_rule_rewards, correct_answers
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.trainer import setup
+from mindspeed_rl.trainer.advantage_step import AdvantageStep
 from mindspeed_rl.trainer.dynamic_sampling import ScoredRollouts
 from mindspeed_rl.trainer.evaluation import Evaluation, format_eval_line
 from mindspeed_rl.trainer.metrics import format_line, iteration_metrics
@@ -35,13 +35,13 @@ from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics
 def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: PromptDataset, run_dir: Path, *,
           sampler: PromptSampler | None = None, start_iteration: int = 1, hf_dir: str | None = None,
           progress: RunProgress | None = None, prediction=None, reward_group=None,
-          eval_dataset: PromptDataset | None = None) -> list[dict]:
-    rl = config.rl_config
+          eval_dataset: PromptDataset | None = None, kl_coef: float | None = None) -> list[dict]:
     hf_dir = hf_dir or setup.resolve_assets(config)[0]
     progress = progress or RunProgress(save_root=config.actor_config.save)
     rollouts = Rollouts(actor_group, dataset, sampler or make_sampler(config, dataset), config)
     sampling = ScoredRollouts(rollouts, Scoring(config, tokenizer, actor_group, reward_group), config)
     evaluation = Evaluation(config, tokenizer, actor_group, eval_dataset)
+    advantages = AdvantageStep(config, actor_group, kl_coef=kl_coef)  # PPO: the critic's values, GAE, its update
     record = Recorder(config, run_dir, prediction or setup.memory_prediction(
         config, setup.read_hf_config(hf_dir), quiet=True), start_iteration=start_iteration)
     try:
@@ -52,18 +52,19 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
             started = time.perf_counter()
             scored = sampling.next(iteration)  # generated now or during the last update, scored, maybe refilled
             batch, rewards, metrics = scored.batch, scored.rewards, scored.metrics
-            batch.columns["advantages"] = compute_advantages(rl, rewards.total, batch.response_mask)
-            ref_metrics = {}
             if config.uses_reference:  # the KL term's only input
                 batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor_group, "compute_ref_log_prob", batch)
+                metrics |= ref_metrics
             batch.columns["old_logprobs"], old_metrics = forward_logprobs(actor_group, "compute_log_prob", batch)
+            metrics |= old_metrics | advantages.estimate(batch, rewards)
             rollouts.start_ahead(iteration + 1)  # one-step off-policy: the next rollout runs during this update
-            update_metrics = merge_metrics(actor_group.call("update", batch, kl_coef=rl.init_kl_coef))
-            metrics |= ref_metrics | old_metrics | update_metrics
+            metrics |= merge_metrics(actor_group.call("update", batch, kl_coef=advantages.loss_kl_coef))
+            metrics |= advantages.update_critic(batch)
             metrics |= evaluation.run(iteration) if evaluation.due(iteration) else {}
             record(iteration, started, batch, rewards, scored.accuracy, metrics)
             if saves_at(config, iteration):
-                save_checkpoint(config, actor_group, iteration, rollouts.resume_sampler, progress, hf_dir)
+                save_checkpoint(config, actor_group, iteration, rollouts.resume_sampler, progress, hf_dir,
+                                kl_coef=advantages.kl_coef)
     finally:
         record.close()
     return record.finish(actor_group, hf_dir)
@@ -215,11 +216,10 @@ def saves_at(config: GRPOConfig, iteration: int) -> bool:
 
 
 def save_checkpoint(config: GRPOConfig, actor_group: ActorGroup, iteration: int, sampler: PromptSampler,
-                    progress: RunProgress, hf_dir: str) -> None:
+                    progress: RunProgress, hf_dir: str, *, kl_coef: float) -> None:
     path = save_run_checkpoint(actor_group=actor_group, save_root=config.actor_config.save, iteration=iteration,
-                               sampler=sampler, kl_coef=config.rl_config.init_kl_coef,
-                               seed=config.megatron_training.seed, hf_dir=hf_dir,
-                               keep_last_n=config.actor_config.keep_last_n)
+                               sampler=sampler, kl_coef=kl_coef, seed=config.megatron_training.seed, hf_dir=hf_dir,
+                               keep_last_n=config.actor_config.keep_last_n, with_critic=config.critic_config is not None)
     progress.last_checkpoint = str(path)
     print(f"[checkpoint] saved {path}", flush=True)
 

@@ -84,7 +84,8 @@ def _start_and_train(config: GRPOConfig, run: PreparedRun, run_dir: Path, progre
         history = train(config, actor_group, run.tokenizer, run.dataset, run_dir, sampler=run.sampler,
                         start_iteration=run.resume.iteration + 1 if run.resume else 1, hf_dir=run.model_dir,
                         progress=progress, prediction=run.prediction, reward_group=reward_group,
-                        eval_dataset=run.eval_dataset)
+                        eval_dataset=run.eval_dataset,
+                        kl_coef=run.resume.state.get("kl_coef") if run.resume and run.resume.iteration else None)
         completed = True
         return history
     finally:
@@ -197,7 +198,7 @@ def restore(config: GRPOConfig, run: PreparedRun, actor_group: ActorGroup, run_d
     if run.resume is not None:
         progress.phase = "checkpoint load"
         resume_actor(actor_group, run.resume, finetune=ac.finetune, no_load_optim=ac.no_load_optim,
-                     no_load_rng=ac.no_load_rng)
+                     no_load_rng=ac.no_load_rng, with_critic=config.critic_config is not None)
         progress.last_checkpoint = str(run.resume.path)
         if run.resume.iteration:
             run.sampler.load_state_dict(run.resume.state["sampler"])

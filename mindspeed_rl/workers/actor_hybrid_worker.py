@@ -17,10 +17,12 @@ import torch
 
 from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.config import GRPOConfig
-from mindspeed_rl.memory.residency import GENERATE, IDLE, OLD_LOGPROB, REF_LOGPROB, REWARD, SWITCH, UPDATE
+from mindspeed_rl.memory.residency import (CRITIC_UPDATE, CRITIC_VALUES, GENERATE, IDLE, OLD_LOGPROB, REF_LOGPROB,
+                                          REWARD, SWITCH, UPDATE)
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_config_for, packing_for, sampling_seed, train_dp_slice,
                                             train_on_mini_batch)
+from mindspeed_rl.workers import critic_steps
 from mindspeed_rl.workers.phase_rpc import phase_rpc
 
 TRAIN_ROLE, INFER_ROLE = "actor_train", "actor_infer"
@@ -52,6 +54,7 @@ class ActorHybridWorkerBase:
     TRAINS = GENERATES = True
     actor = reference = inference_model = None
     reward_model = None  # rewards.<name>.model_path: a Megatron reward model on these ranks
+    critic = None  # PPO (critic_config): a Megatron value model on these ranks (workers/critic_steps.py)
     weight_push = None  # disaggregated: this rank's end of the push over the bridge (connect_bridge)
 
     def __init__(self, config: GRPOConfig, rank_info: RankInfo, *, model_dir: str, ref_model_dir: str):
@@ -61,6 +64,7 @@ class ActorHybridWorkerBase:
         self.ref_model_dir = ref_model_dir
         self.shuffler = MiniBatchShuffler(seed=config.megatron_training.seed,
                                           shuffle=config.rl_config.shuffle_mini_batch)
+        self.critic_shuffler = critic_steps.critic_shuffler(config)
         os.environ.update(
             RANK=str(rank_info.rank), LOCAL_RANK=str(rank_info.rank), WORLD_SIZE=str(rank_info.world_size),
             MASTER_ADDR=rank_info.master_addr, MASTER_PORT=str(rank_info.master_port),
@@ -123,7 +127,9 @@ class ActorHybridWorkerBase:
             self.config, self.accelerator, options, model_dir=self.model_dir, ref_model_dir=self.ref_model_dir,
             progress=progress)
         self.reward_model = build.build_reward_model(self.config, self.accelerator, options, progress=progress)
-        build.register_training_states(self.offloader, self.actor, self.reference, self.reward_model)
+        self.critic = critic_steps.build_critic(self.config, self.accelerator, options, model_dir=self.model_dir,
+                                                progress=progress)
+        build.register_training_states(self.offloader, self.actor, self.reference, self.reward_model, self.critic)
 
     def _build_inference_side(self, started: float) -> None:
         """vLLM, its states, and, where this rank also trains, the colocated weight push into it."""
@@ -296,6 +302,37 @@ class ActorHybridWorkerBase:
         return_free_heap()  # the update ends a rank's iteration
         return {**metrics, **in_phase.metrics()}
 
+    # -- PPO's critic (workers/critic_steps.py) -----------------------------------------------------
+    @phase_rpc(CRITIC_VALUES)
+    def compute_values(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
+        in_phase = self.ledger.record(CRITIC_VALUES)
+        start, stop, values = critic_steps.critic_values(self.critic, self.config, batch)
+        return Shard(start=start, stop=stop, value=values if self._reports_train_results() else None), in_phase.metrics()
+
+    @phase_rpc(CRITIC_UPDATE)
+    def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
+        from mindspeed_rl.memory import ActivationMeter
+
+        with ActivationMeter(self.offloader.storage_keys()) as activations:
+            metrics = critic_steps.update_critic(self.critic, self.config, batch, self.critic_shuffler)
+            in_phase = self.ledger.record(CRITIC_UPDATE, extra={"activations": activations.peak_bytes})
+        return {**metrics, **in_phase.metrics()}
+
+    @phase_rpc(CRITIC_UPDATE, label="save_critic")
+    def save_critic_checkpoint(self, checkpoint_dir: str) -> tuple[dict | None, dict[str, float]]:
+        """Collective: the critic's model and optimizer under <checkpoint>/critic; returns its scheduler state."""
+        started = time.perf_counter()
+        state = self.critic.save_sharded(os.path.join(checkpoint_dir, "critic"), with_optimizer=True)
+        return state, {"timing/save_critic": time.perf_counter() - started}
+
+    @phase_rpc(CRITIC_UPDATE, label="load_critic")
+    def load_critic_checkpoint(self, checkpoint_dir: str, *, load_optimizer: bool,
+                               scheduler_state: dict | None) -> dict[str, float]:
+        started = time.perf_counter()
+        self.critic.load_sharded(os.path.join(checkpoint_dir, "critic"), load_optimizer=load_optimizer,
+                                 scheduler_state=scheduler_state)
+        return {"timing/load_critic": time.perf_counter() - started}
+
     # -- checkpoints (mindspeed_rl/checkpoint/FORMAT.md) -------------------------------------------
     # In the update row: train params and optimizer states are on the device whatever was offloaded before.
     @phase_rpc(UPDATE, label="save_checkpoint")
@@ -306,7 +343,7 @@ class ActorHybridWorkerBase:
 
         started = time.perf_counter()
         scheduler_state = self.actor.save_sharded(checkpoint_dir, with_optimizer=True)
-        save_rng_state(checkpoint_dir, self.rank_info.rank, {"shuffler": self.shuffler.generator})
+        save_rng_state(checkpoint_dir, self.rank_info.rank, self._named_generators())
         return scheduler_state, {"timing/save_checkpoint": time.perf_counter() - started}
 
     @phase_rpc(UPDATE, label="load_checkpoint")
@@ -318,8 +355,12 @@ class ActorHybridWorkerBase:
         started = time.perf_counter()
         self.actor.load_sharded(checkpoint_dir, load_optimizer=load_optimizer, scheduler_state=scheduler_state)
         if load_rng:
-            load_rng_state(checkpoint_dir, self.rank_info.rank, {"shuffler": self.shuffler.generator})
+            load_rng_state(checkpoint_dir, self.rank_info.rank, self._named_generators())
         return {"timing/load_checkpoint": time.perf_counter() - started}
+
+    def _named_generators(self) -> dict:
+        critic = {"critic_shuffler": self.critic_shuffler.generator} if self.critic is not None else {}
+        return {"shuffler": self.shuffler.generator, **critic}
 
     # An export reads the train params only: the old_logprob row.
     @phase_rpc(OLD_LOGPROB, label="export_hf")

@@ -98,11 +98,12 @@ def optimizer_steps_per_iteration(cfg: GRPOConfig) -> int:
     return -(-samples // rl.mini_batch_size_in_samples) * rl.epochs
 
 
-def lr_schedule(cfg: GRPOConfig):
-    """The run's LR schedule over all its optimizer steps (train_iters x steps per iteration)."""
+def lr_schedule(cfg: GRPOConfig, section=None):
+    """The run's LR schedule over all its optimizer steps (train_iters x steps per iteration), by `section`'s
+    decay style and warmup (default actor_config; the critic passes critic_config)."""
     from mindspeed_rl.engines.megatron_engine import LRSchedule
 
-    a = cfg.actor_config
+    a = section or cfg.actor_config
     total_steps = cfg.megatron_training.train_iters * optimizer_steps_per_iteration(cfg)
     return LRSchedule(decay_style=a.lr_decay_style, warmup_steps=a.lr_warmup_fraction * total_steps,
                       decay_steps=total_steps)

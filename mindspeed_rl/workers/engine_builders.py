@@ -140,10 +140,14 @@ def build_inference_model(config: GRPOConfig, accelerator, *, model_dir: str):
     ))
 
 
-def register_training_states(offloader, actor, reference, reward_model) -> None:
+def register_training_states(offloader, actor, reference, reward_model, critic=None) -> None:
     from mindspeed_rl.memory.megatron_states import register_megatron_states
 
     register_megatron_states(offloader, actor, reference)
+    if critic is not None:
+        from mindspeed_rl.engines.critic import register_critic_states
+
+        register_critic_states(offloader, critic)
     if reward_model is not None:
         from mindspeed_rl.engines.reward_model import register_reward_states
 
@@ -156,7 +160,8 @@ def residency_policy(config: GRPOConfig, *, has_reward_model: bool, offload_infe
     gen = config.generate_config
     return ResidencyPolicy(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
                            offload_train_optimizer=gen.offload_train_optimizer, has_reward_model=has_reward_model,
-                           has_reference=config.uses_reference, offload_inference=offload_inference)
+                           has_reference=config.uses_reference, offload_inference=offload_inference,
+                           has_critic=config.critic_config is not None and offload_inference)
 
 
 def switch_layouts(config: GRPOConfig):
