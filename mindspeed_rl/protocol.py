@@ -168,3 +168,12 @@ class RolloutBatch:
             cu_seqlens=cu_seqlens.to(device),
             max_seqlen=max(lengths),
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shard:
+    """What one rank returns: the slice [start, stop) of the samples, or nothing."""
+
+    start: int
+    stop: int
+    value: object

@@ -17,9 +17,8 @@ import torch
 
 from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.config import GRPOConfig
-from mindspeed_rl.memory.residency import (CRITIC_UPDATE, CRITIC_VALUES, GENERATE, IDLE, OLD_LOGPROB, REF_LOGPROB,
-                                          REWARD, SWITCH, UPDATE)
-from mindspeed_rl.protocol import RolloutBatch
+from mindspeed_rl.memory.residency import GENERATE, IDLE, OLD_LOGPROB, REF_LOGPROB, REWARD, SWITCH, UPDATE
+from mindspeed_rl.protocol import RolloutBatch, Shard
 from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_config_for, packing_for, sampling_seed, train_dp_slice,
                                             train_on_mini_batch)
 from mindspeed_rl.workers import critic_steps
@@ -38,16 +37,7 @@ class RankInfo:
     run_key: str = ""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Shard:
-    """What one rank returns: the slice [start, stop) of the samples, or nothing."""
-
-    start: int
-    stop: int
-    value: object
-
-
-class ActorHybridWorkerBase:
+class ActorHybridWorkerBase(critic_steps.CriticMethods):
     # Named in failure messages beside the rank; the disaggregated workers are actor_train / actor_infer.
     ROLE = ""
     # What this rank builds: the training side (Megatron actor, reference, reward model), the inference side (vLLM).
@@ -301,37 +291,6 @@ class ActorHybridWorkerBase:
         metrics["actor/optimizer_steps"] = float(len(steps))
         return_free_heap()  # the update ends a rank's iteration
         return {**metrics, **in_phase.metrics()}
-
-    # -- PPO's critic (workers/critic_steps.py) -----------------------------------------------------
-    @phase_rpc(CRITIC_VALUES)
-    def compute_values(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
-        in_phase = self.ledger.record(CRITIC_VALUES)
-        start, stop, values = critic_steps.critic_values(self.critic, self.config, batch)
-        return Shard(start=start, stop=stop, value=values if self._reports_train_results() else None), in_phase.metrics()
-
-    @phase_rpc(CRITIC_UPDATE)
-    def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
-        from mindspeed_rl.memory import ActivationMeter
-
-        with ActivationMeter(self.offloader.storage_keys()) as activations:
-            metrics = critic_steps.update_critic(self.critic, self.config, batch, self.critic_shuffler)
-            in_phase = self.ledger.record(CRITIC_UPDATE, extra={"activations": activations.peak_bytes})
-        return {**metrics, **in_phase.metrics()}
-
-    @phase_rpc(CRITIC_UPDATE, label="save_critic")
-    def save_critic_checkpoint(self, checkpoint_dir: str) -> tuple[dict | None, dict[str, float]]:
-        """Collective: the critic's model and optimizer under <checkpoint>/critic; returns its scheduler state."""
-        started = time.perf_counter()
-        state = self.critic.save_sharded(os.path.join(checkpoint_dir, "critic"), with_optimizer=True)
-        return state, {"timing/save_critic": time.perf_counter() - started}
-
-    @phase_rpc(CRITIC_UPDATE, label="load_critic")
-    def load_critic_checkpoint(self, checkpoint_dir: str, *, load_optimizer: bool,
-                               scheduler_state: dict | None) -> dict[str, float]:
-        started = time.perf_counter()
-        self.critic.load_sharded(os.path.join(checkpoint_dir, "critic"), load_optimizer=load_optimizer,
-                                 scheduler_state=scheduler_state)
-        return {"timing/load_critic": time.perf_counter() - started}
 
     # -- checkpoints (mindspeed_rl/checkpoint/FORMAT.md) -------------------------------------------
     # In the update row: train params and optimizer states are on the device whatever was offloaded before.

@@ -5,6 +5,8 @@ its data-parallel slice of a batch is the actor's.
 """
 from __future__ import annotations
 
+import os
+import time
 from typing import Callable
 
 import torch
@@ -12,8 +14,10 @@ import torch
 from mindspeed_rl.algorithms.grpo import count_loss_units
 from mindspeed_rl.algorithms.ppo import clipped_value_loss
 from mindspeed_rl.config import GRPOConfig
-from mindspeed_rl.protocol import MicroBatch, RolloutBatch
+from mindspeed_rl.memory.residency import CRITIC_UPDATE, CRITIC_VALUES
+from mindspeed_rl.protocol import MicroBatch, RolloutBatch, Shard
 from mindspeed_rl.workers.actor_steps import MiniBatchShuffler, lr_schedule, packing_for, train_dp_slice
+from mindspeed_rl.workers.phase_rpc import phase_rpc
 
 CRITIC_SEED_OFFSET = 1  # the critic's mini-batch order and fresh head: a stream of their own
 
@@ -95,3 +99,38 @@ def update_critic(critic, config: GRPOConfig, batch: RolloutBatch, shuffler: Min
     metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
     metrics["critic/lr"] = steps[-1]["critic/lr"]
     return metrics
+
+
+class CriticMethods:
+    """The rank worker's critic RPCs (mixed into workers/actor_hybrid_worker.ActorHybridWorkerBase, which gives
+    `critic`, `critic_shuffler`, `config`, `ledger`, `offloader`, `sharding_manager`), each in its residency row."""
+
+    @phase_rpc(CRITIC_VALUES)
+    def compute_values(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
+        in_phase = self.ledger.record(CRITIC_VALUES)
+        start, stop, values = critic_values(self.critic, self.config, batch)
+        return Shard(start=start, stop=stop, value=values if self._reports_train_results() else None), in_phase.metrics()
+
+    @phase_rpc(CRITIC_UPDATE)
+    def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
+        from mindspeed_rl.memory import ActivationMeter
+
+        with ActivationMeter(self.offloader.storage_keys()) as activations:
+            metrics = update_critic(self.critic, self.config, batch, self.critic_shuffler)
+            in_phase = self.ledger.record(CRITIC_UPDATE, extra={"activations": activations.peak_bytes})
+        return {**metrics, **in_phase.metrics()}
+
+    @phase_rpc(CRITIC_UPDATE, label="save_critic")
+    def save_critic_checkpoint(self, checkpoint_dir: str) -> tuple[dict | None, dict[str, float]]:
+        """Collective: the critic's model and optimizer under <checkpoint>/critic; returns its scheduler state."""
+        started = time.perf_counter()
+        state = self.critic.save_sharded(os.path.join(checkpoint_dir, "critic"), with_optimizer=True)
+        return state, {"timing/save_critic": time.perf_counter() - started}
+
+    @phase_rpc(CRITIC_UPDATE, label="load_critic")
+    def load_critic_checkpoint(self, checkpoint_dir: str, *, load_optimizer: bool,
+                               scheduler_state: dict | None) -> dict[str, float]:
+        started = time.perf_counter()
+        self.critic.load_sharded(os.path.join(checkpoint_dir, "critic"), load_optimizer=load_optimizer,
+                                 scheduler_state=scheduler_state)
+        return {"timing/load_critic": time.perf_counter() - started}
