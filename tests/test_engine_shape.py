@@ -138,7 +138,7 @@ def test_the_residency_table_in_the_architecture_page_is_the_engines():
     page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     rows = [line.strip("|").split("|") for line in page.splitlines() if line.startswith("| ")]
     header, body = [c.strip() for c in rows[0]], [[c.strip() for c in row] for row in rows[1:]]
-    policy = ResidencyPolicy(has_reward_model=True)
+    policy = ResidencyPolicy(has_reward_model=True, has_critic=True)
     assert [row[0] for row in body] == list(PHASES)
     for row in body:
         phase, marks, after = row[0], row[1:-1], row[-1]
