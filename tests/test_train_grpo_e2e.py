@@ -209,6 +209,7 @@ VERBATIM_RECIPES = {
     "grpo_qwen3_8b_A3": ("cli/train_grpo.py", "dense", 16),
     "grpo_qwen25_32b_A2": ("cli/train_grpo.py", "dense", 16),
     "dapo_qwen3_30b_a3b_A3": ("cli/train_dapo.py", "moe", 16),
+    "ppo_qwen25_32b_A3": ("cli/train_ppo.py", "dense", 32),  # TP8: the tiny model has 8 KV heads
 }
 
 
@@ -225,16 +226,17 @@ def test_mindspeed_rls_own_recipes_pass_every_start_check_then_name_the_device_c
         pytest.skip(f"this host could start all {ranks} CPU ranks")
     if kind == "dense":
         model = create_tiny_qwen2_checkpoint(tmp_path / "model", vocab_size=64, hidden_size=128, ffn_hidden_size=128,
-                                             num_layers=4, num_attention_heads=8, num_query_groups=4,
+                                             num_layers=4, num_attention_heads=8, num_query_groups=8,
                                              max_position_embeddings=32768, seed=1)
     else:
         model = create_tiny_qwen3_moe_checkpoint(tmp_path / "model", hidden_size=128, num_attention_heads=8,
                                                  num_query_groups=4, num_experts=16, moe_ffn_hidden_size=64, seed=1,
                                                  max_position_embeddings=32768)
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(64)))
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(128)))
     done = run_cli(tmp_path, recipe, f"megatron_training.tokenizer_name_or_path={model}", f"actor_config.load={model}",
                    f"megatron_training.data_path={data}", f"actor_config.save={tmp_path / 'save'}",
+                   *([f"critic_config.load={model}"] if recipe.startswith("ppo") else []),
                    "runtime.device=cpu", "runtime.max_ranks_per_cpu_core=1", timeout=180, script=script)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr

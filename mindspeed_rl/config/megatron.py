@@ -7,6 +7,7 @@ this engine does (``require_only``); MindSpeed-RL keys that would do nothing her
 schema at all and are rejected with a reason (``mindspeed_rl/config/removed.py``).
 """
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
@@ -244,6 +245,11 @@ class CriticConfig(ActorConfig):
     critic is colocated with the actor: its parallel sizes are the actor's (config/algorithm_checks.py)."""
 
     SECTION_KEY: ClassVar[str] = "critic_config"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.load:  # relative to where the run was launched, whichever directory a rank runs in
+            self.load = os.path.abspath(os.path.expanduser(self.load))
 
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")

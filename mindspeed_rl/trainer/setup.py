@@ -44,6 +44,9 @@ def resolve_assets(config: GRPOConfig) -> tuple[str, str, str]:
         ref_dir = model_dir
     if ref_dir != model_dir:
         check_hf_model_dir(ref_dir, REF_DIR_KEY)
+    critic = config.critic_config
+    if critic is not None and critic.load and not is_checkpoint_dir(critic.load):
+        check_hf_model_dir(critic.load, "critic_config.load")  # an HF reward model or causal LM
     return os.path.abspath(model_dir), os.path.abspath(ref_dir), os.path.abspath(data_path)
 
 
