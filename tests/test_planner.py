@@ -431,6 +431,36 @@ def test_train_states_equal_a_live_engines_tensors(world, arch, bf16, distribute
     assert predicted.reference == sum(p.numel() * p.element_size() for p in engine.module.parameters())
 
 
+@pytest.mark.parametrize("bf16, distributed", [(True, True), (False, False)], ids=["bf16-distopt", "fp32"])
+def test_the_critics_states_equal_a_live_critics_tensors(world, bf16, distributed):
+    """PPO's critic: the trunk without the LM head, the hidden -> 1 value head, its DDP grads and Adam states."""
+    from mindspeed_rl.algorithms.ppo import clipped_value_loss
+    from mindspeed_rl.engines.critic import CriticEngine
+    from mindspeed_rl.engines.megatron_engine import OptimizerSettings
+    from mindspeed_rl.memory.megatron_states import grad_buffer_tensors, optimizer_state_tensors, param_tensors
+    from mindspeed_rl.planner.params import stage_critic_bytes
+    from mindspeed_rl.protocol import RolloutBatch
+    from mindspeed_rl.resharding.layouts import hf_shapes
+
+    arch = _tiny(hidden_size=96, intermediate_size=200, num_hidden_layers=2, vocab_size=40)
+    generator = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(shape, generator=generator) * 0.05 for k, shape in hf_shapes(arch.to_spec()).items()}
+    settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                                 clip_grad=1.0, use_distributed_optimizer=distributed)
+    critic = CriticEngine(spec=arch.to_spec(), hf_state=state, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                          accelerator=world, optimizer=settings)
+    batch = RolloutBatch.from_token_lists([[1, 2, 3]] * 2, [[4, 5], [6]], pad_id=0, response_width=2)
+    batch.columns.update(values=torch.zeros(2, 2), returns=torch.ones(2, 2))
+    critic.train_step(batch, micro_batch_size=2, loss_fn=lambda values, mb: clipped_value_loss(
+        values, mb.extras["values"], mb.extras["returns"], mb.response_mask, cliprange_value=0.5,
+        loss_agg_mode="token-mean", denominator=3.0))  # Adam's moments
+    predicted = stage_critic_bytes(arch, tp=1, pp=1, pp_rank=0, dp=1, bf16=bf16, distributed_optimizer=distributed,
+                                   dp_rank=0)
+    assert predicted.params == _storage_bytes(param_tensors(critic.module))
+    assert predicted.grads == _storage_bytes(grad_buffer_tensors(critic.model))
+    assert predicted.optimizer == _storage_bytes(optimizer_state_tensors(critic.optimizer))
+
+
 def test_activation_estimate_against_the_activation_meter(world):
     """Dimensions other than the demo's: the measured coefficients carry over (fp32, TP1, one micro-batch)."""
     arch = _tiny(vocab_size=48, hidden_size=64, intermediate_size=320, num_hidden_layers=3, num_attention_heads=8,

@@ -73,8 +73,9 @@ def activation_terms(inputs: PlanInputs) -> ActivationTerms:
                            last_stage_per_response_token=e * arch.vocab_size / t + 24)
 
 
-def activation_bytes(inputs: PlanInputs, pp_rank: int) -> int:
-    """Peak bytes autograd keeps for backward on a rank of pipeline stage `pp_rank` during the update."""
+def activation_bytes(inputs: PlanInputs, pp_rank: int, *, logits: bool = True) -> int:
+    """Peak bytes autograd keeps for backward on a rank of pipeline stage `pp_rank` during the update; without
+    `logits` (the critic's value head) the last stage keeps no vocabulary-sized rows."""
     terms = activation_terms(inputs)
     layers = stage_layers(inputs.arch, pp_rank, inputs.pp)
     per_token, recomputing = _recomputed_layers(
@@ -84,7 +85,8 @@ def activation_bytes(inputs: PlanInputs, pp_rank: int) -> int:
         recomputing += terms.first_stage if recomputing else 0.0
     if pp_rank == inputs.pp - 1:
         response = min(inputs.seq_length, inputs.response_length or inputs.seq_length)
-        per_token += terms.last_stage + terms.last_stage_per_response_token * response / inputs.padded_seq_length
+        per_token += terms.last_stage + (terms.last_stage_per_response_token * response / inputs.padded_seq_length
+                                         if logits else 0.0)
     in_flight = min(inputs.pp - pp_rank, inputs.micro_batches_per_step)
     # One micro-batch at a time runs its backward, and recomputes there: the others keep what forward left.
     return int(((in_flight - 1) * per_token + max(per_token, recomputing)) * inputs.tokens_per_micro_batch)

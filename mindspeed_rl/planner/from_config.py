@@ -79,6 +79,19 @@ def reward_architecture(config: GRPOConfig) -> Architecture | None:
     return architecture(ModelSource(_read_json(path, key), f"{path} ({key})"), key)
 
 
+def _critic_inputs(config: GRPOConfig) -> dict:
+    """PlanInputs' critic fields: its architecture from critic_config.load's config.json where that is an HF
+    directory on this machine (else the actor's), its micro-batch size and recompute."""
+    critic = config.critic_config
+    if critic is None:
+        return {}
+    path = Path(critic.load) / "config.json" if critic.load else None
+    arch = (architecture(ModelSource(_read_json(path, "critic_config.load"), f"{path} (critic_config.load)"),
+                         "critic_config.load") if path is not None and path.is_file() else None)
+    return dict(critic_arch=arch, critic_micro_batch_size=critic.micro_batch_size,
+                critic_recompute=(critic.recompute_granularity, critic.recompute_method, critic.recompute_num_layers))
+
+
 def on_cpu(config: GRPOConfig, device_memory: int | None, device: str | None = None) -> bool:
     """`device` (the run's resolved device) if given; else runtime.device, where auto plans for an accelerator
     when a device size is given and for CPU otherwise."""
@@ -105,8 +118,8 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
         policy=ResidencyPolicy(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
                                offload_train_optimizer=gen.offload_train_optimizer,
                                has_reward_model=config.reward_model is not None,
-                               has_reference=config.uses_reference),
-        reward_arch=reward_architecture(config),
+                               has_reference=config.uses_reference, has_critic=config.critic_config is not None),
+        reward_arch=reward_architecture(config), **_critic_inputs(config),
         kv=KVCacheSpec(on_cpu=cpu, cpu_bytes=int(gen.cpu_kvcache_space_gb * GIB),
                        gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
                        max_model_len=gen.max_model_len),

@@ -62,6 +62,21 @@ class PlanInputs:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    # PPO's critic (critic_config) when policy.has_critic: its architecture (None: the actor's), and its own
+    # micro-batch size and activation recompute in critic_update.
+    critic_arch: Architecture | None = None
+    critic_micro_batch_size: int = 1
+    critic_recompute: tuple[str | None, str | None, int | None] = (None, None, None)
+
+    def for_critic(self) -> "PlanInputs":
+        """These inputs as the critic's update sees them: its architecture, micro-batch and recompute, no
+        sequence parallel (the value model is built without it, engines/reward_model.py)."""
+        from dataclasses import replace
+
+        granularity, method, layers = self.critic_recompute
+        return replace(self, arch=self.critic_arch or self.arch, micro_batch_size=self.critic_micro_batch_size,
+                       sequence_parallel=False, recompute_granularity=granularity, recompute_method=method,
+                       recompute_num_layers=layers)
 
     def __post_init__(self) -> None:
         if self.activation_profile not in ACTIVATION_PROFILES:

@@ -14,11 +14,15 @@ import math
 from dataclasses import dataclass, replace
 
 from mindspeed_rl.memory.ledger import ACTIVATIONS
-from mindspeed_rl.memory.residency import (INFER_WEIGHTS, KV_CACHE, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS, SWITCH,
-                                           TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
+from mindspeed_rl.memory.residency import (CRITIC_GRADS, CRITIC_OPTIMIZER, CRITIC_PARAMS, CRITIC_UPDATE, INFER_WEIGHTS,
+                                           KV_CACHE, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS, SWITCH, TRAIN_GRADS,
+                                           TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
 from mindspeed_rl.planner.activations import activation_bytes
 from mindspeed_rl.planner.inputs import DTYPE_BYTES, GIB, PlanInputs
-from mindspeed_rl.planner.params import reward_model_bytes, stage_train_bytes, vllm_numel, vllm_stage_layers
+from mindspeed_rl.planner.params import (reward_model_bytes, stage_critic_bytes, stage_train_bytes, vllm_numel,
+                                         vllm_stage_layers)
+
+CRITIC_ACTIVATIONS = "critic_activations"  # the critic's update's; drawn as activations in its phase
 
 
 # -- per rank -------------------------------------------------------------------------------------------
@@ -33,7 +37,8 @@ class RankBytes:
         push's staging buffers."""
         resident = policy.resident(phase)
         out = {c: (self.states[c] if c in resident else 0) for c in STATE_GROUPS}
-        out[ACTIVATIONS] = self.states[ACTIVATIONS] if phase == UPDATE else 0
+        out[ACTIVATIONS] = {UPDATE: self.states[ACTIVATIONS],
+                            CRITIC_UPDATE: self.states.get(CRITIC_ACTIVATIONS, 0)}.get(phase, 0)
         if phase == SWITCH:
             out["switch_staging"] = self.switch_staging
         return out
@@ -73,8 +78,21 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
         if inputs.policy.has_reward_model else 0,
         INFER_WEIGHTS: infer, KV_CACHE: kv_cache_bytes(inputs, infer, c["infer_pp_rank"]),
         ACTIVATIONS: activation_bytes(inputs, c["pp_rank"]),
+        **_critic_states(inputs, c),
     }
     return RankBytes(rank, states, switch_staging)
+
+
+def _critic_states(inputs: PlanInputs, c: dict) -> dict[str, int]:
+    """The critic's three state groups and its update's activations (0 without a critic)."""
+    if not inputs.policy.has_critic:
+        return {CRITIC_PARAMS: 0, CRITIC_GRADS: 0, CRITIC_OPTIMIZER: 0, CRITIC_ACTIVATIONS: 0}
+    critic = inputs.for_critic()
+    state = stage_critic_bytes(critic.arch, tp=inputs.tp, pp=inputs.pp, pp_rank=c["pp_rank"], dp=inputs.dp,
+                               bf16=inputs.bf16, distributed_optimizer=inputs.distributed_optimizer,
+                               dp_rank=c["dp_rank"])
+    return {CRITIC_PARAMS: state.params, CRITIC_GRADS: state.grads, CRITIC_OPTIMIZER: state.optimizer,
+            CRITIC_ACTIVATIONS: activation_bytes(critic, c["pp_rank"], logits=False)}
 
 
 # -- the plan -------------------------------------------------------------------------------------------

@@ -234,6 +234,19 @@ def reward_model_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, bf
     return trunk + (arch.hidden_size * e if pp_rank == pp - 1 else 0)
 
 
+@lru_cache(maxsize=1024)
+def stage_critic_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, dp: int, bf16: bool,
+                       distributed_optimizer: bool, dp_rank: int) -> TrainStateBytes:
+    """The critic's (engines/critic.py) params, DDP grads and Adam states on a rank of stage `pp_rank`: the trunk's
+    shard as the actor's without the language-model head, and on the last stage the replicated hidden -> 1 value
+    head, trained like the actor."""
+    params = [p for p in _stage_params(arch, tp, pp, pp_rank, 1) if p.name != "output_layer.weight"]
+    if pp_rank == pp - 1:
+        params.append(Param("output_layer.weight", arch.hidden_size))
+    return train_state_bytes(tuple(params), bf16=bf16, distributed_optimizer=distributed_optimizer, dp=dp,
+                             expert_dp=dp, dp_rank=dp_rank, expert_dp_rank=dp_rank)
+
+
 # -- inference shards -----------------------------------------------------------------------------------
 VLLM_VOCAB_PADDING = 64
 

@@ -1,8 +1,8 @@
 """The planner's output: a text table and a JSON document of the same figures."""
 from __future__ import annotations
 
-from mindspeed_rl.memory.residency import (INFER_WEIGHTS, KV_CACHE, REF_PARAMS, REWARD_PARAMS, TRAIN_GRADS,
-                                           TRAIN_OPTIMIZER, TRAIN_PARAMS)
+from mindspeed_rl.memory.residency import (CRITIC_GRADS, CRITIC_OPTIMIZER, CRITIC_PARAMS, INFER_WEIGHTS, KV_CACHE,
+                                           REF_PARAMS, REWARD_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS)
 from mindspeed_rl.planner.from_config import Suggestion
 from mindspeed_rl.planner.activations import activation_terms
 from mindspeed_rl.planner.inputs import DTYPE_BYTES
@@ -16,6 +16,9 @@ ROWS = (
     (TRAIN_OPTIMIZER, "optimizer (Adam + fp32 masters)"),
     (REF_PARAMS, "reference params"),
     (REWARD_PARAMS, "reward model params"),
+    (CRITIC_PARAMS, "critic params"),
+    (CRITIC_GRADS, "critic grads (fp32)"),
+    (CRITIC_OPTIMIZER, "critic optimizer"),
     (INFER_WEIGHTS, "inference weights"),
     (KV_CACHE, "KV cache"),
     (ACTIVATIONS, "activations (estimate)"),
@@ -78,7 +81,7 @@ def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
               f"{'':<{width}}{header}"]
     for key, label in ROWS:
         values = [table[p].get(key, 0) for p in phases]
-        if key in (REWARD_PARAMS, "switch_staging") and not any(values):
+        if key in (REWARD_PARAMS, CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER, "switch_staging") and not any(values):
             if key == REWARD_PARAMS:
                 lines.append(f"{label:<{width}}" + "".join(f"{'-':>14}" for _ in phases))
             continue
@@ -142,7 +145,7 @@ def _moves_text(plan: MemoryPlan, h2d: float) -> list[str]:
         if move.onload or move.offload:
             seconds = (move.onload + move.offload) / h2d
             total += seconds
-            lines.append(f"  {move.before:>11} -> {move.after:<11} onload {format_bytes(move.onload):>10}  "
+            lines.append(f"  {move.before:>13} -> {move.after:<13} onload {format_bytes(move.onload):>10}  "
                          f"offload {format_bytes(move.offload):>10}  {seconds:.3f} s")
     lines.append(f"  total {total:.3f} s")
     return lines
