@@ -48,7 +48,7 @@ def response_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
 
 class CriticEngine(MegatronEngine):
     """The value model on this rank's shard, with its optimizer. Shares MegatronEngine's schedule, optimizer
-    step, last-stage broadcast and dist checkpoints, not its construction (a value head, no sequence parallel)."""
+    step, last-stage broadcast and dist checkpoints, not its construction (a value head in place of the LM head)."""
 
     def __init__(self, *, spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], params_dtype: torch.dtype,
                  accelerator: Accelerator, optimizer: OptimizerSettings, options: ModelOptions = ModelOptions(),

@@ -26,14 +26,25 @@ SCORE_WEIGHT = "score.weight"
 class ScoreHead(torch.nn.Module):
     """hidden -> 1, replicated on every TP rank (it is one row: splitting it would save nothing). Called the
     way GPTModel calls its output layer, and returns what that returns: (output, bias). Trainable for the
-    critic (its gradient is the same on every TP rank: they all see the whole hidden states)."""
+    critic. With `sequence_parallel` each TP rank holds a slice of the positions: it scores its slice and the
+    [s, b, 1] outputs are gathered (the loss after them is the same on every TP rank, so backward keeps each
+    rank's slice), and the head's gradient, a sum over this rank's positions, is summed over TP by Megatron's
+    finalize_model_grads (the `sequence_parallel` attribute, as for the norms)."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, *, trainable: bool = False):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, *, trainable: bool = False,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype), requires_grad=trainable)
+        self.sequence_parallel = sequence_parallel
+        self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
-        return torch.nn.functional.linear(hidden_states, self.weight), None
+        output = torch.nn.functional.linear(hidden_states, self.weight)
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            output = gather_from_sequence_parallel_region(output, tensor_parallel_output_grad=False)
+        return output, None
 
 
 def check_reward_checkpoint(spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], model_dir: str) -> None:
@@ -54,20 +65,27 @@ def check_reward_checkpoint(spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], 
 
 def build_reward_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, options: ModelOptions,
                            trainable_head: bool = False):
-    """The GPTModel trunk with the score head as its output layer (on the last stage). Sequence parallel is off
-    for it whatever the actor uses: the head reads whole hidden states, and a forward-only pass has no
-    activations worth splitting."""
+    """The GPTModel trunk with the score head as its output layer (on the last stage). The reward model runs
+    without sequence parallel whatever the actor uses (a forward-only pass has no activations worth splitting);
+    the critic (`trainable_head`) trains with the actor's setting, which splits its activations over TP."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    options = replace(options, sequence_parallel=False)
+    if not trainable_head:
+        options = replace(options, sequence_parallel=False)
     config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp, options=options)
     # Every parameter is loaded from the checkpoint; without initialisation the vocabulary-sized output
     # layer GPTModel makes (and this function drops) is never written, so its pages are never touched.
     config.perform_initialization = False
     layer_spec = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm,
                                           normalization="RMSNorm")
+    if config.sequence_parallel:
+        from mindspeed_rl.accelerator.megatron_cpu import with_sequence_parallel_norms
+        from mindspeed_rl.models.qwen2 import layers_of_stage
+
+        stage = layers_of_stage(spec, parallel_state.get_pipeline_model_parallel_rank(), pp)
+        layer_spec = with_sequence_parallel_norms(layer_spec, len(stage))
     post_process = parallel_state.is_pipeline_last_stage()
     model = GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab_size,
                      max_sequence_length=spec.max_position_embeddings,
@@ -75,7 +93,8 @@ def build_reward_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: in
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      rotary_base=int(spec.rope_theta))
     if post_process:
-        model.output_layer = ScoreHead(spec.hidden_size, params_dtype, trainable=trainable_head)
+        model.output_layer = ScoreHead(spec.hidden_size, params_dtype, trainable=trainable_head,
+                                       sequence_parallel=config.sequence_parallel)
     return model
 
 

@@ -69,14 +69,13 @@ class PlanInputs:
     critic_recompute: tuple[str | None, str | None, int | None] = (None, None, None)
 
     def for_critic(self) -> "PlanInputs":
-        """These inputs as the critic's update sees them: its architecture, micro-batch and recompute, no
-        sequence parallel (the value model is built without it, engines/reward_model.py)."""
+        """These inputs as the critic's update sees them: its architecture, micro-batch and recompute (the
+        actor's layout and sequence parallel)."""
         from dataclasses import replace
 
         granularity, method, layers = self.critic_recompute
         return replace(self, arch=self.critic_arch or self.arch, micro_batch_size=self.critic_micro_batch_size,
-                       sequence_parallel=False, recompute_granularity=granularity, recompute_method=method,
-                       recompute_num_layers=layers)
+                       recompute_granularity=granularity, recompute_method=method, recompute_num_layers=layers)
 
     def __post_init__(self) -> None:
         if self.activation_profile not in ACTIVATION_PROFILES:
