@@ -41,9 +41,18 @@ def test_lam_and_use_kl_in_reward_are_read_with_gae_and_listed_as_no_effect_with
     (PPO, ["rl_config.kl_ctrl_type=adaptive", "rl_config.use_kl_in_reward=true"],
      "rl_config.kl_target: must be set with kl_ctrl_type adaptive"),
     (PPO, ["rl_config.lam=1.5"], "rl_config.lam: must be in [0, 1]"),
+    (TINY, ["+critic.device_mapping=[0]"], "critic: a critic role needs a critic_config section"),
+    (PPO, ["+critic.device_mapping=[2,3]"], "critic.device_mapping: must be actor_train's devices (0,1) today"),
     (PPO, ["rl_config.cliprange_value=0"], "rl_config.cliprange_value: must be > 0"),
 ])
 def test_an_inconsistent_ppo_config_is_one_error_naming_its_key(config_name, overrides, expected):
     with pytest.raises(ConfigError) as info:
         load(config_name, *overrides)
     assert str(info.value).startswith(expected), str(info.value)
+
+
+def test_ROLLs_critic_role_on_the_actors_devices_is_placed_and_listed():
+    config = load(PPO, "+critic.device_mapping='list(range(0,2))'")
+    plan = config.resource_plan
+    assert plan.role("critic").devices == (0, 1)
+    assert "critic" in plan.table("cpu")

@@ -99,6 +99,8 @@ def check_critic(config) -> None:
                           f"adv_estimator gae; got adv_estimator {rl.adv_estimator!r}"
                           f"{' and no' if critic is None else ' and a'} critic_config")
     if critic is None:
+        if config.critic is not None:
+            raise ConfigError("critic", "a critic role needs a critic_config section (PPO, adv_estimator gae)")
         return
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                  "num_layer_list"):

@@ -12,6 +12,7 @@ from mindspeed_rl.config.model_arch import ModelArchConfig
 from mindspeed_rl.config.resources import (
     ActorInferResources,
     ActorTrainResources,
+    CriticResources,
     DISAGGREGATED,
     ReferenceResources,
     ResourcePlan,
@@ -55,6 +56,7 @@ class GRPOConfig:
     actor_train: Optional[ActorTrainResources] = None
     actor_infer: Optional[ActorInferResources] = None
     reference: Optional[ReferenceResources] = None
+    critic: Optional[CriticResources] = None  # ROLL's critic role (PPO); left out: the actor's devices
     rewards: dict[str, RewardResources] = field(default_factory=dict)
     # ROLL's top-level key. 0: synchronous (a rollout uses the weights of the update just before it). 1:
     # one-step off-policy, disaggregated only: the rollout of iteration k+1 runs on the inference devices
@@ -77,6 +79,7 @@ class GRPOConfig:
             use_integrated_worker=self.rl_config.use_integrated_worker,
             infer_tensor_parallel_size=generate.infer_tensor_parallel_size,
             infer_pipeline_parallel_size=generate.infer_pipeline_parallel_size,
+            critic=self.critic, has_critic=self.critic_config is not None,
         )
 
     @property

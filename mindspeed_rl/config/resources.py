@@ -6,6 +6,7 @@ The sections (all optional, top level, as in ROLL's YAMLs)::
     actor_train:   {device_mapping: list(range(0,16))}                          # 16 // 1 = 16 workers
     actor_infer:   {device_mapping: list(range(0,12)), num_gpus_per_worker: 2}  # 12 // 2 = 6 workers
     reference:     {device_mapping: list(range(0,16))}
+    critic:        {device_mapping: list(range(0,16))}                          # PPO (critic_config)
     rewards:
       code_sandbox: {world_size: 8}                                             # CPU only: 8 Ray actors
       helpfulness: {model_path: /ckpt/qwen2-rm, weight: 0.5}                    # a reward model, actor's devices
@@ -310,6 +311,14 @@ class ReferenceResources(RoleResourceConfig):
 
 
 @dataclass(kw_only=True)
+class CriticResources(RoleResourceConfig):
+    """`critic` (ROLL's role; PPO with critic_config): the value model's training ranks, the actor's today."""
+
+    SECTION_KEY: ClassVar[str] = "critic"
+    GPUS_PER_WORKER: ClassVar[Optional[int]] = 1
+
+
+@dataclass(kw_only=True)
 class RewardResources:
     """`rewards.<name>`: a reward role. Either CPU workers running the rule verifiers of
     `rl_config.verifier_function` (weights `rl_config.verifier_weight`), `world_size` Ray actors; or, with
@@ -506,11 +515,14 @@ def actor_world_size(actor_train: Optional[RoleResourceConfig], num_npus: Option
 def build_resource_plan(*, actor_train: Optional[RoleResourceConfig], actor_infer: Optional[RoleResourceConfig],
                         reference: Optional[RoleResourceConfig], rewards: Mapping[str, RewardResources],
                         num_gpus_per_node: Optional[int], num_npus: Optional[int], use_integrated_worker: bool,
-                        infer_tensor_parallel_size: int, infer_pipeline_parallel_size: int) -> ResourcePlan:
+                        infer_tensor_parallel_size: int, infer_pipeline_parallel_size: int,
+                        critic: Optional[RoleResourceConfig] = None, has_critic: bool = False) -> ResourcePlan:
     """Every role's devices and world size with the seed's checks (divisibility, vLLM's devices per
     worker, workers within a node, shared devices under a declared disaggregated layout). Pure: what
     the engine runs today is :func:`check_supported`'s business."""
     sections = {"actor_train": actor_train, "actor_infer": actor_infer, "reference": reference}
+    if has_critic or critic is not None:  # PPO: a fourth role on devices
+        sections["critic"] = critic
     mapped = [key for key, section in sections.items() if section is not None and section.device_mapping is not None]
     mapped += [f"rewards.{name}" for name, section in rewards.items() if section.device_mapping is not None]
     if not use_integrated_worker and not mapped:
@@ -525,6 +537,7 @@ def build_resource_plan(*, actor_train: Optional[RoleResourceConfig], actor_infe
     gpus_per_worker = {
         "actor_train": (1, "1 (a training role has one device per worker)"),
         "reference": (1, "1 (a training role has one device per worker)"),
+        "critic": (1, "1 (a training role has one device per worker)"),
         "actor_infer": (tp * pp, f"generate_config.infer_tensor_parallel_size * infer_pipeline_parallel_size = "
                                  f"{tp} * {pp} = {tp * pp} (vLLM's devices per worker)"),
     }
@@ -591,13 +604,14 @@ def check_supported(plan: ResourcePlan, rewards: Mapping[str, RewardResources]) 
                               f"got {format_devices(infer.devices)}: disaggregated ranks are started training ranks "
                               "first, then inference ranks, on the devices Ray gives them")
     shared_roles = ("reference",) if plan.mode == DISAGGREGATED else ("actor_infer", "reference")
+    shared_roles += ("critic",) if any(role.key == "critic" for role in plan.roles) else ()
     for key in shared_roles:
         role = plan.role(key)
         if role.devices != train.devices:
             raise ConfigError(role.source,
                               f"must be actor_train's devices ({format_devices(train.devices)}) today, got "
                               f"{format_devices(role.devices)}: roles that share only some devices are not "
-                              "supported yet (the reference runs on the training ranks)")
+                              f"supported yet (the {key} runs on the training ranks)")
     models = [name for name, section in rewards.items() if section.is_model]
     for name in models:
         # A reward model is colocated: built on the actor's ranks in its TP/PP layout, time-shared.
