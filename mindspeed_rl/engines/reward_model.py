@@ -80,6 +80,10 @@ def build_reward_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: in
     config.perform_initialization = False
     layer_spec = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm,
                                           normalization="RMSNorm")
+    if options.packed_sequences:  # the critic's micro-batches are packed like the actor's
+        from mindspeed_rl.models.packed_attention import with_packed_attention
+
+        layer_spec = with_packed_attention(layer_spec)
     if config.sequence_parallel:
         from mindspeed_rl.accelerator.megatron_cpu import with_sequence_parallel_norms
         from mindspeed_rl.models.qwen2 import layers_of_stage
