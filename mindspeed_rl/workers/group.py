@@ -24,6 +24,7 @@ from mindspeed_rl.workers.supervision import (Deadlines, HeartbeatWatch, WorkerA
                                               deadline_text, describe_worker_error, silent_ranks)
 
 _EXIT_WAIT_SECONDS = 10.0
+_RANK_EXIT_GRACE_SECONDS = 3.0
 
 
 class RayActorGroup(RankGroupBase):
@@ -115,13 +116,16 @@ class RayActorGroup(RankGroupBase):
         shared-memory segments vLLM leaves behind (a killed process never unlinks its own)."""
         # Children first found, then orphaned by the kill: Megatron's checkpoint writer starts a
         # multiprocessing Manager in each rank, and Python a resource tracker; neither dies with it.
-        local_pids = self._local_pids()
-        local_pids += descendants(local_pids)
+        rank_pids = self._local_pids()
+        local_pids = rank_pids + descendants(rank_pids)
         self.shm_segments.update(mapped_shm_segments(local_pids))
         for worker in self.workers:
             with contextlib.suppress(Exception):
                 ray.kill(worker, no_restart=True)
-        # Ray's kill lets a process exit on its own first; a stopped or hung one never does.
+        # Ray's kill lets a rank exit on its own: given a moment it does (a SIGKILL racing that exit made the raylet
+        # print "a worker died ... by an unexpected system error" after a run that ended well); a stopped or hung
+        # one never does, and is SIGKILLed after the moment.
+        wait_for_exit(rank_pids, timeout_seconds=_RANK_EXIT_GRACE_SECONDS)
         sigkill_rank_processes(local_pids)
         wait_for_exit(local_pids, timeout_seconds=_EXIT_WAIT_SECONDS)
         self.placement.remove()
