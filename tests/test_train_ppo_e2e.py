@@ -3,12 +3,15 @@
   own phases (the ledger's records of the live run);
 - 1 rank: a run resumed from its iteration-2 checkpoint reaches the uninterrupted run's iteration 3 exactly:
   metrics (the adaptive KL coefficient included), the critic's weights and Adam states;
+- disaggregated roles (actor_train with the reference and the critic on device 0, vLLM on device 1) train the critic
+  as the colocated run does: the same rewards, values and value losses;
 - the GRPO entry point refuses a PPO recipe, naming the one to use.
 
-Runs where: four CLI runs, ~2.5 min on 2 cores."""
+Runs where: six CLI runs, ~3 min on 2 cores."""
 
 import json
 
+import pytest
 import torch
 
 from cli_runner import run_cli
@@ -68,6 +71,16 @@ def test_a_resumed_run_matches_the_uninterrupted_one_with_the_critic(world, tmp_
         have = dist_checkpointing.load_plain_tensors(str(resumed / "save" / "iter_0000003" / "critic" / part))
         assert sorted(want) == sorted(have)
         assert all(torch.equal(want[k], have[k]) for k in want if isinstance(want[k], torch.Tensor)), part
+
+
+def test_disaggregated_roles_train_the_critic_as_the_colocated_run_does(tmp_path):
+    apart = run_cli(tmp_path / "apart", "ppo_tiny_cpu_disaggregated", "megatron_training.train_iters=2", script=PPO)
+    assert apart.returncode == 0, apart.stderr[-3000:]
+    together = run_cli(tmp_path / "together", "ppo_tiny_cpu", *ONE_RANK, "megatron_training.train_iters=2", script=PPO)
+    assert together.returncode == 0, together.stderr[-3000:]
+    for got, want in zip(_records(tmp_path / "apart"), _records(tmp_path / "together"), strict=True):
+        for key in ("reward/mean", "critic/values/mean", "critic/returns/mean", "critic/vf_loss", "actor/pg_loss"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
 
 
 def test_the_grpo_entry_point_refuses_a_ppo_recipe(tmp_path):

@@ -111,14 +111,12 @@ def check_critic(config) -> None:
     if critic.model not in config.model and config.model:
         raise ConfigError("critic_config.model", f"must name a block under `model` ({', '.join(config.model)}), "
                                                  f"got {critic.model!r}")
+    # The critic shares the training ranks (disaggregated: actor_train's, beside the reference).
     resource = rl.critic_resource
     if resource is not None and resource.num_npus != config.world_size:
         raise ConfigError("rl_config.critic_resource.num_npus", f"must equal the actor's {config.world_size} devices: "
                                                                 f"the critic is colocated (its own devices are not "
                                                                 f"supported yet), got {resource.num_npus}")
-    if config.disaggregated:
-        raise ConfigError("critic_config", "a critic with disaggregated actor_train/actor_infer roles is not "
-                                           "supported yet: colocate the roles")
     arch = config.model.get(critic.model)
     if arch is not None and arch.num_experts:
         raise ConfigError("critic_config.model", "a MoE critic is not supported (dense Qwen2/Qwen3 only)")
