@@ -43,10 +43,16 @@ def reinforce_plus_plus_advantages(rewards: Tensor, response_mask: Tensor, gamma
     # Steps from each token to its response's last token (the reward), counted over valid tokens only.
     steps_to_end = mask.flip(-1).cumsum(-1).flip(-1) - 1.0
     returns = rewards.to(torch.float64).unsqueeze(-1) * gamma ** steps_to_end.clamp(min=0) * mask
+    return (masked_whiten(returns, mask) * mask).to(torch.float32)
+
+
+def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the valid positions, with the unbiased variance (verl's masked_whiten)."""
+    mask = mask.to(torch.float64)
     count = mask.sum()
-    mean = returns.sum() / count
-    var = ((returns - mean) ** 2 * mask).sum() / (count - 1).clamp(min=1)
-    return ((returns - mean) * torch.rsqrt(var + WHITEN_EPS) * mask).to(torch.float32)
+    mean = (values * mask).sum() / count
+    var = (((values - mean) ** 2) * mask).sum() / (count - 1).clamp(min=1)
+    return (values - mean) * torch.rsqrt(var + WHITEN_EPS)
 
 
 def compute_advantages(rl, rewards: Tensor, response_mask: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from mindspeed_rl.algorithms.advantages import WHITEN_EPS
+from mindspeed_rl.algorithms.advantages import masked_whiten
 from mindspeed_rl.algorithms.grpo import aggregate_loss, kl_penalty, masked_mean
 
 KL_CONTROLLERS = ("fixed", "adaptive")
@@ -63,15 +63,6 @@ def gae_advantages_and_returns(rewards: Tensor, values: Tensor, response_mask: T
         advantages[:, t] = advantage
     returns = (advantages + values) * mask
     return (masked_whiten(advantages, mask) * mask).to(torch.float32), returns.to(torch.float32)
-
-
-def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over the valid positions, with the unbiased variance (verl's masked_whiten)."""
-    mask = mask.to(torch.float64)
-    count = mask.sum()
-    mean = (values * mask).sum() / count
-    var = (((values - mean) ** 2) * mask).sum() / (count - 1).clamp(min=1)
-    return (values - mean) * torch.rsqrt(var + WHITEN_EPS)
 
 
 def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor, *,

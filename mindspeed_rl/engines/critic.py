@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from mindspeed_rl.accelerator import Accelerator
-from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings, _in_batch_order
+from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
 from mindspeed_rl.engines.reward_model import SCORE_WEIGHT, build_reward_gpt_model, load_reward_weights
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec
 from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
@@ -75,18 +75,11 @@ class CriticEngine(MegatronEngine):
     def compute_values(self, batch: RolloutBatch, *, micro_batch_size: int,
                        packing: Packing | None = None) -> torch.Tensor:
         """[num_samples, response_width] values of the response tokens, on every rank."""
-
-        def collect(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = True):
-            return response_values(output, mb)
-
-        self.model.eval()
-        micro_batches = self._micro_batches(batch, micro_batch_size, packing)
-        with self.accelerator.megatron_context():
-            outputs = self._run_schedule(micro_batches, collect, forward_only=True, collect_non_loss_data=True)
-        return self._from_last_stage(_in_batch_order(outputs, micro_batches), batch.response_logprobs_shape)
+        return self._forward_response_rows(batch, micro_batch_size, packing,
+                                           lambda mb, output: response_values(output, mb))
 
     def train_step(self, batch: RolloutBatch, *, micro_batch_size: int, loss_fn: Callable,
-                   packing: Packing | None = None, **_unused) -> dict[str, float]:
+                   packing: Packing | None = None) -> dict[str, float]:
         """One optimizer step: loss_fn(values, mb) -> (loss, stats), normalised by the whole mini-batch (as the
         actor's). Returns the stats summed over micro-batches and DP ranks, `critic/grad_norm`, `critic/lr`."""
         return self._optimizer_step(batch, micro_batch_size, packing,

@@ -249,9 +249,19 @@ class MegatronEngine:
                          packing: Packing | None = None) -> torch.Tensor:
         """[num_samples, response_width] log-probs of the response tokens, on every rank."""
 
-        def collect(mb: MicroBatch, logits: torch.Tensor, non_loss_data: bool = True):
+        def logprobs(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
             return response_logprobs_from_logits(logits, mb, temperature, with_entropy=False,
                                                  chunk_tokens=self.logprob_chunk_tokens)[0]
+
+        return self._forward_response_rows(batch, micro_batch_size, packing, logprobs)
+
+    def _forward_response_rows(self, batch: RolloutBatch, micro_batch_size: int, packing: Packing | None,
+                               per_micro_batch: Callable) -> torch.Tensor:
+        """Forward only: per_micro_batch(mb, model output) -> [b, response_width] on the last stage, assembled in
+        the batch's sample order and broadcast to every rank (the actor's log-probs, the critic's values)."""
+
+        def collect(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = True):
+            return per_micro_batch(mb, output)
 
         self.model.eval()
         micro_batches = self._micro_batches(batch, micro_batch_size, packing)

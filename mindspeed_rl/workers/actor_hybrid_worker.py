@@ -19,8 +19,8 @@ from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.memory.residency import GENERATE, IDLE, OLD_LOGPROB, REF_LOGPROB, REWARD, SWITCH, UPDATE
 from mindspeed_rl.protocol import RolloutBatch, Shard
-from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_config_for, packing_for, sampling_seed, train_dp_slice,
-                                            train_on_mini_batch)
+from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_config_for, over_mini_batches, packing_for,
+                                            sampling_seed, train_dp_slice, train_on_mini_batch)
 from mindspeed_rl.workers import critic_steps
 from mindspeed_rl.workers.phase_rpc import phase_rpc
 
@@ -273,22 +273,18 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
 
         rl = self.config.rl_config
         loss_config = loss_config_for(self.config, kl_coef)
-        mini_batch_size = rl.mini_batch_size_in_samples
-        steps: list[dict[str, float]] = []
+
+        def step(mini_batch: RolloutBatch) -> dict[str, float]:
+            return train_on_mini_batch(self.actor, mini_batch, loss_config,
+                                       micro_batch_size=self.config.actor_config.micro_batch_size,
+                                       temperature=self.config.generate_config.sampling_config.temperature,
+                                       packing=packing_for(rl, "update"))
+
         with ActivationMeter(self.offloader.storage_keys()) as activations:
-            for _ in range(rl.epochs):
-                order = self.shuffler.order(len(batch))
-                for first in range(0, len(batch), mini_batch_size):
-                    steps.append(train_on_mini_batch(
-                        self.actor, batch.select(order[first:first + mini_batch_size]), loss_config,
-                        micro_batch_size=self.config.actor_config.micro_batch_size,
-                        temperature=self.config.generate_config.sampling_config.temperature,
-                        packing=packing_for(rl, "update")))
+            metrics, steps = over_mini_batches(batch, rl, self.shuffler, step, lr_key="actor/lr")
             # Recorded after the steps: the optimizer creates its moments lazily at the first one.
             in_phase = self.ledger.record(UPDATE, extra={"activations": activations.peak_bytes})
-        metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-        metrics["actor/lr"] = steps[-1]["actor/lr"]  # the rate the iteration ended on, not a mean
-        metrics["actor/optimizer_steps"] = float(len(steps))
+        metrics["actor/optimizer_steps"] = float(steps)
         return_free_heap()  # the update ends a rank's iteration
         return {**metrics, **in_phase.metrics()}
 

@@ -69,15 +69,35 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
                              temperature=temperature, loss_fn=loss_fn, packing=packing)
 
 
+def over_mini_batches(batch: RolloutBatch, rl, shuffler: MiniBatchShuffler, step, *,
+                      lr_key: str) -> tuple[dict[str, float], int]:
+    """`rl.epochs` passes over `batch` in mini-batches of `rl.mini_batch_size_in_samples` in the shuffler's order,
+    step(mini_batch) -> stats, one optimizer step each (the actor's update, the critic's). Returns the mean stats,
+    with `lr_key` the rate the last step used (not a mean), and the number of steps."""
+    size = rl.mini_batch_size_in_samples
+    steps: list[dict[str, float]] = []
+    for _ in range(rl.epochs):
+        order = shuffler.order(len(batch))
+        for first in range(0, len(batch), size):
+            steps.append(step(batch.select(order[first:first + size])))
+    metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+    metrics[lr_key] = steps[-1][lr_key]
+    return metrics, len(steps)
+
+
 def loss_config_for(config: GRPOConfig, kl_coef: float) -> GRPOLossConfig:
     """The update's loss from rl_config: clip-higher's eps_high when clip_higher_enable (MindSpeed-RL's
     clip_ratio_low/high, else clip_ratio both ways), the aggregation loss_agg_mode or else token_level_loss's."""
     rl = config.rl_config
     low, high = (rl.clip_ratio_low, rl.clip_ratio_high) if rl.clip_higher_enable else (rl.clip_ratio, None)
-    mode = rl.loss_agg_mode or ("token-mean" if rl.token_level_loss else "seq-mean-token-mean")
     return GRPOLossConfig(clip_ratio=low, clip_ratio_high=high, kl_penalty=rl.kl_penalty, kl_coef=kl_coef,
-                          entropy_coeff=rl.entropy_coeff, loss_agg_mode=mode,
+                          entropy_coeff=rl.entropy_coeff, loss_agg_mode=loss_agg_mode(rl),
                           norm_length=config.generate_config.sampling_config.max_tokens)
+
+
+def loss_agg_mode(rl) -> str:
+    """rl_config.loss_agg_mode, else token_level_loss's: the aggregation of the actor's and the critic's losses."""
+    return rl.loss_agg_mode or ("token-mean" if rl.token_level_loss else "seq-mean-token-mean")
 
 
 def packing_for(rl, phase: str) -> Packing | None:

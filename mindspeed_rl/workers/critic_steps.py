@@ -16,7 +16,8 @@ from mindspeed_rl.algorithms.ppo import clipped_value_loss
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.memory.residency import CRITIC_UPDATE, CRITIC_VALUES
 from mindspeed_rl.protocol import MicroBatch, RolloutBatch, Shard
-from mindspeed_rl.workers.actor_steps import MiniBatchShuffler, lr_schedule, packing_for, train_dp_slice
+from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_agg_mode, lr_schedule, over_mini_batches,
+                                            packing_for, train_dp_slice)
 from mindspeed_rl.workers.phase_rpc import phase_rpc
 
 CRITIC_SEED_OFFSET = 1  # the critic's mini-batch order and fresh head: a stream of their own
@@ -38,6 +39,7 @@ def build_critic(config: GRPOConfig, accelerator, options, *, model_dir: str, pr
     weights; None without a critic_config."""
     if config.critic_config is None:
         return None
+    from mindspeed_rl.checkpoint.store import is_checkpoint_dir
     from mindspeed_rl.engines.critic import CriticEngine
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
     from mindspeed_rl.workers.engine_builders import params_dtype, train_spec
@@ -45,7 +47,7 @@ def build_critic(config: GRPOConfig, accelerator, options, *, model_dir: str, pr
     from dataclasses import replace
 
     c = config.critic_config
-    spec, state = load_hf_checkpoint(c.load if c.load and not _is_our_checkpoint(c.load) else model_dir)
+    spec, state = load_hf_checkpoint(c.load if c.load and not is_checkpoint_dir(c.load) else model_dir)
     options = replace(options, recompute_granularity=c.recompute_granularity, recompute_method=c.recompute_method,
                       recompute_num_layers=c.recompute_num_layers)  # the critic's own activation recompute
     critic = CriticEngine(spec=train_spec(config, spec), hf_state=state, params_dtype=params_dtype(config),
@@ -53,12 +55,6 @@ def build_critic(config: GRPOConfig, accelerator, options, *, model_dir: str, pr
                           head_seed=config.megatron_training.seed + CRITIC_SEED_OFFSET)
     progress("Megatron critic built")
     return critic
-
-
-def _is_our_checkpoint(path: str) -> bool:
-    from mindspeed_rl.checkpoint.store import is_checkpoint_dir
-
-    return is_checkpoint_dir(path)
 
 
 def critic_shuffler(config: GRPOConfig) -> MiniBatchShuffler:
@@ -79,26 +75,21 @@ def update_critic(critic, config: GRPOConfig, batch: RolloutBatch, shuffler: Min
     """`epochs` passes over the batch in the actor's mini-batch size, one critic optimizer step per mini-batch, on
     the clipped value loss toward the batch's `returns` around its `values` (the rollout's)."""
     rl = config.rl_config
-    mode = rl.loss_agg_mode or ("token-mean" if rl.token_level_loss else "seq-mean-token-mean")
-    steps = []
-    for _ in range(rl.epochs):
-        order = shuffler.order(len(batch))
-        for first in range(0, len(batch), rl.mini_batch_size_in_samples):
-            mini_batch = batch.select(order[first:first + rl.mini_batch_size_in_samples])
-            denominator = count_loss_units(mini_batch.response_mask, mode)
-            start, stop = train_dp_slice(len(mini_batch))
+    mode = loss_agg_mode(rl)
 
-            def loss_fn(values: torch.Tensor, mb: MicroBatch):
-                return clipped_value_loss(values, mb.extras["values"], mb.extras["returns"], mb.response_mask,
-                                          cliprange_value=rl.cliprange_value, loss_agg_mode=mode,
-                                          denominator=denominator)
+    def step(mini_batch: RolloutBatch) -> dict[str, float]:
+        denominator = count_loss_units(mini_batch.response_mask, mode)
+        start, stop = train_dp_slice(len(mini_batch))
 
-            steps.append(critic.train_step(mini_batch.select(slice(start, stop)),
-                                           micro_batch_size=config.critic_config.micro_batch_size, loss_fn=loss_fn,
-                                           packing=packing_for(rl, "update")))
-    metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-    metrics["critic/lr"] = steps[-1]["critic/lr"]
-    return metrics
+        def loss_fn(values: torch.Tensor, mb: MicroBatch):
+            return clipped_value_loss(values, mb.extras["values"], mb.extras["returns"], mb.response_mask,
+                                      cliprange_value=rl.cliprange_value, loss_agg_mode=mode, denominator=denominator)
+
+        return critic.train_step(mini_batch.select(slice(start, stop)),
+                                 micro_batch_size=config.critic_config.micro_batch_size, loss_fn=loss_fn,
+                                 packing=packing_for(rl, "update"))
+
+    return over_mini_batches(batch, rl, shuffler, step, lr_key="critic/lr")[0]
 
 
 class CriticMethods:
