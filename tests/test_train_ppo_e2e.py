@@ -3,11 +3,12 @@
   own phases (the ledger's records of the live run);
 - 1 rank: a run resumed from its iteration-2 checkpoint reaches the uninterrupted run's iteration 3 exactly:
   metrics (the adaptive KL coefficient included), the critic's weights and Adam states;
-- disaggregated roles (actor_train with the reference and the critic on device 0, vLLM on device 1) train the critic
-  as the colocated run does: the same rewards, values and value losses;
+- disaggregated roles (actor_train with the reference and the critic on device 0, vLLM on device 1), and the critic on
+  a device of its own, train the critic as the colocated run does: the same rewards, values and value losses; the
+  critic's own rank killed in its update stops the run naming it;
 - the GRPO entry point refuses a PPO recipe, naming the one to use.
 
-Runs where: six CLI runs, ~3 min on 2 cores."""
+Runs where: seven CLI runs, ~4 min on 2 cores."""
 
 import json
 
@@ -73,14 +74,48 @@ def test_a_resumed_run_matches_the_uninterrupted_one_with_the_critic(world, tmp_
         assert all(torch.equal(want[k], have[k]) for k in want if isinstance(want[k], torch.Tensor)), part
 
 
-def test_disaggregated_roles_train_the_critic_as_the_colocated_run_does(tmp_path):
-    apart = run_cli(tmp_path / "apart", "ppo_tiny_cpu_disaggregated", "megatron_training.train_iters=2", script=PPO)
-    assert apart.returncode == 0, apart.stderr[-3000:]
-    together = run_cli(tmp_path / "together", "ppo_tiny_cpu", *ONE_RANK, "megatron_training.train_iters=2", script=PPO)
-    assert together.returncode == 0, together.stderr[-3000:]
-    for got, want in zip(_records(tmp_path / "apart"), _records(tmp_path / "together"), strict=True):
+@pytest.fixture(scope="module")
+def colocated_one_rank(tmp_path_factory):
+    """Three iterations with the critic taking turns on the one training rank: what the other placements match."""
+    run_dir = tmp_path_factory.mktemp("together")
+    done = run_cli(run_dir, "ppo_tiny_cpu", *ONE_RANK, "megatron_training.train_iters=3", script=PPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _records(run_dir)
+
+
+def _assert_trains_as(records: list[dict], expected: list[dict]) -> None:
+    assert [r["iteration"] for r in records] == [r["iteration"] for r in expected[:len(records)]]
+    for got, want in zip(records, expected):
         for key in ("reward/mean", "critic/values/mean", "critic/returns/mean", "critic/vf_loss", "actor/pg_loss"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+
+
+def test_disaggregated_roles_train_the_critic_as_the_colocated_run_does(tmp_path, colocated_one_rank):
+    apart = run_cli(tmp_path / "apart", "ppo_tiny_cpu_disaggregated", "megatron_training.train_iters=2", script=PPO)
+    assert apart.returncode == 0, apart.stderr[-3000:]
+    _assert_trains_as(_records(tmp_path / "apart"), colocated_one_rank[:2])
+
+
+def test_a_critic_on_its_own_device_trains_as_the_colocated_one_until_its_rank_dies(tmp_path, colocated_one_rank):
+    """The critic's own rank (ppo_tiny_cpu_critic_devices): its states stay there, as the planner predicts; it trains
+    as the colocated critic does; killed in its third update (beside the actor's), the run stops naming it."""
+    fault = {"MINDSPEED_RL_INJECT_FAULT": "critic/update_critic:0:3:kill"}
+    done = run_cli(tmp_path, "ppo_tiny_cpu_critic_devices", "megatron_training.train_iters=3", script=PPO, env=fault)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("worker failure during iteration 3: critic rank 0 (host "), last
+    assert "failed in update_critic" in last and "Traceback" not in done.stderr
+    records = _records(tmp_path, all_keys=True)
+    _assert_trains_as(records, colocated_one_rank)
+    for record in records:
+        for phase in ("critic_values", "after_critic_values", "critic_update", "after_critic_update"):
+            assert record[f"memory/{phase}/critic_params_bytes"] > 0, phase  # resident on its device
+        measured = [k for k in record if k.startswith("memory/") and k.endswith("_bytes") and "predicted" not in k]
+        assert not [k for k in measured if "/critic" in k and not k.startswith(("memory/critic", "memory/after_critic"))]
+    # Adam's moments exist from the first step on, and stay there (a colocated critic's leave after its update):
+    # the critic's device holds all three of its states when it computes values, as the planner's row says.
+    assert records[1]["memory/critic_values/critic_optimizer_states_bytes"] > 0
+    assert records[1]["memory/critic_values/total_bytes"] == records[1]["memory/critic_values/predicted_bytes"]
 
 
 def test_the_grpo_entry_point_refuses_a_ppo_recipe(tmp_path):

@@ -86,7 +86,7 @@ def resume_actor(actor_group, point: ResumePoint, *, finetune: bool, no_load_opt
                      scheduler_state=point.state["scheduler"] if load_optimizer else None)
     if with_critic and "critic_scheduler" in point.state:
         actor_group.call("load_critic_checkpoint", str(point.path), load_optimizer=load_optimizer,
-                         scheduler_state=point.state["critic_scheduler"] if load_optimizer else None)
+                         load_rng=resuming and not no_load_rng, scheduler_state=point.state["critic_scheduler"] if load_optimizer else None)
 
 
 def truncate_metrics_after(metrics_path: Path, iteration: int) -> None:

@@ -111,12 +111,29 @@ def check_critic(config) -> None:
     if critic.model not in config.model and config.model:
         raise ConfigError("critic_config.model", f"must name a block under `model` ({', '.join(config.model)}), "
                                                  f"got {critic.model!r}")
-    # The critic shares the training ranks (disaggregated: actor_train's, beside the reference).
-    resource = rl.critic_resource
-    if resource is not None and resource.num_npus != config.world_size:
-        raise ConfigError("rl_config.critic_resource.num_npus", f"must equal the actor's {config.world_size} devices: "
-                                                                f"the critic is colocated (its own devices are not "
-                                                                f"supported yet), got {resource.num_npus}")
+    # The critic shares the training ranks (disaggregated: actor_train's, beside the reference), or has its own.
+    resource, world = rl.critic_resource, config.critic_world_size
+    if resource is not None and resource.num_npus != world:
+        where = "its own devices (critic.device_mapping)" if config.critic_has_own_devices else \
+            "the actor's devices (colocated; a critic of its own is given by critic.device_mapping, ROLL's role)"
+        raise ConfigError("rl_config.critic_resource.num_npus", f"must equal the critic's {world} devices, "
+                                                                f"{where}, got {resource.num_npus}")
+    if config.critic_has_own_devices:
+        _check_critic_ranks(config)
     arch = config.model.get(critic.model)
     if arch is not None and arch.num_experts:
         raise ConfigError("critic_config.model", "a MoE critic is not supported (dense Qwen2/Qwen3 only)")
+
+
+def _check_critic_ranks(config) -> None:
+    """A critic on devices of its own: the actor's TP x PP over its ranks, its data-parallel share of a mini-batch."""
+    actor, critic, world = config.actor_config, config.critic_config, config.critic_world_size
+    model_parallel = actor.tensor_model_parallel_size * actor.pipeline_model_parallel_size
+    if world % model_parallel:
+        raise ConfigError("critic.device_mapping", f"gives the critic {world} devices, which the actor's tensor x "
+                                                   f"pipeline parallel size {model_parallel} must divide")
+    dp, mini_samples = world // model_parallel, config.rl_config.mini_batch_size_in_samples
+    if mini_samples % (dp * critic.micro_batch_size):
+        raise ConfigError("critic_config.micro_batch_size",
+                          f"the critic's data-parallel size * micro_batch_size = {dp} * {critic.micro_batch_size} must "
+                          f"divide the mini-batch of {mini_samples} samples")

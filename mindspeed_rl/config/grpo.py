@@ -100,9 +100,25 @@ class GRPOConfig:
         return len(plan.role("actor_infer").devices) if plan.mode == DISAGGREGATED else self.world_size
 
     @property
+    def critic_has_own_devices(self) -> bool:
+        """PPO's critic on devices of its own (ROLL's `critic.device_mapping` apart from actor_train's): its ranks
+        are a group of their own, training while the actor does; otherwise it takes turns on the training ranks."""
+        if self.critic_config is None:
+            return False
+        plan = self.resource_plan
+        return not set(plan.role("critic").devices) & set(plan.role("actor_train").devices)
+
+    @property
+    def critic_world_size(self) -> int:
+        """The critic's ranks: its own devices', or the training ranks it shares."""
+        return len(self.resource_plan.role("critic").devices) if self.critic_has_own_devices else self.world_size
+
+    @property
     def num_rank_processes(self) -> int:
-        """Device ranks the run starts: the shared ones, or the training ranks plus the inference ranks."""
-        return self.world_size + (self.infer_world_size if self.disaggregated else 0)
+        """Device ranks the run starts: the shared ones, or the training ranks plus the inference ranks; plus the
+        critic's where it has devices of its own."""
+        critic = self.critic_world_size if self.critic_has_own_devices else 0
+        return self.world_size + (self.infer_world_size if self.disaggregated else 0) + critic
 
     @property
     def infer_data_parallel_size(self) -> int:

@@ -312,7 +312,8 @@ class ReferenceResources(RoleResourceConfig):
 
 @dataclass(kw_only=True)
 class CriticResources(RoleResourceConfig):
-    """`critic` (ROLL's role; PPO with critic_config): the value model's training ranks, the actor's today."""
+    """`critic` (ROLL's role; PPO with critic_config): the value model's training ranks: actor_train's (taking turns
+    with the actor) or devices of its own after every other role's (a group of its own, training beside the actor)."""
 
     SECTION_KEY: ClassVar[str] = "critic"
     GPUS_PER_WORKER: ClassVar[Optional[int]] = 1
@@ -584,6 +585,22 @@ def _check_workers_within_nodes(roles: list[RoleResources], num_gpus_per_node: i
                                   "devices must be on one node")
 
 
+def _critic_on_following_devices(plan: ResourcePlan) -> bool:
+    """The critic on devices of its own: those after every other role's (ranks start in that order); a critic on
+    other devices than those or actor_train's is refused."""
+    critic, train = plan.role("critic"), plan.role("actor_train")
+    if not set(critic.devices) & set(train.devices):
+        taken = max(d for role in plan.roles if role.key != "critic" for d in role.devices) + 1
+        following = tuple(range(taken, taken + len(critic.devices)))
+        if critic.devices != following:
+            raise ConfigError(critic.source, f"a critic on devices of its own takes those after the other roles', "
+                                             f"list(range({following[0]},{following[-1] + 1})), got "
+                                             f"{format_devices(critic.devices)}: its ranks start after the others, "
+                                             "on the devices Ray gives them")
+        return True
+    return False
+
+
 def check_supported(plan: ResourcePlan, rewards: Mapping[str, RewardResources]) -> None:
     """What the engine runs today: actor_train and reference on devices 0..N-1 (N the actor's world size);
     actor_infer on the same devices (colocated) or on the next ones, N..N+M-1 (disaggregated); rule rewards
@@ -604,7 +621,8 @@ def check_supported(plan: ResourcePlan, rewards: Mapping[str, RewardResources]) 
                               f"got {format_devices(infer.devices)}: disaggregated ranks are started training ranks "
                               "first, then inference ranks, on the devices Ray gives them")
     shared_roles = ("reference",) if plan.mode == DISAGGREGATED else ("actor_infer", "reference")
-    shared_roles += ("critic",) if any(role.key == "critic" for role in plan.roles) else ()
+    if any(role.key == "critic" for role in plan.roles) and not _critic_on_following_devices(plan):
+        shared_roles += ("critic",)
     for key in shared_roles:
         role = plan.role(key)
         if role.devices != train.devices:

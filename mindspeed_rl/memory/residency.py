@@ -67,6 +67,8 @@ class ResidencyPolicy:
     has_critic: bool = False
     # False on the inference ranks of a disaggregated actor: their devices hold nothing else.
     offload_inference: bool = True
+    # False on a critic's own ranks (critic.device_mapping apart from actor_train's): nothing else is there.
+    offload_critic: bool = True
 
     @property
     def pinned(self) -> frozenset[str]:
@@ -75,7 +77,8 @@ class ResidencyPolicy:
         flags = ((TRAIN_PARAMS, self.offload_train_param), (TRAIN_GRADS, self.offload_train_grad),
                  (TRAIN_OPTIMIZER, self.offload_train_optimizer), (INFER_WEIGHTS, self.offload_inference),
                  (KV_CACHE, self.offload_inference))
-        return frozenset(state for state, offload in flags if not offload)
+        return frozenset(state for state, offload in flags if not offload) | (
+            frozenset() if self.offload_critic else CRITIC_STATES)
 
     def phases(self) -> tuple[str, ...]:
         """The phases this run enters, in order (`reward` only with a reward model, `ref_logprob` only with a

@@ -89,7 +89,8 @@ def _critic_inputs(config: GRPOConfig) -> dict:
     arch = (architecture(ModelSource(_read_json(path, "critic_config.load"), f"{path} (critic_config.load)"),
                          "critic_config.load") if path is not None and path.is_file() else None)
     return dict(critic_arch=arch, critic_micro_batch_size=critic.micro_batch_size,
-                critic_recompute=(critic.recompute_granularity, critic.recompute_method, critic.recompute_num_layers))
+                critic_recompute=(critic.recompute_granularity, critic.recompute_method, critic.recompute_num_layers),
+                critic_world_size=config.critic_world_size if config.critic_has_own_devices else 0)
 
 
 def on_cpu(config: GRPOConfig, device_memory: int | None, device: str | None = None) -> bool:

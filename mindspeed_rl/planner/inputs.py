@@ -67,15 +67,22 @@ class PlanInputs:
     critic_arch: Architecture | None = None
     critic_micro_batch_size: int = 1
     critic_recompute: tuple[str | None, str | None, int | None] = (None, None, None)
+    # The critic's own devices (critic.device_mapping apart from actor_train's); 0: it shares the training ranks.
+    critic_world_size: int = 0
 
     def for_critic(self) -> "PlanInputs":
         """These inputs as the critic's update sees them: its architecture, micro-batch and recompute (the
-        actor's layout and sequence parallel)."""
+        actor's layout and sequence parallel), on its own devices where it has them."""
         from dataclasses import replace
 
         granularity, method, layers = self.critic_recompute
-        return replace(self, arch=self.critic_arch or self.arch, micro_batch_size=self.critic_micro_batch_size,
-                       recompute_granularity=granularity, recompute_method=method, recompute_num_layers=layers)
+        inputs = replace(self, arch=self.critic_arch or self.arch, micro_batch_size=self.critic_micro_batch_size,
+                         recompute_granularity=granularity, recompute_method=method, recompute_num_layers=layers)
+        if not self.critic_world_size:
+            return inputs
+        # Its own ranks: the actor's TP x PP over them, no vLLM and no experts (a dense critic) there.
+        return replace(inputs, world_size=self.critic_world_size, ep=1, infer_tp=1, infer_pp=1,
+                       infer_expert_parallel=False, critic_world_size=0)
 
     def __post_init__(self) -> None:
         if self.activation_profile not in ACTIVATION_PROFILES:

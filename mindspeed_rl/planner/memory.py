@@ -31,6 +31,8 @@ class RankBytes:
     rank: int
     states: dict[str, int]  # STATE_GROUPS + activations
     switch_staging: int = 0
+    # A device with a table of its own (the critic's own devices); None: the plan's.
+    policy: ResidencyPolicy | None = None
 
     def phase(self, policy: ResidencyPolicy, phase: str) -> dict[str, int]:
         """Bytes per category on this rank in `phase` (0 for what is not resident); the switch adds the
@@ -78,17 +80,27 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
         if inputs.policy.has_reward_model else 0,
         INFER_WEIGHTS: infer, KV_CACHE: kv_cache_bytes(inputs, infer, c["infer_pp_rank"]),
         ACTIVATIONS: activation_bytes(inputs, c["pp_rank"]),
-        **_critic_states(inputs, c),
+        **_critic_states(inputs, c, on_this_rank=not inputs.critic_world_size),
     }
     return RankBytes(rank, states, switch_staging)
 
 
-def _critic_states(inputs: PlanInputs, c: dict) -> dict[str, int]:
-    """The critic's three state groups and its update's activations (0 without a critic)."""
-    if not inputs.policy.has_critic:
+def critic_device_bytes(inputs: PlanInputs, index: int) -> RankBytes:
+    """Device `index` of the critic's own devices, after the others (numbered on from the training ranks): the
+    critic's states in every phase (nothing else is there to take turns with), its update's activations."""
+    states = {category: 0 for category in (*STATE_GROUPS, ACTIVATIONS)}
+    states |= _critic_states(inputs, inputs.for_critic().rank_coordinates(index), on_this_rank=True)
+    policy = replace(inputs.policy, offload_critic=False, has_reference=False, has_reward_model=False)
+    return RankBytes(inputs.world_size + index, states, policy=policy)
+
+
+def _critic_states(inputs: PlanInputs, c: dict, *, on_this_rank: bool) -> dict[str, int]:
+    """The critic's three state groups and its update's activations (0 without a critic, or on the training ranks
+    of a critic with devices of its own)."""
+    if not inputs.policy.has_critic or not on_this_rank:
         return {CRITIC_PARAMS: 0, CRITIC_GRADS: 0, CRITIC_OPTIMIZER: 0, CRITIC_ACTIVATIONS: 0}
     critic = inputs.for_critic()
-    state = stage_critic_bytes(critic.arch, tp=inputs.tp, pp=inputs.pp, pp_rank=c["pp_rank"], dp=inputs.dp,
+    state = stage_critic_bytes(critic.arch, tp=inputs.tp, pp=inputs.pp, pp_rank=c["pp_rank"], dp=critic.dp,
                                bf16=inputs.bf16, distributed_optimizer=inputs.distributed_optimizer,
                                dp_rank=c["dp_rank"])
     return {CRITIC_PARAMS: state.params, CRITIC_GRADS: state.grads, CRITIC_OPTIMIZER: state.optimizer,
@@ -102,7 +114,7 @@ class MemoryPlan:
     ranks: tuple[RankBytes, ...]
 
     def rank_phase(self, rank: RankBytes, phase: str) -> dict[str, int]:
-        return rank.phase(self.inputs.policy, phase)
+        return rank.phase(rank.policy or self.inputs.policy, phase)
 
     @property
     def ledger_phases(self) -> tuple[str, ...]:
@@ -158,9 +170,7 @@ class MemoryPlan:
         """The same plan with the update's activations at another sequence length (the trainer passes
         each iteration's batch width)."""
         inputs = replace(self.inputs, seq_length=seq_length)
-        ranks = tuple(RankBytes(r.rank, {**r.states, ACTIVATIONS: activation_bytes(inputs, inputs.rank_coordinates(
-            r.rank)["pp_rank"])}, r.switch_staging) for r in self.ranks)
-        return MemoryPlan(inputs, ranks)
+        return MemoryPlan(inputs, tuple(_with_activations(inputs, r) for r in self.ranks))
 
     def ledger_metrics(self, prefix: str = "memory") -> dict[str, float]:
         """`memory/<phase>/predicted_bytes` and `memory/<phase>/<category>_predicted_bytes` for the phases the
@@ -179,6 +189,19 @@ class MemoryPlan:
         return out
 
 
+def _with_activations(inputs: PlanInputs, rank: RankBytes) -> RankBytes:
+    """`rank` with the update's and the critic update's activations of `inputs` (its sequence length)."""
+    states = dict(rank.states)
+    own_critic_device = rank.policy is not None
+    if not own_critic_device:
+        states[ACTIVATIONS] = activation_bytes(inputs, inputs.rank_coordinates(rank.rank)["pp_rank"])
+    if states.get(CRITIC_ACTIVATIONS):
+        critic = inputs.for_critic()
+        index = rank.rank - inputs.world_size if own_critic_device else rank.rank
+        states[CRITIC_ACTIVATIONS] = activation_bytes(critic, critic.rank_coordinates(index)["pp_rank"], logits=False)
+    return replace(rank, states=states)
+
+
 def plan_memory(inputs: PlanInputs, *, switch_staging: dict[int, int] | None = None) -> MemoryPlan:
     staging = switch_staging or {}
     ranks, by_key = [], {}
@@ -190,6 +213,7 @@ def plan_memory(inputs: PlanInputs, *, switch_staging: dict[int, int] | None = N
         if key not in by_key:
             by_key[key] = rank_bytes(inputs, rank)
         ranks.append(RankBytes(rank, by_key[key].states, staging.get(rank, 0)))
+    ranks += [critic_device_bytes(inputs, index) for index in range(inputs.critic_world_size)]
     return MemoryPlan(inputs, tuple(ranks))
 
 

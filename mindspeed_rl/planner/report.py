@@ -60,7 +60,18 @@ def _layout_line(plan: MemoryPlan) -> list[str]:
             f"  offload_train_param/grad/optimizer: {flags}; reference model: "
             f"{'yes' if i.policy.has_reference else 'no'}; reward: "
             + ("rule-based + a reward model (on the device in the reward phase only)" if i.policy.has_reward_model
-               else "rule-based (no reward model on the device)")]
+               else "rule-based (no reward model on the device)")] + _critic_line(i)
+
+
+def _critic_line(i) -> list[str]:
+    if not i.policy.has_critic:
+        return []
+    if not i.critic_world_size:
+        return ["  critic: on the training ranks, taking turns (its states on the device in its two phases only)"]
+    first, last = i.world_size, i.world_size + i.critic_world_size - 1
+    numbers = f"rank {first}" if first == last else f"ranks {first}-{last}"
+    return [f"  critic: {i.critic_world_size} device(s) of its own ({numbers} below), TP{i.tp} x PP{i.pp} x "
+            f"DP{i.for_critic().dp}; its states stay there in every phase"]
 
 
 def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: SwitchPlan | None,
@@ -71,7 +82,8 @@ def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
              + (f", MTP module ({arch.mtp_layers} layer) not counted" if arch.mtp_layers else ""),
              f"  numbers from {source}",
              f"  {arch.support}",
-             f"layout: {i.world_size} device{'s' if i.world_size > 1 else ''}"]
+             f"layout: {i.world_size} device{'s' if i.world_size > 1 else ''}"
+             + (f" + {i.critic_world_size} of the critic's" if i.critic_world_size else "")]
     lines += _layout_line(plan)
     table, totals = plan.table(), plan.totals()
     width = max(len(label) for _, label in ROWS) + 2
@@ -139,7 +151,8 @@ def _switch_text(plan: MemoryPlan, switch: SwitchPlan | None, link: float) -> st
 def _moves_text(plan: MemoryPlan, h2d: float) -> list[str]:
     lines = [f"host <-> device per iteration (largest rank; copies at {h2d / 1e9:g} GB/s; grads, vLLM weights and the "
              "KV cache are dropped, not copied):"]
-    states = {k: max(r.states[k] for r in plan.ranks) for k in plan.ranks[0].states}
+    shared = [r for r in plan.ranks if r.policy is None]  # a critic's own devices move nothing
+    states = {k: max(r.states[k] for r in shared) for k in shared[0].states}
     total = 0.0
     for move in iteration_moves(plan.inputs, states):
         if move.onload or move.offload:
@@ -201,7 +214,7 @@ def json_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
         "model": {"name": model_name, "architecture": arch.name, "model_type": arch.model_type, "source": source,
                   "parameters": arch.parameter_count(), "active_parameters": arch.active_parameter_count(),
                   "mtp_layers_excluded": arch.mtp_layers, "trainable": arch.trainable, "support": arch.support},
-        "layout": {"world_size": i.world_size, "tp": i.tp, "pp": i.pp, "dp": i.dp, "ep": i.ep,
+        "layout": {"world_size": i.world_size, "critic_world_size": i.critic_world_size, "tp": i.tp, "pp": i.pp, "dp": i.dp, "ep": i.ep,
                    "infer_tp": i.infer_tp, "infer_pp": i.infer_pp, "infer_dp": i.infer_dp,
                    "infer_expert_parallel": i.infer_expert_parallel,
                    "bf16": i.bf16, "infer_dtype": i.infer_dtype, "distributed_optimizer": i.distributed_optimizer,

@@ -7,6 +7,8 @@ or adaptive), and takes GAE; the critic then trains toward the returns after the
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from mindspeed_rl.algorithms.advantages import compute_advantages
@@ -21,13 +23,14 @@ from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics
 
 
 class AdvantageStep:
-    """`estimate` writes the batch's advantages (PPO: also its values and returns); `update_critic` trains the
-    critic on them (nothing without one). `kl_coef`: a resumed run's KL coefficient (adaptive control)."""
+    """`estimate` writes the batch's advantages (PPO: also its values and returns); `start_critic_update` trains
+    the critic on them (nothing without one). `kl_coef`: a resumed run's KL coefficient (adaptive control)."""
 
     def __init__(self, config: GRPOConfig, actor_group: ActorGroup, *, kl_coef: float | None = None):
         rl = config.rl_config
         self.rl, self.actor_group = rl, actor_group
         self.has_critic = config.critic_config is not None
+        self.critic_has_own_devices = config.critic_has_own_devices
         self.kl = kl_controller(rl.kl_ctrl_type, init_kl_coef=rl.init_kl_coef if kl_coef is None else kl_coef,
                                 kl_target=rl.kl_target, kl_horizon=rl.kl_horizon)
 
@@ -61,10 +64,16 @@ class AdvantageStep:
                           "critic/returns/mean": masked_mean(returns, mask).item(),
                           "critic/explained_variance": _explained_variance(values, returns, mask)}
 
-    def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
+    def start_critic_update(self, batch: RolloutBatch) -> Callable[[], dict[str, float]]:
+        """The critic's update toward the batch's returns; the returned call finishes it and gives its metrics. On
+        devices of its own the critic trains while the actor's update runs (both read only the batch); sharing the
+        training ranks, it trains when finished, after the actor's update."""
         if not self.has_critic:
-            return {}
-        return merge_metrics(self.actor_group.call("update_critic", batch))
+            return dict
+        if self.critic_has_own_devices:
+            pending = self.actor_group.call("update_critic", batch, blocking=False)
+            return lambda: merge_metrics(self.actor_group.wait("update_critic", pending))
+        return lambda: merge_metrics(self.actor_group.call("update_critic", batch))
 
 
 def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

@@ -58,8 +58,9 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
             batch.columns["old_logprobs"], old_metrics = forward_logprobs(actor_group, "compute_log_prob", batch)
             metrics |= old_metrics | advantages.estimate(batch, rewards)
             rollouts.start_ahead(iteration + 1)  # one-step off-policy: the next rollout runs during this update
+            finish_critic_update = advantages.start_critic_update(batch)  # on its own devices: during the update
             metrics |= merge_metrics(actor_group.call("update", batch, kl_coef=advantages.loss_kl_coef))
-            metrics |= advantages.update_critic(batch)
+            metrics |= finish_critic_update()
             metrics |= evaluation.run(iteration) if evaluation.due(iteration) else {}
             record(iteration, started, batch, rewards, scored.accuracy, metrics)
             if saves_at(config, iteration):

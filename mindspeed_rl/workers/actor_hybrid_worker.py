@@ -100,7 +100,8 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
         if self.TRAINS:
             self._build_training_side(started)
         self.sharding_manager = ShardingManager(offloader=self.offloader, policy=build.residency_policy(
-            cfg, has_reward_model=self.reward_model is not None, offload_inference=self.TRAINS))
+            cfg, has_reward_model=self.reward_model is not None, has_critic=self.critic is not None,
+            offload_inference=self.TRAINS, critic_only=self.actor is None and self.critic is not None))
         # Only pinned states stay while vLLM starts: on an accelerator it sizes its KV cache by the free memory.
         self.sharding_manager.enter(IDLE)
         if self.GENERATES:
@@ -117,8 +118,9 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
             self.config, self.accelerator, options, model_dir=self.model_dir, ref_model_dir=self.ref_model_dir,
             progress=progress)
         self.reward_model = build.build_reward_model(self.config, self.accelerator, options, progress=progress)
-        self.critic = critic_steps.build_critic(self.config, self.accelerator, options, model_dir=self.model_dir,
-                                                progress=progress)
+        if not self.config.critic_has_own_devices:  # else its own ranks build it (workers/critic_group.py)
+            self.critic = critic_steps.build_critic(self.config, self.accelerator, options, model_dir=self.model_dir,
+                                                    progress=progress)
         build.register_training_states(self.offloader, self.actor, self.reference, self.reward_model, self.critic)
 
     def _build_inference_side(self, started: float) -> None:
@@ -314,8 +316,7 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
         return {"timing/load_checkpoint": time.perf_counter() - started}
 
     def _named_generators(self) -> dict:
-        critic = {"critic_shuffler": self.critic_shuffler.generator} if self.critic is not None else {}
-        return {"shuffler": self.shuffler.generator, **critic}
+        return {"shuffler": self.shuffler.generator}  # the critic's is in its own part (save_critic_checkpoint)
 
     # An export reads the train params only: the old_logprob row.
     @phase_rpc(OLD_LOGPROB, label="export_hf")

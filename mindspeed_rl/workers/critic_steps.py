@@ -113,15 +113,26 @@ class CriticMethods:
 
     @phase_rpc(CRITIC_UPDATE, label="save_critic")
     def save_critic_checkpoint(self, checkpoint_dir: str) -> tuple[dict | None, dict[str, float]]:
-        """Collective: the critic's model and optimizer under <checkpoint>/critic; returns its scheduler state."""
+        """Collective over the critic's ranks: its model, optimizer and mini-batch order under <checkpoint>/critic
+        (rng/ per rank); returns its scheduler state."""
+        from mindspeed_rl.checkpoint.rng_state import save_rng_state
+
         started = time.perf_counter()
-        state = self.critic.save_sharded(os.path.join(checkpoint_dir, "critic"), with_optimizer=True)
+        critic_dir = os.path.join(checkpoint_dir, "critic")
+        state = self.critic.save_sharded(critic_dir, with_optimizer=True)
+        save_rng_state(critic_dir, self.rank_info.rank, {"critic_shuffler": self.critic_shuffler.generator})
         return state, {"timing/save_critic": time.perf_counter() - started}
 
     @phase_rpc(CRITIC_UPDATE, label="load_critic")
-    def load_critic_checkpoint(self, checkpoint_dir: str, *, load_optimizer: bool,
+    def load_critic_checkpoint(self, checkpoint_dir: str, *, load_optimizer: bool, load_rng: bool,
                                scheduler_state: dict | None) -> dict[str, float]:
+        """The inverse of save_critic_checkpoint. Where the critic shares the actor's ranks, the actor's RNG
+        states (loaded before) are the same ones again."""
+        from mindspeed_rl.checkpoint.rng_state import load_rng_state
+
         started = time.perf_counter()
-        self.critic.load_sharded(os.path.join(checkpoint_dir, "critic"), load_optimizer=load_optimizer,
-                                 scheduler_state=scheduler_state)
+        critic_dir = os.path.join(checkpoint_dir, "critic")
+        self.critic.load_sharded(critic_dir, load_optimizer=load_optimizer, scheduler_state=scheduler_state)
+        if load_rng:
+            load_rng_state(critic_dir, self.rank_info.rank, {"critic_shuffler": self.critic_shuffler.generator})
         return {"timing/load_critic": time.perf_counter() - started}

@@ -7,8 +7,8 @@ The CALL-th call (1-based) of worker METHOD on rank RANK, before it runs, does A
   sleep  - sleeps for an hour (a long phase; the test sends Ctrl-C / SIGTERM meanwhile)
   full_disk - limits its own process's files to 1 MB (RLIMIT_FSIZE, SIGXFSZ ignored): from then on a write past
            it fails as on a full disk (EFBIG), whichever directory it goes to
-ROLE (`actor_train`, `actor_infer`) picks one group of a disaggregated actor, whose two groups share the
-method names; without it every group's ranks qualify.
+ROLE (`actor_train`, `actor_infer`, `critic`) picks one group (of a disaggregated actor, or a critic on devices of its
+own), the groups sharing the method names; without it every group's ranks qualify.
 A one-rank run's rank is the driver process itself (workers/local_group.py): `kill` and `stop` hit the
 driver too, which is why the tests of those actions run 2 ranks or set runtime.local_single_rank=false.
 Each action first prints `[fault] rank R: ACTION in METHOD`, and appends it to the file named by

@@ -2,7 +2,8 @@
 
 One rank process and nothing that needs Ray: the rank runs in this process (`LocalActorGroup`,
 `runtime.local_single_rank`). Otherwise Ray places the ranks: one group switching between roles
-(colocated, `RayActorGroup`) or a training and an inference group (`DisaggregatedActor`). Faults asked for
+(colocated, `RayActorGroup`) or a training and an inference group (`DisaggregatedActor`); PPO's critic on devices of
+its own is one more group beside either (`ActorWithOwnCritic`, workers/critic_group.py). Faults asked for
 by the failure tests (`MINDSPEED_RL_INJECT_FAULT`, workers/fault_injection.py) are applied here, once, to
 whichever worker classes the group runs.
 """
@@ -29,7 +30,24 @@ def start_actor_group(config, *, device: str, model_dir: str, ref_model_dir: str
 
         return LocalActorGroup(worker_class=worker_class_with_faults(fault, ActorHybridWorkerBase), threads=threads,
                                on_hang=on_hang, **common)
-    if config.disaggregated:
+    actor = _start_ray_actor(fault=fault, device=device, **common)
+    if not config.critic_has_own_devices:
+        return actor
+    from mindspeed_rl.workers.critic_group import ActorWithOwnCritic, CriticWorkerBase
+    from mindspeed_rl.workers.group import RayActorGroup
+
+    try:
+        critic = RayActorGroup(worker_class=worker_class_with_faults(fault, CriticWorkerBase), device=device,
+                               world_size=config.critic_world_size, **common)
+    except BaseException:
+        actor.kill()
+        raise
+    return ActorWithOwnCritic(actor, critic)
+
+
+def _start_ray_actor(*, fault: str | None, device: str, **common) -> ActorGroup:
+    """The actor's ranks under Ray: one group switching between roles, or a training and an inference group."""
+    if common["config"].disaggregated:
         from mindspeed_rl.workers.disaggregated import DisaggregatedActor
 
         return DisaggregatedActor(train_worker_class=worker_class_with_faults(fault, TrainWorkerBase),
