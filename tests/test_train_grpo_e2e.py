@@ -172,7 +172,8 @@ def test_a_finished_two_rank_run_leaves_no_process_and_no_shm_segment(pp2_run):
 
 
 @pytest.mark.parametrize("recipe, script", [("grpo_qwen25_7b_A3", "cli/train_grpo.py"),
-                                            ("dapo_qwen25_7b_A3", "cli/train_dapo.py")])
+                                            ("dapo_qwen25_7b_A3", "cli/train_dapo.py"),
+                                            ("ppo_qwen25_7b_A3", "cli/train_ppo.py")])
 def test_the_7b_recipe_on_this_host_passes_every_check_then_names_the_device_count(tmp_path, recipe, script):
     """The users' command with a small Qwen2 checkpoint and a DeepScaleR-style file: config, data, template,
     verifier and model checks pass; on a 2-core CPU host the 16 ranks are refused in one line, exit 2."""
