@@ -1,6 +1,6 @@
 """PPO with a colocated critic end to end through `cli/train_ppo.py` (subprocesses, real vLLM + Megatron):
-- 2 ranks (Ray, DP2): two iterations train the actor and the critic, each role's states on the device only in its
-  own phases (the ledger's records of the live run);
+- 2 ranks (Ray, DP2) with a reward model too: two iterations train the actor and the critic, each of the five roles'
+  states on the device only in its own phases (the ledger's records of the live run);
 - 1 rank: a run resumed from its iteration-2 checkpoint reaches the uninterrupted run's iteration 3 exactly:
   metrics (the adaptive KL coefficient included), the critic's weights and Adam states;
 - disaggregated roles (actor_train with the reference and the critic on device 0, vLLM on device 1), and the critic on
@@ -34,7 +34,9 @@ def _records(run_dir, *, all_keys: bool = False) -> list[dict]:
 
 
 def test_two_ranks_train_the_actor_and_the_critic_each_in_its_own_phases(tmp_path):
-    done = run_cli(tmp_path, "ppo_tiny_cpu", "megatron_training.train_iters=2", script=PPO)
+    """Five roles on each device: vLLM, the reward model, the reference, the actor and the critic."""
+    done = run_cli(tmp_path, "ppo_tiny_cpu", "megatron_training.train_iters=2", "+rewards.rm.model_path=synthetic",
+                   "+rewards.rm.weight=0.5", script=PPO)
     assert done.returncode == 0, done.stderr[-3000:]
     records = _records(tmp_path, all_keys=True)
     assert [r["iteration"] for r in records] == [1, 2]
@@ -46,6 +48,9 @@ def test_two_ranks_train_the_actor_and_the_critic_each_in_its_own_phases(tmp_pat
         for phase in ("generate", "old_logprob", "update"):  # the critic is off the device there ...
             assert record.get(f"memory/{phase}/critic_params_bytes", 0) == 0, phase
         assert record["memory/critic_update/optimizer_states_bytes"] == 0  # ... and the actor's Adam states here
+        assert record["memory/reward/reward_params_bytes"] > 0 and record["reward/model_score"] != 0
+        for phase in ("generate", "old_logprob", "critic_values", "update", "critic_update"):
+            assert record[f"memory/{phase}/reward_params_bytes"] == 0, phase
 
 
 def test_a_resumed_run_matches_the_uninterrupted_one_with_the_critic(world, tmp_path):
