@@ -24,6 +24,7 @@ from mindspeed_rl.config.resources import (
 )
 from mindspeed_rl.config.algorithm_checks import (check_critic, check_dynamic_sampling, check_evaluation, check_packing,
                                                   check_num_layer_list, check_recompute_layers)
+from mindspeed_rl.config.lora import check_share_backbone
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 
@@ -144,8 +145,15 @@ class GRPOConfig:
             self.check_layout, self._check_synthetic_data, self._check_asset_paths,
             lambda: check_supported(self.resource_plan, self.rewards), self._check_reward_model,
             self._check_async_generation, partial(check_evaluation, self), partial(check_dynamic_sampling, self),
-            partial(check_critic, self),
+            partial(check_critic, self), partial(check_share_backbone, self),
         )
+
+    @property
+    def reference_is_backbone(self) -> bool:
+        """LoRA with rl_config.share_backbone (its default): the reference log-probs are the actor's with its
+        adapters off; no reference model is built, loaded or moved."""
+        share = self.rl_config.share_backbone
+        return self.uses_reference and self.actor_config.uses_lora and (share is None or share)
 
     @property
     def uses_reference(self) -> bool:

@@ -20,6 +20,7 @@ from mindspeed_rl.config.checks import (
     require_positive,
 )
 from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.config.lora import check_lora
 
 # Megatron's WSD also needs an anneal length (lr_wsd_decay_iters) that this schema has no key for.
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -202,6 +203,20 @@ class ActorConfig:
     # MindSpeed-RL's layers per pipeline stage, "16,17,16,15" (one count per stage, adding up to the model's
     # layers; checked against the model in config/algorithm_checks.py). Null: Megatron's even split.
     num_layer_list: Optional[str] = None
+    # LoRA (MindSpeed-RL's keys, also read from megatron_training where its recipes put them; config/lora.py):
+    # adapters of rank lora_r and scale lora_alpha / lora_r on the Megatron linears named in lora_target_modules
+    # (linear_qkv, linear_proj, linear_fc1, linear_fc2); empty: no LoRA, every weight trains. lora_filter:
+    # checkpoints hold the adapters only (the backbone is the HF checkpoint's). lora_fusion (MindSpeed's CCLoRA
+    # overlap kernel on NPU) is not implemented and refused.
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_target_modules: list[str] = field(default_factory=list)
+    lora_filter: bool = False
+    lora_fusion: bool = False
+
+    @property
+    def uses_lora(self) -> bool:
+        return bool(self.lora_target_modules)
 
     @property
     def pipeline_stage_layers(self) -> Optional[tuple[int, ...]]:
@@ -233,6 +248,7 @@ class ActorConfig:
         require_in_range(prefix, self, "adam_beta1", 0.0, 1.0, high_open=True)
         require_in_range(prefix, self, "adam_beta2", 0.0, 1.0, high_open=True)
         check_recompute(prefix, self)
+        check_lora(prefix, self)
         if self.keep_last_n is not None and self.keep_last_n < 1:
             raise ConfigError(f"{prefix}.keep_last_n", f"must be >= 1 or null (keep all), got {self.keep_last_n}")
 

@@ -56,6 +56,9 @@ class RLConfig:
     # true: the roles share the actor's devices (colocated). false declares disaggregated roles, which need
     # disjoint actor_train/actor_infer device_mapping (config/resources.py, workers/disaggregated.py).
     use_integrated_worker: bool = True
+    # LoRA (actor_config.lora_target_modules): the reference is the actor's backbone with the adapters off, no
+    # model of its own (MindSpeed-RL's key). null: true with LoRA, false without.
+    share_backbone: Optional[bool] = None
     # Forward-only micro-batch sizes in samples; None = actor_config.micro_batch_size.
     actor_forward_micro_batch_size: Optional[int] = None
     ref_forward_micro_batch_size: Optional[int] = None

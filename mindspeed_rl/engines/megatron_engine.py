@@ -6,9 +6,10 @@ go through the same path as on a cluster.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,9 @@ from mindspeed_rl.engines.vocab_parallel import response_logprobs_from_logits
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, layers_of_stage, transformer_config
 from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
 from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
+
+if TYPE_CHECKING:
+    from mindspeed_rl.models.lora import LoRASettings
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -134,7 +138,10 @@ class MegatronEngine:
 
     def __init__(self, *, spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], params_dtype: torch.dtype,
                  accelerator: Accelerator, optimizer: OptimizerSettings | None,
-                 options: ModelOptions = ModelOptions()):
+                 options: ModelOptions = ModelOptions(), lora: LoRASettings | None = None,
+                 lora_filter: bool = False):
+        """`lora`: adapters on the loaded weights, which are then frozen (models/lora.py); `lora_filter`:
+        checkpoints hold the adapters only (the backbone is the HF checkpoint's)."""
         from megatron.core import parallel_state as ps
 
         self.spec = spec
@@ -144,10 +151,15 @@ class MegatronEngine:
         self.ep = ps.get_expert_model_parallel_world_size()
         self.logprob_chunk_tokens = options.logprob_chunk_tokens
         self.packed_sequences = options.packed_sequences
+        self.lora, self.lora_filter = lora, lora_filter
         with accelerator.megatron_context():
             module = build_gpt_model(spec, params_dtype=params_dtype, tp=self.tp, pp=self.pp, ep=self.ep,
                                      options=options)
             load_hf_into_megatron(module, hf_state, spec)
+            if lora is not None:
+                from mindspeed_rl.models.lora import add_lora
+
+                add_lora(module, lora)
             module.to(accelerator.device)
             self.optimizer = None
             self.scheduler = None
@@ -361,9 +373,28 @@ class MegatronEngine:
         return dict(zip(keys, values.tolist()))
 
     # -- weights -------------------------------------------------------------------------------
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        """This rank's Megatron shards, by `named_parameters()` name (the resharding sources)."""
+    def named_weights(self) -> Mapping[str, torch.Tensor]:
+        """This rank's Megatron shards, by `named_parameters()` name (the resharding sources); with LoRA the
+        backbone's names, each adapted weight merged with its adapter when read."""
+        if self.lora is not None:
+            from mindspeed_rl.models.lora import MergedWeights
+
+            return MergedWeights(self.module)
         return {name: param.data for name, param in self.module.named_parameters()}
+
+    def adapters_disabled(self):
+        """The backbone without the adapters while the context lasts (LoRA's shared-backbone reference)."""
+        from mindspeed_rl.models.lora import adapters_disabled
+
+        return adapters_disabled(self.module)
+
+    def _sharded_state_dict(self) -> dict:
+        state = self.module.sharded_state_dict()
+        if self.lora_filter:  # MindSpeed-RL's lora_ckpt_filter: the adapters only
+            from mindspeed_rl.models.lora import is_lora_param
+
+            state = {key: value for key, value in state.items() if is_lora_param(key)}
+        return state
 
     # -- distributed checkpoints -----------------------------------------------------------------
     def save_sharded(self, checkpoint_dir: str, *, with_optimizer: bool) -> dict | None:
@@ -377,14 +408,13 @@ class MegatronEngine:
         model_dir = os.path.join(checkpoint_dir, "model")
         os.makedirs(model_dir, exist_ok=True)
         with self.accelerator.megatron_context():
-            dist_checkpointing.save(self.module.sharded_state_dict(), model_dir)
+            dist_checkpointing.save(self._sharded_state_dict(), model_dir)
             if not (with_optimizer and self.optimizer is not None):
                 return None
             optim_dir = os.path.join(checkpoint_dir, "optimizer")
             os.makedirs(optim_dir, exist_ok=True)
             # The optimizer's sharded state refers to the model's sharded tensors by key.
-            dist_checkpointing.save(self.optimizer.sharded_state_dict(self.module.sharded_state_dict()),
-                                    optim_dir)
+            dist_checkpointing.save(self.optimizer.sharded_state_dict(self._sharded_state_dict()), optim_dir)
         return self.scheduler.state_dict()
 
     def load_sharded(self, checkpoint_dir: str, *, load_optimizer: bool, scheduler_state: dict | None) -> None:
@@ -394,7 +424,7 @@ class MegatronEngine:
         from megatron.core import dist_checkpointing
 
         with self.accelerator.megatron_context():
-            state = dist_checkpointing.load(self.module.sharded_state_dict(), os.path.join(checkpoint_dir, "model"),
+            state = dist_checkpointing.load(self._sharded_state_dict(), os.path.join(checkpoint_dir, "model"),
                                             strict="raise_all")
             self.module.load_state_dict(state, strict=False)
             if self.optimizer is not None and hasattr(self.optimizer, "reload_model_params"):
@@ -402,7 +432,7 @@ class MegatronEngine:
                 self.optimizer.reload_model_params()
             if load_optimizer and self.optimizer is not None:
                 optim_state = dist_checkpointing.load(
-                    self.optimizer.sharded_state_dict(self.module.sharded_state_dict(), is_loading=True),
+                    self.optimizer.sharded_state_dict(self._sharded_state_dict(), is_loading=True),
                     os.path.join(checkpoint_dir, "optimizer"))
                 self.optimizer.load_state_dict(optim_state)
             if scheduler_state is not None and self.scheduler is not None:

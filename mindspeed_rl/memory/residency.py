@@ -69,6 +69,9 @@ class ResidencyPolicy:
     offload_inference: bool = True
     # False on a critic's own ranks (critic.device_mapping apart from actor_train's): nothing else is there.
     offload_critic: bool = True
+    # LoRA's shared backbone (rl_config.share_backbone): the reference log-probs run on the train params with the
+    # adapters off; there are no reference params.
+    reference_is_backbone: bool = False
 
     @property
     def pinned(self) -> frozenset[str]:
@@ -94,10 +97,13 @@ class ResidencyPolicy:
     def resident(self, phase: str) -> frozenset[str]:
         if phase not in _NEEDS:
             raise ValueError(f"unknown phase {phase!r}; phases are {PHASES}")
-        absent = ({REF_PARAMS} if not self.has_reference else set()) | (
+        needs = _NEEDS[phase]
+        if phase == REF_LOGPROB and self.reference_is_backbone:
+            needs = _NEEDS[OLD_LOGPROB]
+        absent = ({REF_PARAMS} if not self.has_reference or self.reference_is_backbone else set()) | (
             {REWARD_PARAMS} if not self.has_reward_model else set()) | (
             CRITIC_STATES if not self.has_critic else set())
-        return (_NEEDS[phase] | self.pinned) - absent
+        return (needs | self.pinned) - absent
 
     def after(self, phase: str) -> frozenset[str]:
         """What stays on the device when `phase`'s call returns (ROLL's automatic offload): the pinned

@@ -55,7 +55,7 @@ def reference_checkpoint(config: GRPOConfig, hf_config: dict) -> Path | None:
     from mindspeed_rl.checkpoint.trainer_state import verify_same_model
 
     path = config.rl_config.integrated_mode_config.ref_model_load_path
-    if not path or not is_checkpoint_dir(path) or not config.uses_reference:
+    if not path or not is_checkpoint_dir(path) or not config.uses_reference or config.reference_is_backbone:
         return None
     return verify_same_model(path, hf_config, key=REF_DIR_KEY)
 

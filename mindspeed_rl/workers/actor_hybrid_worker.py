@@ -9,6 +9,7 @@ group (workers/actor_group.py) assembles it. Each RPC declares its phase of the 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -244,10 +245,13 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
 
     @phase_rpc(REF_LOGPROB)
     def compute_ref_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
+        """The reference model's log-probs; with LoRA's shared backbone, the actor's with its adapters off."""
         in_phase = self.ledger.record(REF_LOGPROB)
-        return self._forward_logprobs(self.reference, batch, self._forward_micro_batch_size(reference=True),
-                                      packing_for(self.config.rl_config, "ref")), \
-            in_phase.metrics()
+        engine = self.reference or self.actor
+        with contextlib.nullcontext() if self.reference is not None else self.actor.adapters_disabled():
+            shard = self._forward_logprobs(engine, batch, self._forward_micro_batch_size(reference=True),
+                                           packing_for(self.config.rl_config, "ref"))
+        return shard, in_phase.metrics()
 
     @phase_rpc(OLD_LOGPROB)
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:

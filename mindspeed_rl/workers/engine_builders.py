@@ -97,15 +97,30 @@ def build_megatron_engines(config: GRPOConfig, accelerator, options, *, model_di
     progress("checkpoint read")
     dtype = params_dtype(config)
     actor = MegatronEngine(spec=spec, hf_state=actor_state, params_dtype=dtype, accelerator=accelerator,
-                           optimizer=optimizer_settings(config), options=options)
+                           optimizer=optimizer_settings(config), options=options, lora=lora_settings(config),
+                           lora_filter=config.actor_config.lora_filter)
     if not config.uses_reference:
         progress("Megatron actor built (no reference: init_kl_coef is 0)")
+        return actor, None
+    if config.reference_is_backbone:
+        progress("Megatron actor built with LoRA adapters (the reference is its backbone: share_backbone)")
         return actor, None
     ref_state = actor_state if ref_model_dir == model_dir else load_hf_checkpoint(ref_model_dir)[1]
     reference = MegatronEngine(spec=spec, hf_state=ref_state, params_dtype=dtype, accelerator=accelerator,
                                optimizer=None, options=options)
     progress("Megatron actor and reference built")
     return actor, reference
+
+
+def lora_settings(config: GRPOConfig):
+    """actor_config's LoRA, or None without one."""
+    actor = config.actor_config
+    if not actor.uses_lora:
+        return None
+    from mindspeed_rl.models.lora import LoRASettings
+
+    return LoRASettings(rank=actor.lora_r, alpha=actor.lora_alpha, target_modules=tuple(actor.lora_target_modules),
+                        seed=config.megatron_training.seed)
 
 
 def build_reward_model(config: GRPOConfig, accelerator, options, *, progress: Callable[[str], None]):
@@ -163,7 +178,8 @@ def residency_policy(config: GRPOConfig, *, has_reward_model: bool, has_critic: 
     return ResidencyPolicy(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
                            offload_train_optimizer=gen.offload_train_optimizer, has_reward_model=has_reward_model,
                            has_reference=config.uses_reference and not critic_only, offload_inference=offload_inference,
-                           has_critic=has_critic, offload_critic=not critic_only)
+                           has_critic=has_critic, offload_critic=not critic_only,
+                           reference_is_backbone=config.reference_is_backbone)
 
 
 def switch_layouts(config: GRPOConfig):
