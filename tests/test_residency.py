@@ -60,6 +60,22 @@ def test_a_critic_has_its_own_two_phases_between_the_actors():
     assert ResidencyPolicy().phases() == tuple(p for p in policy.phases() if p not in (CRITIC_VALUES, CRITIC_UPDATE))
 
 
+def test_a_shared_lora_backbone_runs_the_reference_on_the_train_params():
+    """LoRA's share_backbone: no reference params anywhere; the reference phase holds the train params (backbone and
+    adapters), which then stay for the old log-probs."""
+    policy = ResidencyPolicy(reference_is_backbone=True)
+    assert policy.resident(REF_LOGPROB) == {TRAIN_PARAMS}
+    assert policy.after(REF_LOGPROB) == {TRAIN_PARAMS}
+    assert all(REF_PARAMS not in policy.resident(phase) for phase in PHASES)
+
+
+def test_a_critics_own_devices_keep_its_states_in_every_phase():
+    from mindspeed_rl.memory.residency import CRITIC_STATES
+
+    policy = ResidencyPolicy(has_critic=True, offload_critic=False)
+    assert all(CRITIC_STATES <= policy.resident(phase) for phase in PHASES)
+
+
 @pytest.mark.parametrize("flags", FLAG_COMBINATIONS)
 def test_a_flag_set_to_false_pins_its_state_in_every_phase(flags):
     policy = _policy(flags)

@@ -24,7 +24,7 @@ from mindspeed_rl.config.resources import (
 )
 from mindspeed_rl.config.algorithm_checks import (check_critic, check_dynamic_sampling, check_evaluation, check_packing,
                                                   check_num_layer_list, check_recompute_layers)
-from mindspeed_rl.config.lora import check_share_backbone
+from mindspeed_rl.config.lora import check_lora_run
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 
@@ -145,7 +145,7 @@ class GRPOConfig:
             self.check_layout, self._check_synthetic_data, self._check_asset_paths,
             lambda: check_supported(self.resource_plan, self.rewards), self._check_reward_model,
             self._check_async_generation, partial(check_evaluation, self), partial(check_dynamic_sampling, self),
-            partial(check_critic, self), partial(check_share_backbone, self),
+            partial(check_critic, self), partial(check_lora_run, self),
         )
 
     @property

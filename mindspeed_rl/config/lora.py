@@ -57,8 +57,13 @@ def check_lora(prefix: str, actor) -> None:
                                                    "here; the adapters compute the same without it")
 
 
-def check_share_backbone(config) -> None:
+def check_lora_run(config) -> None:
+    """LoRA against the rest of the run: share_backbone, the reference's path, the model, the critic."""
     rl, actor = config.rl_config, config.actor_config
+    arch = config.selected_model
+    if actor.uses_lora and arch is not None and arch.num_experts:
+        raise ConfigError("actor_config.lora_target_modules", "LoRA on a MoE model is not supported (dense Qwen2/"
+                                                              "Qwen3 only): the experts' linears have no adapters")
     if rl.share_backbone and not actor.uses_lora:
         raise ConfigError("rl_config.share_backbone", "true needs LoRA (actor_config.lora_target_modules): the "
                                                       "reference shares the actor's frozen backbone")

@@ -69,6 +69,9 @@ class PlanInputs:
     critic_recompute: tuple[str | None, str | None, int | None] = (None, None, None)
     # The critic's own devices (critic.device_mapping apart from actor_train's); 0: it shares the training ranks.
     critic_world_size: int = 0
+    # LoRA (actor_config.lora_*): the adapters' rank and target linears; () trains every weight.
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
 
     def for_critic(self) -> "PlanInputs":
         """These inputs as the critic's update sees them: its architecture, micro-batch and recompute (the

@@ -255,10 +255,14 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
 
     @phase_rpc(OLD_LOGPROB)
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
+        """The actor's log-probs; with `batch.meta_info["disable_adapter"]` (ROLL's LoRA reference call), its
+        backbone's, with the adapters off."""
         in_phase = self.ledger.record(OLD_LOGPROB)
-        return self._forward_logprobs(self.actor, batch, self._forward_micro_batch_size(reference=False),
-                                      packing_for(self.config.rl_config, "actor")), \
-            in_phase.metrics()
+        disabled = batch.meta_info.get("disable_adapter", False)
+        with self.actor.adapters_disabled() if disabled else contextlib.nullcontext():
+            shard = self._forward_logprobs(self.actor, batch, self._forward_micro_batch_size(reference=False),
+                                           packing_for(self.config.rl_config, "actor"))
+        return shard, in_phase.metrics()
 
     def _forward_micro_batch_size(self, *, reference: bool) -> int:
         rl = self.config.rl_config

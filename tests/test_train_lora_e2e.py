@@ -1,0 +1,76 @@
+"""GRPO with LoRA end to end through `cli/train_grpo.py` (subprocesses, real vLLM + Megatron):
+- 2 ranks (Ray, Megatron TP2 -> vLLM TP1 x DP2): vLLM, fed the merged weights at each switch, samples with the
+  log-probs Megatron's adapted forward computes; the reference phase holds the train params and there are no
+  reference params; the update holds the backbone plus the adapters' grads and Adam states, as the planner says to
+  the byte;
+- 1 rank: with lora_filter, checkpoints hold the adapters only, and a run resumed from one reaches the uninterrupted
+  run's next iteration exactly;
+- the seed's LoRA reference call through ROLL's API (`compute_log_prob` with `meta_info["disable_adapter"]` and
+  `is_offload_states = False`) gives the reference log-probs and keeps the train params on the device.
+
+Runs where: three CLI runs and one in-process rank in a subprocess (tests/lora_roll_api_run.py), ~2.5 min on 2
+cores."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron.core import dist_checkpointing
+
+from cli_runner import run_cli
+
+LORA = "grpo_tiny_cpu_lora"
+ONE_RANK = ("rl_config.actor_resource.num_npus=1", "actor_config.tensor_model_parallel_size=1")
+STATES = ("train_params", "train_grads", "optimizer_states")
+VOLATILE_PREFIXES = ("timing/", "memory/", "offload/")
+VOLATILE_SUFFIXES = ("_tps", "seconds")
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _stable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(VOLATILE_PREFIXES) and not k.endswith(VOLATILE_SUFFIXES)}
+
+
+def test_two_ranks_train_the_adapters_on_the_shared_backbone(tmp_path):
+    done = run_cli(tmp_path, LORA, "megatron_training.train_iters=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = _records(tmp_path)
+    for record in (first, second):
+        assert record["rollout/logprob_max_abs_diff"] < 1e-4  # vLLM's merged weights = Megatron's adapted forward
+        assert record["memory/ref_logprob/train_params_bytes"] > 0
+        assert record.get("memory/ref_logprob/reference_params_bytes", 0) == 0
+        for state in STATES:
+            assert record[f"memory/update/{state}_bytes"] == record[f"memory/update/{state}_predicted_bytes"], state
+        # Adapters are a fraction of the model: their grads (fp32) are far below the params.
+        assert record["memory/update/train_grads_bytes"] < 0.3 * record["memory/update/train_params_bytes"]
+
+
+def test_adapter_only_checkpoints_resume_exactly(world, tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    common = (*ONE_RANK, "actor_config.lora_filter=true", "megatron_training.train_iters=3")
+    done = run_cli(full, LORA, *common, "megatron_training.save_interval=2", f"actor_config.save={full / 'save'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint = full / "save" / "iter_0000002"
+    saved = dist_checkpointing.load_plain_tensors(str(checkpoint / "model"))
+    assert saved and all(key.endswith(("lora_A", "lora_B")) for key in saved), sorted(saved)[:4]
+    done = run_cli(resumed, LORA, *common, f"actor_config.load={checkpoint}", "actor_config.finetune=false",
+                   f"actor_config.save={resumed / 'save'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _stable(_records(resumed)[-1]) == _stable(_records(full)[2])
+
+
+def test_the_seeds_disable_adapter_call_is_the_reference(tmp_path):
+    script = Path(__file__).with_name("lora_roll_api_run.py")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "assets")], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts["before_update_vs_reference"] == 0.0  # B starts at 0: the actor is its backbone
+    assert facts["adapted_vs_reference"] > 1e-3  # one update later the adapters matter ...
+    assert facts["backbone_vs_reference"] < 1e-6  # ... and disable_adapter takes them away again
+    assert facts["resident_after"] == {"train_params": facts["resident_after"]["train_params"]}
+    assert facts["offload_bytes"] == 0  # is_offload_states False: nothing left the device
