@@ -5,7 +5,9 @@ DIR is a run's save root (its ``latest`` is exported) or one ``iter_NNNNNNN`` di
 mindspeed_rl/checkpoint/FORMAT.md). The weights load on one CPU process (gloo, TP1 PP1) whatever TP/PP the run
 saved at, are converted to HF names through the resharding's layouts, and are written with config.json, the
 tokenizer files and generation_config.json into OUT, atomically. The dtype is the training dtype unless --dtype
-says otherwise.
+says otherwise. A LoRA run's checkpoint exports its adapters merged into the backbone, or with ``--peft`` as a PEFT
+adapter directory (adapter_config.json + adapter_model.safetensors) for ``PeftModel.from_pretrained``; where the
+checkpoint holds only the adapters (lora_filter), the backbone is the run's HF directory, or ``--base DIR``.
 
 Exit codes: 0 on success; 2 on a user error (one line ``config error: <key>: <message>`` on stderr): a missing,
 incomplete or corrupt checkpoint, an existing non-empty OUT, an unknown dtype.
@@ -50,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="new HF model directory (must not exist, or be empty)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the training dtype)")
     parser.add_argument("--max-shard-size-mb", type=int, default=5120, help="per safetensors file; default %(default)s")
+    parser.add_argument("--peft", action="store_true",
+                        help="LoRA: write the adapters as a PEFT adapter directory instead of the merged model")
+    parser.add_argument("--base", default=None,
+                        help="LoRA with lora_filter: the backbone's HF directory (default: the run's, as recorded)")
     args = parser.parse_args(argv)
     try:
         from mindspeed_rl.checkpoint.hf_export import ExportOptions, export_checkpoint, parse_dtype
@@ -62,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         # Verify before starting torch.distributed: a bad path fails in a second, not after the set-up.
         resolve_and_verify(args.checkpoint, key="--checkpoint")
         _init_single_rank()
-        out = export_checkpoint(args.checkpoint, args.output, options=options)
+        out = export_checkpoint(args.checkpoint, args.output, options=options, peft=args.peft, base=args.base)
     except ConfigError as error:
         print("\n".join(error_lines(error)), file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE

@@ -4,11 +4,12 @@
   reference params; the update holds the backbone plus the adapters' grads and Adam states, as the planner says to
   the byte;
 - 1 rank: with lora_filter, checkpoints hold the adapters only, and a run resumed from one reaches the uninterrupted
-  run's next iteration exactly;
+  run's next iteration exactly; `cli/export_hf.py` writes it merged into the backbone and as a PEFT adapter, and
+  PEFT's base + adapter gives the merged model's logits;
 - the seed's LoRA reference call through ROLL's API (`compute_log_prob` with `meta_info["disable_adapter"]` and
   `is_offload_states = False`) gives the reference log-probs and keeps the train params on the device.
 
-Runs where: three CLI runs and one in-process rank in a subprocess (tests/lora_roll_api_run.py), ~2.5 min on 2
+Runs where: three CLI runs, two exports and one in-process rank in subprocesses (tests/lora_roll_api_run.py), ~2.5 min on 2
 cores."""
 
 import json
@@ -16,12 +17,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from megatron.core import dist_checkpointing
 
 from cli_runner import run_cli
 
 LORA = "grpo_tiny_cpu_lora"
 ONE_RANK = ("rl_config.actor_resource.num_npus=1", "actor_config.tensor_model_parallel_size=1")
+ADAPTER_ONLY = (*ONE_RANK, "actor_config.lora_filter=true", "megatron_training.train_iters=3")
+REPO = Path(__file__).resolve().parents[1]
 STATES = ("train_params", "train_grads", "optimizer_states")
 VOLATILE_PREFIXES = ("timing/", "memory/", "offload/")
 VOLATILE_SUFFIXES = ("_tps", "seconds")
@@ -49,18 +54,46 @@ def test_two_ranks_train_the_adapters_on_the_shared_backbone(tmp_path):
         assert record["memory/update/train_grads_bytes"] < 0.3 * record["memory/update/train_params_bytes"]
 
 
-def test_adapter_only_checkpoints_resume_exactly(world, tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = (*ONE_RANK, "actor_config.lora_filter=true", "megatron_training.train_iters=3")
-    done = run_cli(full, LORA, *common, "megatron_training.save_interval=2", f"actor_config.save={full / 'save'}")
+@pytest.fixture(scope="module")
+def adapter_only_run(tmp_path_factory):
+    """One rank, lora_filter: three iterations, a checkpoint after the second."""
+    full = tmp_path_factory.mktemp("full")
+    done = run_cli(full, LORA, *ADAPTER_ONLY, "megatron_training.save_interval=2", f"actor_config.save={full / 'save'}")
     assert done.returncode == 0, done.stderr[-3000:]
-    checkpoint = full / "save" / "iter_0000002"
+    return full, full / "save" / "iter_0000002"
+
+
+def test_adapter_only_checkpoints_resume_exactly(world, tmp_path, adapter_only_run):
+    full, checkpoint = adapter_only_run
     saved = dist_checkpointing.load_plain_tensors(str(checkpoint / "model"))
     assert saved and all(key.endswith(("lora_A", "lora_B")) for key in saved), sorted(saved)[:4]
-    done = run_cli(resumed, LORA, *common, f"actor_config.load={checkpoint}", "actor_config.finetune=false",
-                   f"actor_config.save={resumed / 'save'}")
+    done = run_cli(tmp_path, LORA, *ADAPTER_ONLY, f"actor_config.load={checkpoint}", "actor_config.finetune=false",
+                   f"actor_config.save={tmp_path / 'save'}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _stable(_records(resumed)[-1]) == _stable(_records(full)[2])
+    assert _stable(_records(tmp_path)[-1]) == _stable(_records(full)[2])
+
+
+def test_the_adapters_export_merged_and_as_a_peft_adapter_that_peft_loads(tmp_path, adapter_only_run):
+    """cli/export_hf.py: the merged HF model and PEFT's base + adapter give the same logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _, checkpoint = adapter_only_run
+    for extra, out in (((), "merged"), (("--peft",), "adapter")):
+        done = subprocess.run([sys.executable, "cli/export_hf.py", "--checkpoint", str(checkpoint), "--output",
+                               str(tmp_path / out), *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((checkpoint / "trainer_state.json").read_text())["lora"]
+    load = dict(dtype=torch.float32, attn_implementation="eager")
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), **load).eval()
+    base = AutoModelForCausalLM.from_pretrained(record["backbone"], **load).eval()
+    tokens = torch.arange(1, 12).unsqueeze(0)
+    with torch.no_grad():
+        backbone = base(tokens).logits
+        adapted = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()(tokens).logits
+        want = merged(tokens).logits
+    assert (want - backbone).abs().max() > 1e-3  # two updates moved the adapters
+    assert (adapted - want).abs().max().item() < 1e-4
 
 
 def test_the_seeds_disable_adapter_call_is_the_reference(tmp_path):

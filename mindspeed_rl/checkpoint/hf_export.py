@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from mindspeed_rl.config.errors import ConfigError
-from mindspeed_rl.checkpoint.store import disk_error_named, fsync_path, replace_dir
+from mindspeed_rl.checkpoint.lora_export import LORA_STATE_KEY, load_lora_model
+from mindspeed_rl.checkpoint.store import TRAINER_STATE_NAME, disk_error_named, fsync_path, replace_dir
 from mindspeed_rl.models.qwen2 import Qwen2Spec
 
 # Files copied next to the weights when the source directory has them (tokenizer + generation defaults).
@@ -153,8 +154,10 @@ def export_run_actor(actor_group, *, run_dir: str | os.PathLike, config_dir: str
     return out
 
 
-def load_checkpoint_model(checkpoint: str | os.PathLike, *, key: str = "--checkpoint"):
-    """A TP1/PP1 Megatron model holding a mindspeed_rl checkpoint's weights (FORMAT.md), and its HF dir.
+def load_checkpoint_model(checkpoint: str | os.PathLike, *, key: str = "--checkpoint", base: str | None = None):
+    """A TP1/PP1 Megatron model holding a mindspeed_rl checkpoint's weights (FORMAT.md; with LoRA its adapters too,
+    checkpoint/lora_export.py, the backbone from `base` where the checkpoint holds only the adapters), its spec, its
+    HF dir and its LoRA record (None without LoRA).
 
     Needs torch.distributed and Megatron's parallel state initialized at TP1 PP1 (one rank is enough):
     `dist_checkpointing.load` reshards whatever TP/PP the run saved at into this layout."""
@@ -172,36 +175,49 @@ def load_checkpoint_model(checkpoint: str | os.PathLike, *, key: str = "--checkp
         raise ConfigError(key, f"{hf_dir / 'config.json'} is unreadable: {error}") from None
     params_dtype = _saved_dtype(model_dir, key=key)
     model = build_gpt_model(spec, params_dtype=params_dtype, tp=1, pp=1)
+    lora = json.loads((verified.path / TRAINER_STATE_NAME).read_text()).get(LORA_STATE_KEY)
+    if lora is not None:
+        return load_lora_model(model, spec, model_dir, lora, base=base, key=key), spec, hf_dir, lora
     try:
         state = dist_checkpointing.load(model.sharded_state_dict(), str(model_dir), strict="raise_all")
     except Exception as error:  # Megatron raises several types for a foreign/corrupt checkpoint
         raise ConfigError(key, f"{model_dir} does not load as this model: {str(error).splitlines()[0]}") from None
     model.load_state_dict(state, strict=False)
-    return model, spec, hf_dir
+    return model, spec, hf_dir, None
 
 
 def _saved_dtype(model_dir: Path, *, key: str) -> torch.dtype:
     # The training dtype is the embedding's dtype in the checkpoint (Megatron keeps norms in fp32 in a
-    # bf16 model, so those are not a reliable witness).
+    # bf16 model, so those are not a reliable witness); an adapters-only checkpoint: the adapters'.
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
         metadata = FileSystemReader(str(model_dir)).read_metadata()
     except Exception as error:
         raise ConfigError(key, f"{model_dir} has no readable dist-checkpoint metadata: {error}") from None
-    for name, item in metadata.state_dict_metadata.items():
-        if name.endswith("word_embeddings.weight"):
-            return item.properties.dtype
+    for suffix in ("word_embeddings.weight", "lora_A"):
+        for name, item in metadata.state_dict_metadata.items():
+            if name.endswith(suffix):
+                return item.properties.dtype
     raise ConfigError(key, f"{model_dir} holds no embedding.word_embeddings.weight (not a GPT model checkpoint)")
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLike, *,
-                      options: ExportOptions = ExportOptions()) -> Path:
-    """A mindspeed_rl checkpoint (save root or iter dir) -> HF checkpoint directory. One rank, TP1 PP1."""
+                      options: ExportOptions = ExportOptions(), peft: bool = False, base: str | None = None) -> Path:
+    """A mindspeed_rl checkpoint (save root or iter dir) -> HF checkpoint directory, with LoRA its adapters merged
+    into the backbone, or with `peft` a PEFT adapter directory instead. One rank, TP1 PP1."""
+    from mindspeed_rl.checkpoint.lora_export import write_peft_adapter
+    from mindspeed_rl.models.lora import MergedWeights
+
     out = Path(output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("--output", f"{out} exists and is not an empty directory; choose a new path")
-    model, spec, hf_dir = load_checkpoint_model(checkpoint)
-    named = {name: p.data for name, p in model.named_parameters()}
+    model, spec, hf_dir, lora = load_checkpoint_model(checkpoint, base=base)
+    if peft:
+        if lora is None:
+            raise ConfigError("--peft", "the checkpoint has no LoRA adapters (actor_config.lora_target_modules): "
+                                        "export the whole model without --peft")
+        return write_peft_adapter(model, spec, lora, out, base=base, dtype=options.dtype)
+    named = MergedWeights(model) if lora is not None else {name: p.data for name, p in model.named_parameters()}
     state = hf_weights_from_megatron(named, spec)
     return write_hf_checkpoint(state, config_dir=hf_dir, output_dir=out, options=options)

@@ -23,7 +23,8 @@ LOAD_KEY = "actor_config.load"
 
 
 def save_run_checkpoint(*, actor_group, save_root: str, iteration: int, sampler, kl_coef: float, seed: int,
-                        hf_dir: str, keep_last_n: int | None, with_critic: bool = False) -> Path:
+                        hf_dir: str, keep_last_n: int | None, with_critic: bool = False,
+                        lora: dict | None = None) -> Path:
     """Every rank writes its shards into a temporary dir, the driver adds its state and commits it."""
     tmp = begin_save(save_root, iteration)
     with disk_error_named(tmp):
@@ -34,6 +35,8 @@ def save_run_checkpoint(*, actor_group, save_root: str, iteration: int, sampler,
              "kl_coef": kl_coef, "seed": seed}
     if critic is not None:
         state["critic_scheduler"] = critic[0][0]
+    if lora is not None:  # the adapters' settings and backbone (checkpoint/lora_export.py)
+        state["lora"] = lora
     (tmp / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=1, sort_keys=True))
     (tmp / HF_SUBDIR).mkdir()
     for name in HF_FILES:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from mindspeed_rl.accelerator.host_memory import return_free_heap
+from mindspeed_rl.checkpoint.lora_export import lora_record
 from mindspeed_rl.checkpoint.trainer_state import save_run_checkpoint
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler
@@ -220,7 +221,8 @@ def save_checkpoint(config: GRPOConfig, actor_group: ActorGroup, iteration: int,
                     progress: RunProgress, hf_dir: str, *, kl_coef: float) -> None:
     path = save_run_checkpoint(actor_group=actor_group, save_root=config.actor_config.save, iteration=iteration,
                                sampler=sampler, kl_coef=kl_coef, seed=config.megatron_training.seed, hf_dir=hf_dir,
-                               keep_last_n=config.actor_config.keep_last_n, with_critic=config.critic_config is not None)
+                               keep_last_n=config.actor_config.keep_last_n, with_critic=config.critic_config is not None,
+                               lora=lora_record(config, hf_dir))
     progress.last_checkpoint = str(path)
     print(f"[checkpoint] saved {path}", flush=True)
 
