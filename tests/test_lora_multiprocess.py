@@ -4,7 +4,10 @@ optimizer step (so that B is not zero):
   per-module tensors, models/lora_peft.py), fp32, < 1e-4; with the adapters disabled, the base model's;
 - only the adapters train: every other parameter has no gradient and no optimizer state, and is unchanged;
 - the merged weights the push reads are W + (alpha/r) B A of each shard;
-- the step agrees across layouts (loss and log-probs after it).
+- the step agrees across layouts (loss and log-probs after it);
+- the adapter-only switch (DP2 -> vLLM TP2, TP2 -> TP1 x DP2, TP2+SP -> TP2, PP2 -> TP2) gives vLLM the merged
+  weights pushed whole (< 1e-6 relative, fp32), twice (restoring the backbone from the host the second time),
+  receiving exactly the plan's adapter bytes, fewer than the full push.
 
 Runs where: 2 spawned processes (torch.multiprocessing), gloo; one spawn covers the four layouts.
 """
@@ -21,6 +24,8 @@ from resharding_oracle import free_port
 
 VOCAB, PAD, RANK, ALPHA = 64, 63, 4, 8.0
 LAYOUTS = ((1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False))  # (TP, PP, SP) on 2 ranks: (1, 1) is DP2
+# vLLM's TP for each: DP2 -> TP2, TP2 -> TP1 x DP2, TP2 -> TP2, PP2 -> TP2
+INFER_TP = {(1, 1, False): 2, (2, 1, False): 1, (2, 1, True): 2, (1, 2, False): 2}
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ADAM = dict(lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
 
@@ -105,6 +110,51 @@ def _frozen_facts(actor, before: dict) -> dict:
                 lora_names_in_push=[k for k in merged if "lora" in k])
 
 
+class _Destination:
+    """vLLM's parameters of one rank as plain tensors (the resharding layout's names and shapes)."""
+
+    def __init__(self, spec, infer, rank: int, world_size: int):
+        from mindspeed_rl.resharding.plan import infer_layouts
+
+        tensors = infer_layouts(spec, infer, range(world_size))[rank]
+        self.weights = {t.name: torch.zeros(t.shape) for t in tensors}
+
+    def named_weights(self):
+        return self.weights
+
+    def mark_weights_loaded(self):
+        pass
+
+
+def _adapter_push_check(actor, infer_tp: int) -> dict:
+    """The adapter-only switch against the merged weights pushed whole, twice (the second after B changed)."""
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_rl.resharding.adapter_push import AdapterPush
+    from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
+    from mindspeed_rl.resharding.weight_push import colocated_push
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train = TrainLayout(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size())
+    infer = InferLayout(tp=infer_tp)
+    merged, adapted = _Destination(actor.spec, infer, rank, world), _Destination(actor.spec, infer, rank, world)
+    common = dict(actor=actor, train=train, infer=infer, rank=rank, world_size=world, bucket_bytes=1 << 16,
+                  check_weights=True)
+    full, adapter = colocated_push(inference_model=merged, **common), AdapterPush(inference_model=adapted, **common)
+    errors, received = [], []
+    for _ in range(2):
+        full_metrics, adapter_metrics = full.push(), adapter.push()
+        errors.append(max(((adapted.weights[n] - w).abs().max() / w.abs().max().clamp(min=1e-12)).item()
+                          for n, w in merged.weights.items()))
+        received.append((adapter_metrics["resharding/bytes_received"],
+                         adapter_metrics["resharding/planned_bytes_received"], full_metrics["resharding/bytes_received"]))
+        with torch.no_grad():
+            for name, p in actor.module.named_parameters():
+                if name.endswith("lora_B"):
+                    p.mul_(2.0)
+    return dict(push_errors=errors, push_bytes=received)
+
+
 def _worker(rank, port, model_dir, batch, out_dir):
     from megatron.core import parallel_state as ps
 
@@ -121,7 +171,8 @@ def _worker(rank, port, model_dir, batch, out_dir):
             with actor.adapters_disabled():
                 base = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0)
             results[(tp, pp, sp)] = dict(stats=stats, logprobs=logprobs, base=base, peft=_peft_tensors(actor),
-                                         **_frozen_facts(actor, before))
+                                         **_frozen_facts(actor, before),
+                                         **_adapter_push_check(actor, INFER_TP[(tp, pp, sp)]))
             ps.destroy_model_parallel()
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "lora.pt"))
@@ -192,3 +243,14 @@ def test_one_step_agrees_across_layouts(spawned):
     for layout in LAYOUTS[1:]:
         assert results[layout]["stats"]["loss"] == pytest.approx(reference["stats"]["loss"], rel=1e-5), layout
         assert (results[layout]["logprobs"] - reference["logprobs"]).abs().max().item() < 1e-4, layout
+
+
+def test_the_adapter_only_switch_equals_the_merged_weights_pushed_whole(spawned):
+    results, _, _ = spawned
+    for layout in LAYOUTS:
+        result = results[layout]
+        assert max(result["push_errors"]) < 1e-6, (layout, result["push_errors"])
+        for received, planned, full in result["push_bytes"]:
+            assert received == planned and (received < full or full == 0), (layout, received, planned, full)
+    # TP2 -> TP1 x DP2: each rank receives the other's half; the adapters' share of it is what crosses now.
+    assert all(0 < received < full for received, _, full in results[(2, 1, False)]["push_bytes"])

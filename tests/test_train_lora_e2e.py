@@ -1,6 +1,6 @@
 """GRPO with LoRA end to end through `cli/train_grpo.py` (subprocesses, real vLLM + Megatron):
-- 2 ranks (Ray, Megatron TP2 -> vLLM TP1 x DP2): vLLM, fed the merged weights at each switch, samples with the
-  log-probs Megatron's adapted forward computes; the reference phase holds the train params and there are no
+- 2 ranks (Ray, Megatron TP2 -> vLLM TP1 x DP2): vLLM, its backbone kept on the host and only the adapters' slices
+  received at each switch, samples with the log-probs Megatron's adapted forward computes; the reference phase holds the train params and there are no
   reference params; the update holds the backbone plus the adapters' grads and Adam states, as the planner says to
   the byte;
 - 1 rank: with lora_filter, checkpoints hold the adapters only, and a run resumed from one reaches the uninterrupted
@@ -50,8 +50,12 @@ def test_two_ranks_train_the_adapters_on_the_shared_backbone(tmp_path):
         assert record.get("memory/ref_logprob/reference_params_bytes", 0) == 0
         for state in STATES:
             assert record[f"memory/update/{state}_bytes"] == record[f"memory/update/{state}_predicted_bytes"], state
-        # Adapters are a fraction of the model: their grads (fp32) are far below the params.
+        # Adapters are a fraction of the model: their grads (fp32) are far below the params ...
         assert record["memory/update/train_grads_bytes"] < 0.3 * record["memory/update/train_params_bytes"]
+        # ... and the switch moves them, not the model: the plan's adapter bytes, below the full push's.
+        received = record["resharding/bytes_received"]
+        assert received == record["resharding/planned_bytes_received"]
+        assert 0 < received < 0.2 * record["resharding/full_push_planned_bytes_received"]
 
 
 @pytest.fixture(scope="module")

@@ -97,25 +97,46 @@ def build_plan(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_si
     train_ranks = range(world_size)
     infer_ranks = range(world_size) if infer_world_size is None else range(world_size, world_size + infer_world_size)
     _check_sizes(spec, train, infer, world_size, len(infer_ranks))
-    shapes = hf_shapes(spec)
+    return plan_between(train_layouts(spec, train, world_size), infer_layouts(spec, infer, infer_ranks),
+                        hf_shapes(spec), train_ranks=train_ranks, infer_ranks=infer_ranks)
+
+
+def train_layouts(spec: Qwen2Spec, train: TrainLayout, world_size: int) -> dict[int, list[LocalTensor]]:
+    """Each training rank's Megatron tensors."""
+    layouts = {}
+    for rank in range(world_size):
+        tp_rank, pp_rank = train.coordinates(rank, world_size)
+        layouts[rank] = megatron_layout(spec, tp=train.tp, tp_rank=tp_rank, pp=train.pp, pp_rank=pp_rank,
+                                        ep=train.ep, ep_rank=train.ep_rank(rank))
+    return layouts
+
+
+def infer_layouts(spec: Qwen2Spec, infer: InferLayout, infer_ranks: range) -> dict[int, list[LocalTensor]]:
+    """Each inference rank's vLLM tensors (keyed by the plan's rank numbering)."""
+    layouts = {}
+    for rank in infer_ranks:
+        local = rank - infer_ranks.start  # the rank in the inference world
+        layouts[rank] = vllm_layout(spec, tp=infer.tp, tp_rank=infer.tp_rank(local), pp=infer.pp,
+                                    pp_rank=infer.pp_rank(local), dp=len(infer_ranks) // (infer.tp * infer.pp),
+                                    dp_rank=infer.dp_rank(local), expert_parallel=infer.expert_parallel)
+    return layouts
+
+
+def plan_between(train: dict[int, list[LocalTensor]], infer: dict[int, list[LocalTensor]],
+                 shapes: dict[str, tuple[int, ...]], *, train_ranks: range, infer_ranks: range) -> Plan:
+    """The copies that fill every inference rank's tensors from the training ranks' (any two layouts of the same
+    HF tensors, named in `shapes`)."""
     train_tensors, holders = {}, defaultdict(list)
     for rank in train_ranks:
-        tp_rank, pp_rank = train.coordinates(rank, world_size)
-        tensors = megatron_layout(spec, tp=train.tp, tp_rank=tp_rank, pp=train.pp, pp_rank=pp_rank, ep=train.ep,
-                                  ep_rank=train.ep_rank(rank))
-        train_tensors[rank] = {t.key: t for t in tensors}
-        for tensor in tensors:
+        train_tensors[rank] = {t.key: t for t in train[rank]}
+        for tensor in train[rank]:
             for seg in tensor.segments:
                 holders[seg.hf_name].append((rank, tensor, seg))
     infer_tensors, copies = {}, []
     sent = defaultdict(int)  # load balancing among equivalent holders
     for rank in infer_ranks:
-        local = rank - infer_ranks.start  # the rank in the inference world
-        tensors = vllm_layout(spec, tp=infer.tp, tp_rank=infer.tp_rank(local), pp=infer.pp,
-                              pp_rank=infer.pp_rank(local), dp=len(infer_ranks) // (infer.tp * infer.pp),
-                              dp_rank=infer.dp_rank(local), expert_parallel=infer.expert_parallel)
-        infer_tensors[rank] = {t.key: t for t in tensors}
-        for tensor in tensors:
+        infer_tensors[rank] = {t.key: t for t in infer[rank]}
+        for tensor in infer[rank]:
             for seg in tensor.segments:
                 unit = math.prod(shapes[seg.hf_name]) // shapes[seg.hf_name][tensor.dim]
                 copies += _cover(rank, tensor, seg, holders[seg.hf_name], unit, sent)

@@ -127,6 +127,7 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
     def _build_inference_side(self, started: float) -> None:
         """vLLM, its states, and, where this rank also trains, the colocated weight push into it."""
         from mindspeed_rl.memory.vllm_states import register_inference_states
+        from mindspeed_rl.resharding.adapter_push import AdapterPush
         from mindspeed_rl.resharding.weight_push import colocated_push
         from mindspeed_rl.workers import engine_builders as build
 
@@ -135,7 +136,9 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
         register_inference_states(self.offloader, self.inference_model, self.accelerator)
         if self.TRAINS:
             train, infer = build.switch_layouts(self.config)
-            self.sharding_manager.weight_push = colocated_push(
+            # LoRA: only the adapters move (resharding/adapter_push.py); else the weights through the plan.
+            push = colocated_push if self.actor.lora is None else AdapterPush
+            self.sharding_manager.weight_push = push(
                 actor=self.actor, inference_model=self.inference_model, train=train, infer=infer,
                 rank=self.rank_info.rank, world_size=self.rank_info.world_size,
                 bucket_bytes=build.bucket_bytes(self.config),
