@@ -175,7 +175,8 @@ def load_checkpoint_model(checkpoint: str | os.PathLike, *, key: str = "--checkp
         raise ConfigError(key, f"{hf_dir / 'config.json'} is unreadable: {error}") from None
     params_dtype = _saved_dtype(model_dir, key=key)
     model = build_gpt_model(spec, params_dtype=params_dtype, tp=1, pp=1)
-    lora = json.loads((verified.path / TRAINER_STATE_NAME).read_text()).get(LORA_STATE_KEY)
+    state_path = verified.path / TRAINER_STATE_NAME  # a run's save has one; a model-only checkpoint may not
+    lora = json.loads(state_path.read_text()).get(LORA_STATE_KEY) if state_path.is_file() else None
     if lora is not None:
         return load_lora_model(model, spec, model_dir, lora, base=base, key=key), spec, hf_dir, lora
     try:

@@ -136,6 +136,10 @@ def _pad_sequence(ids: torch.Tensor, positions: torch.Tensor, length: int) -> tu
 class MegatronEngine:
     """One Megatron model (actor with optimizer, or reference without) on this rank's shard."""
 
+    # No adapters unless the constructor adds them (the critic and the reward model build themselves).
+    lora: "LoRASettings | None" = None
+    lora_filter = False
+
     def __init__(self, *, spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], params_dtype: torch.dtype,
                  accelerator: Accelerator, optimizer: OptimizerSettings | None,
                  options: ModelOptions = ModelOptions(), lora: LoRASettings | None = None,

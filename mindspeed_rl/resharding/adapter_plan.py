@@ -29,15 +29,20 @@ def build_adapter_plan(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, 
                        target_modules: tuple[str, ...]) -> Plan:
     """The colocated plan (the same ranks train and infer) of the adapters of rank `rank` on `target_modules`."""
     ranks = range(world_size)
-    weights = hf_shapes(spec)
-    shapes: dict[str, tuple[int, ...]] = {}
+    train_side, shapes = adapter_layouts(train_layouts(spec, train, world_size), spec, rank=rank,
+                                         target_modules=target_modules)
+    infer_side, infer_shapes = adapter_layouts(infer_layouts(spec, infer, ranks), spec, rank=rank,
+                                               target_modules=target_modules)
+    return plan_between(train_side, infer_side, shapes | infer_shapes, train_ranks=ranks, infer_ranks=ranks)
 
-    def adapters(layouts: dict[int, list[LocalTensor]]) -> dict[int, list[LocalTensor]]:
-        return {r: [a for t in tensors for a in _adapter_tensors(t, rank, target_modules, weights, shapes)]
-                for r, tensors in layouts.items()}
 
-    return plan_between(adapters(train_layouts(spec, train, world_size)), adapters(infer_layouts(spec, infer, ranks)),
-                        shapes, train_ranks=ranks, infer_ranks=ranks)
+def adapter_layouts(layouts: dict[int, list[LocalTensor]], spec: Qwen2Spec, *, rank: int,
+                    target_modules: tuple[str, ...]) -> tuple[dict[int, list[LocalTensor]], dict[str, tuple[int, ...]]]:
+    """Each rank's adapter tensors laid out as its weights are, and the HF shapes of the adapter names."""
+    weights, shapes = hf_shapes(spec), {}
+    out = {r: [a for t in tensors for a in _adapter_tensors(t, rank, target_modules, weights, shapes)]
+           for r, tensors in layouts.items()}
+    return out, shapes
 
 
 def adapted_weight(adapter_key: str) -> str:
