@@ -67,3 +67,9 @@ bench-soak: venv
 .PHONY: bench-long
 bench-long: venv
 	$(PY) benchmarks/bench_long_responses.py --json bench_long_responses.json
+
+# Whole GRPO iterations at that shape (our trainer's phases, the planner beside the ledger) alternating with TRL
+# 1.16's GRPOTrainer on the same model, prompts and lengths (benchmarks/.trl-venv is made on first use).
+.PHONY: bench-long-iteration
+bench-long-iteration: venv
+	$(PY) benchmarks/bench_long_iteration.py --json bench_long_iteration.json

@@ -14,8 +14,8 @@ same batch and weights, alternating padded and packed `--repeats` times each, pr
   position's logits for Megatron's cross entropy, and the whole vocabulary's log-softmax for the entropy:
   reproduced here as it was) against engines/vocab_parallel.py, and the last stage's extra bytes per token.
 
-Not covered here yet (issue 21 item 4): a whole GRPO iteration's phases at this shape, the planner beside the
-ledger for it, and TRL at this shape.
+A whole GRPO iteration at this shape (the phases, the planner beside the ledger, TRL's GRPOTrainer alternating
+with ours): bench_long_iteration.py (`make bench-long-iteration`).
 """
 from __future__ import annotations
 

@@ -2,12 +2,13 @@
 
     benchmarks/.trl-venv/bin/python benchmarks/trl_grpo_runner.py --spec SPEC.json --out EVENTS.jsonl
 
-SPEC.json (written by bench_vs_trl.py from configs/grpo_tiny_cpu.yaml): the checkpoint directory, the
-prompts file, the hyperparameters and the number of iterations. One iteration = one generation batch
-(prompts x samples) and the optimizer steps it feeds, as in our demo. EVENTS.jsonl gets one JSON object per
+SPEC.json (written by bench_vs_trl.py from configs/grpo_tiny_cpu.yaml, or by bench_long_iteration.py): the
+checkpoint directory, the prompts file, the hyperparameters and the number of iterations; optionally
+``use_vllm`` (default false; true: ``vllm_mode="colocate"`` with ``vllm_max_model_length``). One iteration =
+one generation batch (prompts x samples) and the optimizer steps it feeds, as in our demo. EVENTS.jsonl gets one JSON object per
 line: start-up marks (wall clock, seconds since the epoch, so the parent can subtract its launch time) and,
 per iteration, its wall seconds and the seconds of each phase, measured by wrapping GRPOTrainer's own
-methods (no TRL code is changed):
+methods (no TRL code is changed); the last line ("done") carries TRL's logs, one per iteration:
 
 - generate: ``_generate`` (tokenize prompts, transformers ``generate``, decode)
 - reward: ``_calculate_rewards`` (the same ``arith_acc`` function our demo uses)
@@ -68,7 +69,9 @@ def main() -> None:
     out = args.out.open("w")
     _emit(out, event="process_start", wall=T_IMPORT0)
 
-    _hide_vllm()
+    use_vllm = spec.get("use_vllm", False)  # bench_long_iteration.py's probe: vllm_mode="colocate"
+    if not use_vllm:
+        _hide_vllm()
     import torch  # noqa: F401  (timed with the rest of the imports)
     import datasets
     import transformers
@@ -110,7 +113,8 @@ def main() -> None:
         adam_beta1=h["adam_beta1"], adam_beta2=h["adam_beta2"], adam_epsilon=h["adam_eps"],
         max_grad_norm=h["clip_grad"], beta=h["kl_coef"], epsilon=h["clip_ratio"], num_iterations=h["epochs"],
         loss_type="dapo", scale_rewards="group", temperature=h["temperature"], top_p=h["top_p"],
-        top_k=h["top_k"], log_completions=False, use_vllm=False,
+        top_k=h["top_k"], log_completions=False, use_vllm=use_vllm,
+        **({"vllm_mode": "colocate", "vllm_max_model_length": spec["vllm_max_model_length"]} if use_vllm else {}),
     )
     timers: dict[str, float] = {}
 
@@ -175,7 +179,7 @@ def main() -> None:
           prompt_ids_example=tokenizer(text=[rows[0]["prompt"]])["input_ids"][0])
     trainer.train()
     history = [entry for entry in trainer.state.log_history if "reward" in entry]
-    _emit(out, event="done", wall=time.time(), last_log=history[-1] if history else None)
+    _emit(out, event="done", wall=time.time(), last_log=history[-1] if history else None, history=history)
     out.close()
 
 
