@@ -194,3 +194,14 @@ def vllm_stage_oracle(shard: dict[str, torch.Tensor], spec: Qwen2Spec, pp: int, 
         if keep:
             out[name] = tensor
     return out
+
+
+def four_sample_batch(pad: int):
+    """Four samples of uneven prompt (2-5) and response (1-6) lengths over tokens below `pad`, right-padded."""
+    from mindspeed_rl.protocol import RolloutBatch
+
+    generator = torch.Generator().manual_seed(3)
+    prompt_lengths, response_lengths = [3, 5, 2, 4], [4, 1, 6, 2]
+    prompts = [torch.randint(0, pad, (n,), generator=generator).tolist() for n in prompt_lengths]
+    responses = [torch.randint(0, pad, (n,), generator=generator).tolist() for n in response_lengths]
+    return RolloutBatch.from_token_lists(prompts, responses, pad_id=pad, response_width=6)

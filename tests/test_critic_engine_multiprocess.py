@@ -15,19 +15,11 @@ import torch.multiprocessing as mp
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.data.tiny_reward_model import create_tiny_reward_checkpoint
 from mindspeed_rl.protocol import RolloutBatch
-from resharding_oracle import free_port
+from resharding_oracle import four_sample_batch, free_port
 
 VOCAB, PAD = 64, 63
 LAYOUTS = ((1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False))  # (TP, PP, SP) on 2 ranks: (1, 1) is DP2
 ADAM = dict(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
-
-
-def _batch() -> RolloutBatch:
-    generator = torch.Generator().manual_seed(3)
-    prompt_lengths, response_lengths = [3, 5, 2, 4], [4, 1, 6, 2]
-    prompts = [torch.randint(0, PAD, (n,), generator=generator).tolist() for n in prompt_lengths]
-    responses = [torch.randint(0, PAD, (n,), generator=generator).tolist() for n in response_lengths]
-    return RolloutBatch.from_token_lists(prompts, responses, pad_id=PAD, response_width=6)
 
 
 def _at_response_positions(per_position: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
@@ -120,7 +112,7 @@ def spawned(tmp_path_factory):
     create_tiny_qwen2_checkpoint(actor_dir, vocab_size=VOCAB, hidden_size=128, ffn_hidden_size=256, num_layers=2,
                                  num_attention_heads=4, num_query_groups=2, seed=5)
     reward_dir = str(create_tiny_reward_checkpoint(root / "reward", base_model_dir=actor_dir, seed=11))
-    batch = _batch()
+    batch = four_sample_batch(PAD)
     oracle = _hf_values(reward_dir, batch)
     from mindspeed_rl.engines.critic import with_value_head
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.config.no_effect import lift_value
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # megatron_training's name -> actor_config's
@@ -24,17 +25,9 @@ def lift_lora_keys(tree: dict[str, Any]) -> list[ConfigError]:
     training, actor = tree.get("megatron_training"), tree.get("actor_config")
     if not isinstance(training, dict) or not isinstance(actor, dict):
         return []
-    errors = []
-    for key, target in LIFTED_KEYS.items():
-        if key not in training:
-            continue
-        value = training.pop(key)
-        if target not in actor:
-            actor[target] = value
-        elif actor[target] != value:
-            errors.append(ConfigError(f"megatron_training.{key}", f"is {value!r} but actor_config.{target} is "
-                                                                  f"{actor[target]!r}: one value, in either place"))
-    return errors
+    errors = [lift_value(training.pop(key), actor, target, source_key=f"megatron_training.{key}",
+                         target_name=f"actor_config.{target}") for key, target in LIFTED_KEYS.items() if key in training]
+    return [error for error in errors if error]
 
 
 def check_lora(prefix: str, actor) -> None:

@@ -137,12 +137,23 @@ def lift_megatron_keys(tree: dict[str, Any]) -> list[ConfigError]:
             value = block.pop(key)
             if name != selected:
                 continue
-            if key not in training:
-                training[key] = value
-            elif training[key] != value:
-                errors.append(ConfigError(f"model.{name}.{key}", f"is {value!r} but megatron_training.{key} is "
-                                                                f"{training[key]!r}: one value, in either place"))
+            error = lift_value(value, training, key, source_key=f"model.{name}.{key}",
+                               target_name=f"megatron_training.{key}")
+            errors += [error] if error else []
     return errors
+
+
+def lift_value(value: Any, target: dict[str, Any], target_key: str, *, source_key: str,
+               target_name: str) -> Optional[ConfigError]:
+    """Put a value MindSpeed-RL reads from another place where this engine reads it; one already there must
+    agree (else the error naming both)."""
+    if target_key not in target:
+        target[target_key] = value
+        return None
+    if target[target_key] != value:
+        return ConfigError(source_key, f"is {value!r} but {target_name} is {target[target_key]!r}: one value, in "
+                                       "either place")
+    return None
 
 
 def no_effect_notice(notices: list[str]) -> Optional[str]:

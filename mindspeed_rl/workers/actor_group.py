@@ -90,6 +90,22 @@ class RankGroupBase:
         self.call("shutdown")
 
 
+class CompositeGroup(RankGroupBase):
+    """A group made of groups, each with its own world (disaggregated: training and inference ranks; a critic on
+    devices of its own beside the actor's): ROLL's cluster-level state control runs on each. A subclass gives
+    `member_groups`."""
+
+    member_groups: tuple = ()
+
+    def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
+                       blocking: bool = True) -> list[Any]:
+        return [r for g in self.member_groups for r in g.offload_states(include, keep_contents=keep_contents,
+                                                                         blocking=blocking)]
+
+    def reload_states(self, include: list[str] | None = None, *, blocking: bool = True) -> list[Any]:
+        return [r for g in self.member_groups for r in g.reload_states(include, blocking=blocking)]
+
+
 def merge_shards(shards: list) -> list:
     """The reporting rank's shard for each sample range, in sample order."""
     reported = {(s.start, s.stop): s for s in shards if s.value is not None}

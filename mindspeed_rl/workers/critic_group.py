@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from mindspeed_rl.workers import critic_steps
-from mindspeed_rl.workers.actor_group import ActorGroup, RankGroupBase
+from mindspeed_rl.workers.actor_group import ActorGroup, CompositeGroup
 from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorkerBase
 
 CRITIC_ROLE = "critic"
@@ -35,12 +35,13 @@ class CriticWorkerBase(ActorHybridWorkerBase):
         register_critic_states(self.offloader, self.critic)
 
 
-class ActorWithOwnCritic(RankGroupBase):
+class ActorWithOwnCritic(CompositeGroup):
     """`ActorGroup` over the actor's group and the critic's group."""
 
     def __init__(self, actor: ActorGroup, critic):
         self.actor, self.critic = actor, critic
         self.addresses = actor.addresses + critic.addresses
+        self.member_groups = (actor, critic)
 
     def initialize(self) -> list[dict[str, float]]:
         """Both build their engines at once."""
@@ -67,15 +68,6 @@ class ActorWithOwnCritic(RankGroupBase):
 
     def finish_generate(self) -> list[Any]:
         return self.actor.finish_generate()
-
-    # ROLL's cluster-level state control, on both groups.
-    def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
-                       blocking: bool = True) -> list[Any]:
-        return [r for g in (self.actor, self.critic) for r in g.offload_states(include, keep_contents=keep_contents,
-                                                                               blocking=blocking)]
-
-    def reload_states(self, include: list[str] | None = None, *, blocking: bool = True) -> list[Any]:
-        return [r for g in (self.actor, self.critic) for r in g.reload_states(include, blocking=blocking)]
 
     def shutdown(self) -> None:
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from mindspeed_rl.workers.actor_group import GRACEFUL_SHUTDOWN_SECONDS, RankGroupBase, merge_metrics
+from mindspeed_rl.workers.actor_group import GRACEFUL_SHUTDOWN_SECONDS, CompositeGroup, merge_metrics
 from mindspeed_rl.workers.group import RayActorGroup, wait_all
 from mindspeed_rl.workers.processes import free_port
 
@@ -20,7 +20,7 @@ from mindspeed_rl.workers.processes import free_port
 _CHANGES_WEIGHTS = frozenset({"update", "load_checkpoint"})
 
 
-class DisaggregatedActor(RankGroupBase):
+class DisaggregatedActor(CompositeGroup):
     """`ActorGroup` over the training group and the inference group."""
 
     def __init__(self, *, config, device: str, env_vars: dict[str, str], model_dir: str, ref_model_dir: str,
@@ -34,6 +34,7 @@ class DisaggregatedActor(RankGroupBase):
             self.train.kill()
             raise
         self.addresses = self.train.addresses + self.infer.addresses
+        self.member_groups = (self.train, self.infer)
         self._weights_stale = True
         self._pending = None  # (each inference rank's generate_sequences ref, the push's metrics)
 
@@ -97,15 +98,6 @@ class DisaggregatedActor(RankGroupBase):
         metrics["resharding/bytes_sent_all_ranks"] = sum(m["resharding/bytes_sent"] for m in sent)
         metrics["timing/resharding_enter_infer"] = time.perf_counter() - started
         return metrics
-
-    # ROLL's cluster-level state control, on both groups.
-    def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
-                       blocking: bool = True) -> list[Any]:
-        return [r for g in (self.train, self.infer) for r in g.offload_states(include, keep_contents=keep_contents,
-                                                                               blocking=blocking)]
-
-    def reload_states(self, include: list[str] | None = None, *, blocking: bool = True) -> list[Any]:
-        return [r for g in (self.train, self.infer) for r in g.reload_states(include, blocking=blocking)]
 
     def _close_ranks(self) -> None:
         """Both groups close at once: they leave the bridge together."""
