@@ -587,3 +587,25 @@ def test_cli_json_and_bad_input():
     bad = _plan_cli("--config-name", "grpo_tiny_cpu", "--device-memory", "lots")
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.splitlines() == ["config error: --device-memory: 'lots' is not a size like 64GiB, 80GB or 1.5TiB"]
+
+
+def test_a_critic_of_its_own_is_planned_on_its_devices_with_its_states_in_every_phase():
+    """critic.device_mapping apart (ppo_tiny_cpu_critic_devices): the critic's device holds its params, grads and Adam
+    states in every phase (the live run's ledger shows the same, test_train_ppo_e2e), the actor's device none, and
+    nothing of it moves between host and device."""
+    from mindspeed_rl.memory.residency import CRITIC_STATES
+    from mindspeed_rl.planner.from_config import plan_config
+    from tests.test_config import load
+
+    config = load("ppo_tiny_cpu_critic_devices")
+    plan, _ = plan_config(config, _tiny(hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=64))
+    colocated, _ = plan_config(load("ppo_tiny_cpu"), _tiny(hidden_size=128, intermediate_size=256,
+                                                           num_hidden_layers=2, vocab_size=64))
+    actor_device, critic_device = plan.ranks
+    assert critic_device.rank == 1 and plan.inputs.critic_world_size == 1
+    for phase in plan.table_phases:
+        on_critic = plan.rank_phase(critic_device, phase)
+        assert all(on_critic[state] > 0 for state in CRITIC_STATES), phase
+        assert all(plan.rank_phase(actor_device, phase)[state] == 0 for state in CRITIC_STATES), phase
+    # Its states are the colocated critic's (fp32, no distributed optimizer: the same on every DP rank).
+    assert all(critic_device.states[state] == colocated.ranks[0].states[state] for state in CRITIC_STATES)

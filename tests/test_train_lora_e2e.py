@@ -1,16 +1,17 @@
-"""GRPO with LoRA end to end through `cli/train_grpo.py` (subprocesses, real vLLM + Megatron):
-- 2 ranks (Ray, Megatron TP2 -> vLLM TP1 x DP2): vLLM, its backbone kept on the host and only the adapters' slices
-  received at each switch, samples with the log-probs Megatron's adapted forward computes; the reference phase holds the train params and there are no
+"""GRPO with LoRA end to end through `cli/train_grpo.py` (subprocesses, real vLLM + Megatron), on one 2-rank run (Ray,
+Megatron TP2 -> vLLM TP1 x DP2, lora_filter, three iterations, a checkpoint after the second):
+- vLLM, its backbone kept on the host and only the adapters' slices received at each switch, samples with the
+  log-probs Megatron's adapted forward computes; the reference phase holds the train params and there are no
   reference params; the update holds the backbone plus the adapters' grads and Adam states, as the planner says to
   the byte;
-- 1 rank: with lora_filter, checkpoints hold the adapters only, and a run resumed from one reaches the uninterrupted
-  run's next iteration exactly; the export writes it merged into the backbone and as a PEFT adapter, and
-  PEFT's base + adapter gives the merged model's logits;
+- its checkpoints hold the adapters only, and a run resumed from one reaches the uninterrupted run's next iteration
+  exactly; the export (at TP1, from the TP2 checkpoint) writes it merged into the backbone and as a PEFT adapter,
+  and PEFT's base + adapter gives the merged model's logits;
 - the seed's LoRA reference call through ROLL's API (`compute_log_prob` with `meta_info["disable_adapter"]` and
-  `is_offload_states = False`) gives the reference log-probs and keeps the train params on the device.
+  `is_offload_states = False`) gives the reference log-probs and keeps the train params on the device (one
+  in-process rank in a subprocess, tests/lora_roll_api_run.py).
 
-Runs where: three CLI runs and one in-process rank in subprocesses, two exports in this process (tests/lora_roll_api_run.py), ~2.5 min on 2
-cores."""
+Runs where: two CLI runs and one in-process rank in subprocesses, two exports in this process; ~1.5 min on 2 cores."""
 
 import json
 import subprocess
@@ -24,8 +25,7 @@ from megatron.core import dist_checkpointing
 from cli_runner import run_cli
 
 LORA = "grpo_tiny_cpu_lora"
-ONE_RANK = ("rl_config.actor_resource.num_npus=1", "actor_config.tensor_model_parallel_size=1")
-ADAPTER_ONLY = (*ONE_RANK, "actor_config.lora_filter=true", "megatron_training.train_iters=3")
+ADAPTER_ONLY = ("actor_config.lora_filter=true", "megatron_training.train_iters=3")
 REPO = Path(__file__).resolve().parents[1]
 STATES = ("train_params", "train_grads", "optimizer_states")
 # resharding/: a resumed run's first switch pushes the backbone too (a continuing run's pushes the adapters only).
@@ -41,12 +41,19 @@ def _stable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(VOLATILE_PREFIXES) and not k.endswith(VOLATILE_SUFFIXES)}
 
 
-def test_two_ranks_train_the_adapters_on_the_shared_backbone(tmp_path):
-    done = run_cli(tmp_path, LORA, "megatron_training.train_iters=2")
+@pytest.fixture(scope="module")
+def adapter_only_run(tmp_path_factory):
+    """Two ranks, lora_filter: three iterations, a checkpoint after the second."""
+    full = tmp_path_factory.mktemp("full")
+    done = run_cli(full, LORA, *ADAPTER_ONLY, "megatron_training.save_interval=2", f"actor_config.save={full / 'save'}")
     assert done.returncode == 0, done.stderr[-3000:]
-    first, second = _records(tmp_path)
-    for record in (first, second):
-        assert record["rollout/logprob_max_abs_diff"] < 1e-4  # vLLM's merged weights = Megatron's adapted forward
+    return full, full / "save" / "iter_0000002"
+
+
+def test_two_ranks_train_the_adapters_on_the_shared_backbone(adapter_only_run):
+    full, _ = adapter_only_run
+    for record in _records(full):
+        assert record["rollout/logprob_max_abs_diff"] < 1e-4  # vLLM's weights = Megatron's adapted forward
         assert record["memory/ref_logprob/train_params_bytes"] > 0
         assert record.get("memory/ref_logprob/reference_params_bytes", 0) == 0
         for state in STATES:
@@ -57,15 +64,6 @@ def test_two_ranks_train_the_adapters_on_the_shared_backbone(tmp_path):
         received = record["resharding/bytes_received"]
         assert received == record["resharding/planned_bytes_received"]
         assert 0 < received < 0.2 * record["resharding/full_push_planned_bytes_received"]
-
-
-@pytest.fixture(scope="module")
-def adapter_only_run(tmp_path_factory):
-    """One rank, lora_filter: three iterations, a checkpoint after the second."""
-    full = tmp_path_factory.mktemp("full")
-    done = run_cli(full, LORA, *ADAPTER_ONLY, "megatron_training.save_interval=2", f"actor_config.save={full / 'save'}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return full, full / "save" / "iter_0000002"
 
 
 def test_adapter_only_checkpoints_resume_exactly(world, tmp_path, adapter_only_run):
