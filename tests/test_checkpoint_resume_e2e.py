@@ -1,15 +1,24 @@
-"""End to end through the CLI (subprocesses, real Ray + vLLM + Megatron, 1 rank): a run whose driver is
-SIGKILLed after its iteration-2 checkpoint resumes from the last checkpoint and reaches the uninterrupted
-run's iterations 3 and 4 bit-exactly (fp32 CPU): metrics, weights and optimizer states. The runs use DAPO's
-dynamic sampling (8 of each rollout's 16 prompts must differ in exact accuracy, more rollouts drawn until they
-do), so the sampler position and the sampling streams are exact through the refills.
+"""End to end through the CLI (subprocesses, real Ray + vLLM + Megatron, 1 rank), around one uninterrupted
+4-iteration run that saves at iterations 2 and 4 (module fixture):
 
-Runs where: three CLI runs one after the other; ~1.5 min on 2 cores."""
+- a run whose driver is SIGKILLed after its iteration-2 checkpoint resumes from the last checkpoint and reaches
+  the uninterrupted run's iterations 3 and 4 bit-exactly (fp32 CPU): metrics, weights and optimizer states. The
+  runs use DAPO's dynamic sampling (8 of each rollout's 16 prompts must differ in exact accuracy, more rollouts
+  drawn until they do), so the sampler position and the sampling streams are exact through the refills;
+- `rl_config.integrated_mode_config.ref_model_load_path` naming one of our checkpoints loads the reference from
+  it (not from the initial weights, not from the actor). Oracle: with one optimizer step per iteration (8 prompts
+  per update = the mini-batch) the KL of an iteration is computed before its step, between the actor's and the
+  reference's log-probs of the same samples. A run whose actor and reference both come from checkpoint S has a KL
+  of (numerically) zero at its first iteration; the run that wrote S has a clearly positive one at the next
+  iteration, where its actor equals S and its reference is the initial model.
+
+Runs where: five CLI runs one after the other; ~2 min on 2 cores."""
 
 import json
 import os
 import signal
 
+import pytest
 import torch
 
 from cli_runner import run_cli
@@ -19,9 +28,17 @@ from run_watch import launch, session_processes
 # Wall-clock and memory figures differ between any two runs; everything else must be equal.
 VOLATILE_PREFIXES = ("timing/", "memory/", "offload/")
 VOLATILE_SUFFIXES = ("_tps", "seconds")
-TRAIN_4 = ("megatron_training.train_iters=4", "megatron_training.save_interval=2", "rl_config.filter_groups_enable=true",
-           "rl_config.filter_groups_metric=acc", "rl_config.filter_groups_train_batch_size=8",
-           "rl_config.filter_groups_max_batches=-1")
+DYNAMIC_SAMPLING = ("rl_config.filter_groups_enable=true", "rl_config.filter_groups_metric=acc",
+                    "rl_config.filter_groups_train_batch_size=8", "rl_config.filter_groups_max_batches=-1")
+TRAIN_4 = ("megatron_training.train_iters=4", "megatron_training.save_interval=2", *DYNAMIC_SAMPLING)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    full = tmp_path_factory.mktemp("uninterrupted")
+    done = run_cli(full, "grpo_tiny_cpu", *TRAIN_4, f"actor_config.save={full / 'save'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return full
 
 
 def _records(path):
@@ -47,13 +64,11 @@ def _run_killed_after_iteration_2(tmp_path, save):
         os.kill(pid, signal.SIGKILL)
 
 
-def test_resume_after_a_sigkill_matches_the_uninterrupted_run(world, tmp_path):
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    done = run_cli(full, "grpo_tiny_cpu", *TRAIN_4, f"actor_config.save={full / 'save'}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    kept = sorted(p.name for p in (full / "save").iterdir() if p.name != RUN_LOCK_FILE)
+def test_resume_after_a_sigkill_matches_the_uninterrupted_run(world, tmp_path, uninterrupted):
+    kept = sorted(p.name for p in (uninterrupted / "save").iterdir() if p.name != RUN_LOCK_FILE)
     assert kept == ["iter_0000002", "iter_0000004", "latest"], "no save in progress is left"
 
+    killed = tmp_path / "killed"
     _run_killed_after_iteration_2(killed, killed / "save")
     assert (killed / "save" / "latest").read_text().strip() == "iter_0000002"
     # Resume into the same run directory from the save root: its `latest` names iteration 2.
@@ -61,15 +76,33 @@ def test_resume_after_a_sigkill_matches_the_uninterrupted_run(world, tmp_path):
                    "actor_config.finetune=false", f"actor_config.save={killed / 'save'}")
     assert done.returncode == 0, done.stderr[-3000:]
 
-    expected = _records(full / "run" / "metrics.jsonl")
+    expected = _records(uninterrupted / "run" / "metrics.jsonl")
     got = _records(killed / "run" / "metrics.jsonl")
     assert [r["iteration"] for r in got] == [1, 2, 3, 4]
     assert any(r["dynamic_sampling/rollouts"] > 1 for r in expected[2:]), expected  # a refill after the resume
     assert got == expected
     for part in ("model", "optimizer"):
-        want = _plain(full / "save" / "iter_0000004" / part)
+        want = _plain(uninterrupted / "save" / "iter_0000004" / part)
         have = _plain(killed / "save" / "iter_0000004" / part)
         assert sorted(want) == sorted(have)
         for key in want:
             if isinstance(want[key], torch.Tensor):
                 assert torch.equal(want[key], have[key]), f"{part}: {key}"
+
+
+def _kl(run_dir) -> list[float]:
+    return [json.loads(line)["actor/kl_loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_reference_loads_from_our_checkpoint(tmp_path, uninterrupted):
+    checkpoint = uninterrupted / "save" / "iter_0000002"
+    done = run_cli(tmp_path, "grpo_tiny_cpu", "megatron_training.train_iters=1", *DYNAMIC_SAMPLING,
+                   f"actor_config.load={checkpoint}", "actor_config.finetune=true",
+                   f"rl_config.integrated_mode_config.ref_model_load_path={checkpoint}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"[checkpoint] reference model loaded from {checkpoint}" in done.stdout
+
+    kl_actor_s_reference_initial = _kl(uninterrupted / "run")[2]
+    kl_actor_s_reference_s = _kl(tmp_path / "run")[0]
+    assert kl_actor_s_reference_initial > 1e-6
+    assert abs(kl_actor_s_reference_s) < 1e-3 * kl_actor_s_reference_initial

@@ -87,6 +87,17 @@ def test_a_harmless_value_is_accepted_and_listed() -> None:
                                                                "rl_config.hccl_buffersize"]
 
 
+def test_every_rl_config_key_of_their_transfer_dock_and_their_unread_verifier_timeout_is_listed() -> None:
+    """MindSpeed-RL's rl_config (config_cls/rl_config.py) has eleven `*_dispatch_size` keys and a `verifier_timeout`
+    nothing of theirs reads; a recipe may carry any of them."""
+    steps = ("actor_rollout", "actor_logprob", "ref", "reward", "dynamic_sampling", "adv", "actor_update",
+             "critic_update", "critic_value", "kl", "actor_image_embeds")
+    keys = [f"rl_config.{step}_dispatch_size" for step in steps] + ["rl_config.verifier_timeout"]
+    notices: list[str] = []
+    load_tiny(*[f"{key}=4" for key in keys], notices=notices)
+    assert sorted(notice.split(" ", 1)[0] for notice in notices) == sorted(keys)
+
+
 def test_a_model_block_megatron_key_that_disagrees_is_an_error() -> None:
     with pytest.raises(ConfigError, match="model.tiny_qwen2.attention_softmax_in_fp32: is False but megatron_training"):
         load_tiny("model.tiny_qwen2.attention_softmax_in_fp32=false")

@@ -82,9 +82,12 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
         "micro-batches are balanced by token count with rl_config.use_dynamic_bsz; the loss is the same"),
     "rl_config.zmq_communication": NoEffect(_TRANSFER_DOCK),
     "rl_config.hccl_buffersize": NoEffect(_TRANSFER_DOCK),
-    "rl_config.reward_dispatch_size": NoEffect(_TRANSFER_DOCK),
-    "rl_config.adv_dispatch_size": NoEffect(_TRANSFER_DOCK),
-    "rl_config.actor_update_dispatch_size": NoEffect(_TRANSFER_DOCK),
+    # Every experience count per dispatch of MindSpeed-RL's rl_config (config_cls/rl_config.py).
+    **{f"rl_config.{step}_dispatch_size": NoEffect(_TRANSFER_DOCK)
+       for step in ("actor_rollout", "actor_logprob", "ref", "reward", "dynamic_sampling", "adv", "actor_update",
+                    "critic_update", "critic_value", "kl", "actor_image_embeds")},
+    "rl_config.verifier_timeout": NoEffect(
+        "read by nothing in MindSpeed-RL's source; this engine's per-sample limit is rl_config.verifier_timeout_seconds"),
     "generate_config.torchair_graph": NoEffect(_NPU_KERNEL),
     "generate_config.ascend_scheduler_config_enabled": NoEffect(_NPU_KERNEL),
     "generate_config.num_scheduler_steps": NoEffect("vLLM V1 schedules one step at a time", (1,)),
