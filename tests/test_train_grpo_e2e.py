@@ -5,6 +5,7 @@ the CLI's own process, without Ray (runtime.local_single_rank); the 2-rank varia
 Runs where: subprocesses (the 2-rank variant: Ray and two worker processes); ~40 s each on 2 cores.
 """
 import json
+import re
 import os
 from pathlib import Path
 
@@ -20,6 +21,7 @@ def test_two_iterations_write_metrics(tmp_path):
     run_dir, ray_tmp = tmp_path / "run", tmp_path / "ray_tmp"
     # Ray puts every session it starts (ray.init, its daemons) under $RAY_TMPDIR/ray: it stays absent.
     done = run_cli(tmp_path, "grpo_tiny_cpu", "megatron_training.train_iters=2", "rl_config.use_tensorboard=true",
+                   "runtime.progress_seconds=0.2",
                    "rl_config.use_wandb=true", "rl_config.wandb_project=e2e", "rl_config.wandb_exp_name=two",
                    f"synthetic_data.data_dir={tmp_path / 'assets'}",
                    env={"RAY_TMPDIR": str(ray_tmp), "WANDB_MODE": "offline"})
@@ -35,6 +37,9 @@ def test_two_iterations_write_metrics(tmp_path):
     console = done.stdout + done.stderr
     assert "Params for bucket" not in console and "tokenizing prompts" not in console
     assert "[summary] 2 iterations" in done.stdout
+    # A phase longer than runtime.progress_seconds says so while it runs (each update of 256 samples takes
+    # longer than 0.2 s here).
+    assert re.search(r"^\[progress\] iteration [12], update: \d+ s so far$", done.stdout, re.MULTILINE), done.stdout[-2000:]
     assert "Params for bucket" in (run_dir / "train_grpo.log").read_text()
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

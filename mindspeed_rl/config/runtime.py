@@ -41,6 +41,9 @@ class RuntimeConfig:
     # A Ray rank whose heartbeat (a thread beating every second) stops this long is reported at once, whatever
     # the RPC deadline: a stopped or frozen process (SIGSTOP, a hung host), not a slow phase.
     heartbeat_timeout_seconds: float = 60.0
+    # A phase the driver waits on (generate, log-probs, update, a checkpoint save, ...) that runs longer than this
+    # prints one line, and another every this many seconds while it runs; 0: never.
+    progress_seconds: float = 10.0
     # Every torch.distributed group in the workers (gloo/nccl/hccl): a rank never waits longer.
     collective_timeout_seconds: float = 1800.0
     # Ray must place every rank within this time, else the run says which resource is missing.
@@ -68,7 +71,7 @@ class RuntimeConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{self.SECTION_KEY}.{name}", f"expected true or false, got {getattr(self, name)!r}")
         require_choice(self.SECTION_KEY, self, "device", DEVICES)
-        require_non_negative(self.SECTION_KEY, self, "num_threads_per_rank")
+        require_non_negative(self.SECTION_KEY, self, "num_threads_per_rank", "progress_seconds")
         require_positive(self.SECTION_KEY, self, "log_interval", "max_ranks_per_cpu_core", "rpc_timeout_seconds",
                          "initialize_timeout_seconds", "collective_timeout_seconds", "placement_timeout_seconds")
         if self.heartbeat_timeout_seconds < 3:

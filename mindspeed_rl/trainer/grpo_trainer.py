@@ -24,6 +24,7 @@ from mindspeed_rl.trainer.advantage_step import AdvantageStep
 from mindspeed_rl.trainer.dynamic_sampling import ScoredRollouts
 from mindspeed_rl.trainer.evaluation import Evaluation, format_eval_line
 from mindspeed_rl.trainer.metrics import format_line, iteration_metrics
+from mindspeed_rl.trainer.phase_progress import with_phase_progress
 from mindspeed_rl.trainer.rollout import decode_responses, forward_logprobs, rollout_batch
 from mindspeed_rl.trainer.reward_model import model_score_metrics, with_model_scores
 from mindspeed_rl.trainer.sinks import MetricsSinks
@@ -39,6 +40,8 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
           eval_dataset: PromptDataset | None = None, kl_coef: float | None = None) -> list[dict]:
     hf_dir = hf_dir or setup.resolve_assets(config)[0]
     progress = progress or RunProgress(save_root=config.actor_config.save)
+    actor_group = with_phase_progress(actor_group, every_seconds=config.runtime.progress_seconds,
+                                      iteration=lambda: progress.iteration)
     rollouts = Rollouts(actor_group, dataset, sampler or make_sampler(config, dataset), config)
     sampling = ScoredRollouts(rollouts, Scoring(config, tokenizer, actor_group, reward_group), config)
     evaluation = Evaluation(config, tokenizer, actor_group, eval_dataset)
@@ -69,6 +72,7 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
                                 kl_coef=advantages.kl_coef)
     finally:
         record.close()
+        actor_group.stop_reporting()
     return record.finish(actor_group, hf_dir)
 
 

@@ -1,0 +1,105 @@
+"""Progress while the driver waits: a phase that runs longer than `runtime.progress_seconds` prints
+`[progress] iteration 3, generate: 20 s so far`, again every that many seconds, so a long generate or update is not
+mistaken for a hang (the watchdog's deadlines are minutes; an iteration at 32k tokens can be too).
+
+One mechanism for every step: the actor group is wrapped once, and each call the driver blocks on (and the
+wait for a rollout) is timed under its phase's name. The lines come from a daemon thread, so they also appear
+while a single-rank run computes in this process (torch and vLLM release the GIL between kernels).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+# What the console calls each actor RPC the driver waits on; anything else by its method name.
+PHASE_NAMES = {
+    "compute_ref_log_prob": "reference log-probs",
+    "compute_log_prob": "old log-probs",
+    "compute_values": "critic values",
+    "compute_reward_scores": "reward model",
+    "update": "update",
+    "update_critic": "critic update",
+    "save_checkpoint": "checkpoint save",
+    "save_critic_checkpoint": "checkpoint save",
+    "export_hf": "HF export",
+}
+
+
+class PhaseClock:
+    """The phase the driver is waiting on, and a thread that reports it once it has run `every_seconds`."""
+
+    def __init__(self, *, every_seconds: float, iteration: Callable[[], int], print_line: Callable[[str], None]):
+        self.every_seconds, self._iteration, self._print_line = every_seconds, iteration, print_line
+        self._lock = threading.Lock()
+        self._phase: str | None = None
+        self._started = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if every_seconds > 0:
+            self._thread = threading.Thread(target=self._watch, name="phase-progress", daemon=True)
+            self._thread.start()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        with self._lock:
+            outer = self._phase  # a wait inside another (a save's RPCs) is reported as the outer phase
+            if outer is None:
+                self._phase, self._started = name, time.monotonic()
+        try:
+            yield
+        finally:
+            if outer is None:
+                with self._lock:
+                    self._phase = None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        reported: tuple[str, float] | None = None  # the (phase, start) the lines so far were about
+        lines = 0
+        poll_seconds = min(1.0, self.every_seconds / 4)
+        while not self._stop.wait(poll_seconds):
+            with self._lock:
+                phase, started = self._phase, self._started
+            if phase is None:
+                continue
+            if reported != (phase, started):
+                reported, lines = (phase, started), 0
+            elapsed = time.monotonic() - started
+            if elapsed >= (lines + 1) * self.every_seconds:
+                lines += 1
+                self._print_line(f"[progress] iteration {self._iteration()}, {phase}: {elapsed:.0f} s so far")
+
+
+class ProgressReportingGroup:
+    """The actor group, each blocking call and each rollout wait timed by a `PhaseClock`; every other
+    attribute is the wrapped group's."""
+
+    def __init__(self, group: Any, clock: PhaseClock):
+        self._group, self._clock = group, clock
+
+    def call(self, method: str, *args: Any, blocking: bool = True, **kwargs: Any) -> list[Any]:
+        if not blocking:
+            return self._group.call(method, *args, blocking=False, **kwargs)
+        with self._clock.phase(PHASE_NAMES.get(method, method)):
+            return self._group.call(method, *args, **kwargs)
+
+    def finish_generate(self) -> list[Any]:
+        with self._clock.phase("generate"):
+            return self._group.finish_generate()
+
+    def stop_reporting(self) -> None:
+        self._clock.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+
+def with_phase_progress(group: Any, *, every_seconds: float, iteration: Callable[[], int]) -> ProgressReportingGroup:
+    return ProgressReportingGroup(group, PhaseClock(every_seconds=every_seconds, iteration=iteration,
+                                                    print_line=lambda line: print(line, flush=True)))
