@@ -609,3 +609,25 @@ def test_a_critic_of_its_own_is_planned_on_its_devices_with_its_states_in_every_
         assert all(plan.rank_phase(actor_device, phase)[state] == 0 for state in CRITIC_STATES), phase
     # Its states are the colocated critic's (fp32, no distributed optimizer: the same on every DP rank).
     assert all(critic_device.states[state] == colocated.ranks[0].states[state] for state in CRITIC_STATES)
+
+
+def test_with_lora_the_adapters_are_their_own_row_and_the_switch_after_the_first_moves_only_them():
+    """grpo_tiny_cpu_lora (colocated, TP2): the adapters are their own state group (the ledger's
+    `adapter_params`, equal to this in test_train_lora_e2e); the switch's row is charged at its first push, which
+    reads the backbone too; every later switch brings only the adapters to the device."""
+    from mindspeed_rl.memory.residency import ADAPTER_PARAMS, TRAIN_PARAMS
+    from mindspeed_rl.planner.from_config import plan_config
+    from mindspeed_rl.planner.switch import iteration_moves
+    from tests.test_config import load
+
+    config = load("grpo_tiny_cpu_lora")
+    plan, _ = plan_config(config, _tiny(hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=64))
+    rank = plan.ranks[0]
+    adapters, backbone = rank.states[ADAPTER_PARAMS], rank.states[TRAIN_PARAMS]
+    assert 0 < adapters < backbone
+    policy = plan.inputs.policy
+    assert policy.adapter_only_switch and policy.resident("switch") == {ADAPTER_PARAMS, "inference_weights"}
+    switch = plan.rank_phase(rank, "switch")
+    assert switch[TRAIN_PARAMS] == backbone and switch[ADAPTER_PARAMS] == adapters  # the first push's row
+    into_switch = next(move for move in iteration_moves(plan.inputs, rank.states) if move.after == "switch")
+    assert into_switch.onload == adapters

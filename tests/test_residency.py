@@ -13,9 +13,9 @@ from mindspeed_rl.accelerator import get_accelerator
 from mindspeed_rl.memory import MemoryLedger, state_offload_manager
 from mindspeed_rl.memory.ledger import PHASES as LEDGER_PHASES
 from mindspeed_rl.memory.offload import Offloader
-from mindspeed_rl.memory.residency import (GENERATE, IDLE, INFER_WEIGHTS, KV_CACHE, OLD_LOGPROB, PHASES, REF_LOGPROB,
-                                           REF_PARAMS, REWARD, REWARD_PARAMS, STATE_GROUPS, SWITCH, TRAIN_GRADS,
-                                           TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
+from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, GENERATE, IDLE, INFER_WEIGHTS, KV_CACHE, OLD_LOGPROB, PHASES,
+                                           REF_LOGPROB, REF_PARAMS, REWARD, REWARD_PARAMS, STATE_GROUPS, SWITCH,
+                                           TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
 from mindspeed_rl.workers.phase_rpc import phase_rpc
 from mindspeed_rl.workers.sharding_manager import PhaseStates, ShardingManager, StateSet
 
@@ -181,8 +181,18 @@ class _RecordingPush:
         self.saw.append(_resident(self.manager))
         return {"resharding/bytes_received": 8.0}
 
+    def states_needed(self) -> frozenset[str]:
+        return frozenset()
+
     def close(self) -> None:
         pass
+
+
+class _AdapterLikePush(_RecordingPush):
+    """As resharding/adapter_push.AdapterPush: the first push reads the backbone, later ones the adapters only."""
+
+    def states_needed(self) -> frozenset[str]:
+        return frozenset({TRAIN_PARAMS}) if not self.saw else frozenset()
 
 
 def test_entering_generate_pushes_in_the_switch_row_then_builds_the_kv_cache():
@@ -268,3 +278,30 @@ def test_is_offload_states_false_keeps_the_phase_states_after_the_call():
     manager.enter(IDLE)
     worker.forward(_Batch({}), meta_info={"is_offload_states": False})  # calls without a batch say it this way
     assert _resident(manager) == {REF_PARAMS}
+
+
+LORA = ResidencyPolicy(has_adapters=True, adapter_only_switch=True, reference_is_backbone=True)
+
+
+def test_with_lora_the_adapters_are_a_group_of_their_own_and_the_switch_row_holds_only_them():
+    assert LORA.resident(SWITCH) == {ADAPTER_PARAMS, INFER_WEIGHTS}
+    assert LORA.resident(OLD_LOGPROB) == LORA.resident(REF_LOGPROB) == {TRAIN_PARAMS, ADAPTER_PARAMS}
+    assert LORA.resident(UPDATE) == {TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER}
+    assert ADAPTER_PARAMS not in ResidencyPolicy().resident(UPDATE), "no adapters, no group"
+    pinned = ResidencyPolicy(has_adapters=True, offload_train_param=False).pinned
+    assert pinned == {TRAIN_PARAMS, ADAPTER_PARAMS}, "offload_train_param: false pins both halves of the actor"
+
+
+def test_a_lora_switch_brings_the_backbone_to_its_first_push_only():
+    push = _AdapterLikePush()
+    manager, _ = _manager(LORA, weight_push=push)
+    push.manager = manager
+    manager.enter(IDLE)
+    manager.enter(GENERATE)
+    manager.leave(GENERATE)
+    for phase in (REF_LOGPROB, OLD_LOGPROB, UPDATE):
+        manager.enter(phase)
+        manager.leave(phase)
+    moved = manager.enter(GENERATE)
+    assert push.saw == [{TRAIN_PARAMS, ADAPTER_PARAMS, INFER_WEIGHTS}, {ADAPTER_PARAMS, INFER_WEIGHTS}]
+    assert moved.reloaded == NUMEL[ADAPTER_PARAMS] * 4, "the second switch copies the adapters in, not the backbone"

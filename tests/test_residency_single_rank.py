@@ -60,7 +60,7 @@ def manager(world, tmp_path_factory):
 
 
 def _resident(manager) -> set[str]:
-    return {name for name in STATE_GROUPS if manager.offloader.is_resident(name)}
+    return {name for name in STATE_GROUPS if name in manager.offloader.states and manager.offloader.is_resident(name)}
 
 
 @pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=lambda f: "param%d-grad%d-optim%d" % f)

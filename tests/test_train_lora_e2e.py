@@ -1,6 +1,7 @@
 """GRPO with LoRA end to end through `cli/train_grpo.py` (subprocesses, real vLLM + Megatron), on one 2-rank run (Ray,
 Megatron TP2 -> vLLM TP1 x DP2, lora_filter, three iterations, a checkpoint after the second):
-- vLLM, its backbone kept on the host and only the adapters' slices received at each switch, samples with the
+- vLLM, its backbone kept on the host and only the adapters' slices received at each switch (and only the adapters,
+  a state group of their own, brought to the device for it after the first), samples with the
   log-probs Megatron's adapted forward computes; the reference phase holds the train params and there are no
   reference params; the update holds the backbone plus the adapters' grads and Adam states, as the planner says to
   the byte;
@@ -27,7 +28,7 @@ from cli_runner import run_cli
 LORA = "grpo_tiny_cpu_lora"
 ADAPTER_ONLY = ("actor_config.lora_filter=true", "megatron_training.train_iters=3")
 REPO = Path(__file__).resolve().parents[1]
-STATES = ("train_params", "train_grads", "optimizer_states")
+STATES = ("train_params", "adapter_params", "train_grads", "optimizer_states")
 # resharding/: a resumed run's first switch pushes the backbone too (a continuing run's pushes the adapters only).
 VOLATILE_PREFIXES = ("timing/", "memory/", "offload/", "resharding/")
 VOLATILE_SUFFIXES = ("_tps", "seconds")
@@ -64,6 +65,11 @@ def test_two_ranks_train_the_adapters_on_the_shared_backbone(adapter_only_run):
         received = record["resharding/bytes_received"]
         assert received == record["resharding/planned_bytes_received"]
         assert 0 < received < 0.2 * record["resharding/full_push_planned_bytes_received"]
+        # The adapters are a state group of their own: the switch row brings them alone to the device, the
+        # backbone only for the first push (then vLLM's base weights are kept on the host).
+        adapters, backbone = record["memory/update/adapter_params_bytes"], record["memory/update/train_params_bytes"]
+        first = record["iteration"] == 1
+        assert record["offload/generate/reload_bytes"] == adapters + (backbone if first else 0)
 
 
 def test_adapter_only_checkpoints_resume_exactly(world, tmp_path, adapter_only_run):
@@ -109,5 +115,5 @@ def test_the_seeds_disable_adapter_call_is_the_reference(tmp_path):
     assert facts["before_update_vs_reference"] == 0.0  # B starts at 0: the actor is its backbone
     assert facts["adapted_vs_reference"] > 1e-3  # one update later the adapters matter ...
     assert facts["backbone_vs_reference"] < 1e-6  # ... and disable_adapter takes them away again
-    assert facts["resident_after"] == {"train_params": facts["resident_after"]["train_params"]}
+    assert set(facts["resident_after"]) == {"train_params", "adapter_params"}  # the actor, backbone and adapters
     assert facts["offload_bytes"] == 0  # is_offload_states False: nothing left the device

@@ -156,6 +156,12 @@ class GRPOConfig:
         return self.uses_reference and self.actor_config.uses_lora and (share is None or share)
 
     @property
+    def adapter_only_switch(self) -> bool:
+        """LoRA with colocated roles: each switch moves the adapters only (resharding/adapter_push.py); disaggregated
+        roles push the merged weights through the bridge."""
+        return self.actor_config.uses_lora and not self.disaggregated
+
+    @property
     def uses_reference(self) -> bool:
         """The reference model only feeds the KL term: with init_kl_coef 0 (DAPO) none is built, loaded or
         given a phase."""

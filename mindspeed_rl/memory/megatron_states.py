@@ -5,7 +5,7 @@ from typing import Iterator
 
 import torch
 
-from mindspeed_rl.memory.residency import REF_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS
+from mindspeed_rl.memory.residency import ADAPTER_PARAMS, REF_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS
 
 
 def param_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
@@ -42,12 +42,21 @@ def optimizer_state_tensors(optimizer) -> Iterator[torch.Tensor]:
 
 
 def register_megatron_states(offloader, actor, reference=None, *, keep_grads: bool = False) -> None:
-    """The actor's params, grads and optimizer states, and the reference model's params.
+    """The actor's params (with LoRA: the backbone's, and the adapters' as a group of their own), grads and
+    optimizer states, and the reference model's params.
 
     Grads are dropped by default (MindSpeed-RL does the same): the next step zeroes them before
     its backward, so copying them out would move bytes nobody reads. `keep_grads` copies them.
     """
-    offloader.register(TRAIN_PARAMS, lambda: param_tensors(actor.module))
+    if getattr(actor, "lora", None) is None:
+        offloader.register(TRAIN_PARAMS, lambda: param_tensors(actor.module))
+    else:  # the frozen backbone and the adapters move apart: a LoRA switch needs the adapters only
+        from mindspeed_rl.models.lora import is_lora_param
+
+        offloader.register(TRAIN_PARAMS, lambda: (p.data for n, p in actor.module.named_parameters()
+                                                  if not is_lora_param(n)))
+        offloader.register(ADAPTER_PARAMS, lambda: (p.data for n, p in actor.module.named_parameters()
+                                                    if is_lora_param(n)))
     offloader.register(TRAIN_GRADS, lambda: grad_buffer_tensors(actor.model), keep_contents=keep_grads)
     offloader.register(TRAIN_OPTIMIZER, lambda: optimizer_state_tensors(actor.optimizer))
     if reference is not None:

@@ -16,13 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER = "train_params", "train_grads", "optimizer_states"
+# LoRA's adapters (models/lora.py), a group of their own: then train_params is the frozen backbone, and the grads and
+# optimizer states are the adapters' alone. A LoRA switch needs only the adapters on the device (AdapterPush).
+ADAPTER_PARAMS = "adapter_params"
 REF_PARAMS = "reference_params"
 REWARD_PARAMS = "reward_params"  # a reward model's params (rewards.<name>.model_path), colocated
 # PPO's critic (engines/critic.py): its own params, grads and Adam states, moved like the actor's.
 CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER = "critic_params", "critic_grads", "critic_optimizer_states"
 INFER_WEIGHTS, KV_CACHE = "inference_weights", "kv_cache"
-STATE_GROUPS = (TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS, CRITIC_PARAMS, CRITIC_GRADS,
-                CRITIC_OPTIMIZER, INFER_WEIGHTS, KV_CACHE)
+STATE_GROUPS = (TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS, CRITIC_PARAMS,
+                CRITIC_GRADS, CRITIC_OPTIMIZER, INFER_WEIGHTS, KV_CACHE)
 CRITIC_STATES = frozenset({CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER})
 
 IDLE, SWITCH, GENERATE, REWARD = "idle", "switch", "generate", "reward"
@@ -41,14 +44,18 @@ _NEEDS = {
     GENERATE: frozenset({INFER_WEIGHTS, KV_CACHE}),
     REWARD: frozenset({REWARD_PARAMS}),
     REF_LOGPROB: frozenset({REF_PARAMS}),
-    OLD_LOGPROB: frozenset({TRAIN_PARAMS}),
-    UPDATE: frozenset({TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER}),
+    OLD_LOGPROB: frozenset({TRAIN_PARAMS, ADAPTER_PARAMS}),
+    UPDATE: frozenset({TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER}),
     CRITIC_VALUES: frozenset({CRITIC_PARAMS}),
     CRITIC_UPDATE: CRITIC_STATES,
 }
 # The push reads the weights the actor's forward runs on and writes generate's weights; the KV cache
 # comes after it, once the train params have left, so the cache and the train params never peak together.
 _NEEDS[SWITCH] = _NEEDS[OLD_LOGPROB] | (_NEEDS[GENERATE] - {KV_CACHE})
+# LoRA's switch after its first (resharding/adapter_push.py): the backbone's inference weights come from the host,
+# only the adapters are read on the device. The first push reads the backbone too (`WeightPush.states_needed`).
+_ADAPTER_SWITCH = frozenset({ADAPTER_PARAMS}) | (_NEEDS[GENERATE] - {KV_CACHE})
+FIRST_ADAPTER_PUSH_READS = frozenset({TRAIN_PARAMS})
 
 # A phase change does not copy these out: every push overwrites the inference weights. (Grads and the KV
 # cache are dropped whenever they leave, by their registration.) ROLL's manual offload_states keeps them.
@@ -72,12 +79,31 @@ class ResidencyPolicy:
     # LoRA's shared backbone (rl_config.share_backbone): the reference log-probs run on the train params with the
     # adapters off; there are no reference params.
     reference_is_backbone: bool = False
+    # LoRA: the adapters are a state group of their own (ADAPTER_PARAMS); its colocated switch moves the adapters
+    # only (AdapterPush), so that row leaves the backbone on the host.
+    has_adapters: bool = False
+    adapter_only_switch: bool = False
+
+    @classmethod
+    def for_run(cls, config, *, has_reward_model: bool, has_critic: bool, offload_inference: bool = True,
+                critic_only: bool = False) -> "ResidencyPolicy":
+        """A run's table from its GRPOConfig, for the engine's ranks and the planner alike; `critic_only`: a critic's
+        own rank, where the critic's states stay."""
+        gen = config.generate_config
+        return cls(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
+                   offload_train_optimizer=gen.offload_train_optimizer, has_reward_model=has_reward_model,
+                   has_reference=config.uses_reference and not critic_only, offload_inference=offload_inference,
+                   has_critic=has_critic, offload_critic=not critic_only,
+                   reference_is_backbone=config.reference_is_backbone, has_adapters=config.actor_config.uses_lora,
+                   adapter_only_switch=config.adapter_only_switch)
 
     @property
     def pinned(self) -> frozenset[str]:
         """States kept on the device in every phase: train states by the flags, inference states by
         `offload_inference`."""
-        flags = ((TRAIN_PARAMS, self.offload_train_param), (TRAIN_GRADS, self.offload_train_grad),
+        flags = ((TRAIN_PARAMS, self.offload_train_param),
+                 (ADAPTER_PARAMS, self.offload_train_param or not self.has_adapters),
+                 (TRAIN_GRADS, self.offload_train_grad),
                  (TRAIN_OPTIMIZER, self.offload_train_optimizer), (INFER_WEIGHTS, self.offload_inference),
                  (KV_CACHE, self.offload_inference))
         return frozenset(state for state, offload in flags if not offload) | (
@@ -97,13 +123,19 @@ class ResidencyPolicy:
     def resident(self, phase: str) -> frozenset[str]:
         if phase not in _NEEDS:
             raise ValueError(f"unknown phase {phase!r}; phases are {PHASES}")
-        needs = _NEEDS[phase]
+        needs = _ADAPTER_SWITCH if phase == SWITCH and self.adapter_only_switch else _NEEDS[phase]
         if phase == REF_LOGPROB and self.reference_is_backbone:
             needs = _NEEDS[OLD_LOGPROB]
         absent = ({REF_PARAMS} if not self.has_reference or self.reference_is_backbone else set()) | (
+            {ADAPTER_PARAMS} if not self.has_adapters else set()) | (
             {REWARD_PARAMS} if not self.has_reward_model else set()) | (
             CRITIC_STATES if not self.has_critic else set())
         return (needs | self.pinned) - absent
+
+    def first_switch(self) -> frozenset[str]:
+        """The switch row at a run's first push: with the adapter-only switch the backbone is read then too (the
+        planner charges this row: it is the switch's peak)."""
+        return self.resident(SWITCH) | (FIRST_ADAPTER_PUSH_READS if self.adapter_only_switch else frozenset())
 
     def after(self, phase: str) -> frozenset[str]:
         """What stays on the device when `phase`'s call returns (ROLL's automatic offload): the pinned

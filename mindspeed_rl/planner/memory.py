@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass, replace
 
 from mindspeed_rl.memory.ledger import ACTIVATIONS
-from mindspeed_rl.memory.residency import (CRITIC_GRADS, CRITIC_OPTIMIZER, CRITIC_PARAMS, CRITIC_UPDATE, INFER_WEIGHTS,
-                                           KV_CACHE, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS, SWITCH, TRAIN_GRADS,
-                                           TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
+from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER, CRITIC_PARAMS, CRITIC_UPDATE,
+                                           INFER_WEIGHTS, KV_CACHE, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS, SWITCH,
+                                           TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
 from mindspeed_rl.planner.activations import activation_bytes
 from mindspeed_rl.planner.inputs import DTYPE_BYTES, GIB, PlanInputs
 from mindspeed_rl.planner.params import (reward_model_bytes, stage_critic_bytes, stage_lora_train_bytes,
@@ -35,9 +35,9 @@ class RankBytes:
     policy: ResidencyPolicy | None = None
 
     def phase(self, policy: ResidencyPolicy, phase: str) -> dict[str, int]:
-        """Bytes per category on this rank in `phase` (0 for what is not resident); the switch adds the
-        push's staging buffers."""
-        resident = policy.resident(phase)
+        """Bytes per category on this rank in `phase` (0 for what is not resident); the switch (its first push, the
+        largest) adds the push's staging buffers."""
+        resident = policy.first_switch() if phase == SWITCH else policy.resident(phase)
         out = {c: (self.states[c] if c in resident else 0) for c in STATE_GROUPS}
         out[ACTIVATIONS] = {UPDATE: self.states[ACTIVATIONS],
                             CRITIC_UPDATE: self.states.get(CRITIC_ACTIVATIONS, 0)}.get(phase, 0)
@@ -78,7 +78,8 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
                        dp_rank=c["infer_dp_rank"], expert_parallel=inputs.infer_expert_parallel,
                        pp=inputs.infer_pp, pp_rank=c["infer_pp_rank"]) * DTYPE_BYTES[inputs.infer_dtype]
     states = {
-        TRAIN_PARAMS: train.params, TRAIN_GRADS: train.grads, TRAIN_OPTIMIZER: train.optimizer,
+        TRAIN_PARAMS: train.params, ADAPTER_PARAMS: train.adapter_params, TRAIN_GRADS: train.grads,
+        TRAIN_OPTIMIZER: train.optimizer,
         REF_PARAMS: train.reference if inputs.policy.has_reference else 0,
         REWARD_PARAMS: reward_model_bytes(inputs.reward_arch or inputs.arch, tp=inputs.tp, pp=inputs.pp,
                                           pp_rank=c["pp_rank"], bf16=inputs.bf16)

@@ -184,6 +184,7 @@ class TrainStateBytes:
     grads: int
     optimizer: int
     reference: int  # the reference model: the same shard, no DDP buffer
+    adapter_params: int = 0  # LoRA's adapters, a state group of their own (then `params` is the frozen backbone)
 
 
 def train_state_bytes(params: tuple[Param, ...], *, bf16: bool, distributed_optimizer: bool, dp: int,
@@ -244,8 +245,8 @@ def stage_lora_train_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int
     frozen = sum(p.numel * (4 if p.norm else e) for p in _stage_params(arch, tp, pp, pp_rank, 1))
     trained = train_state_bytes(tuple(adapters), bf16=bf16, distributed_optimizer=distributed_optimizer, dp=dp,
                                 expert_dp=dp, dp_rank=dp_rank, expert_dp_rank=dp_rank)
-    return TrainStateBytes(params=frozen + trained.params, grads=trained.grads, optimizer=trained.optimizer,
-                           reference=0)
+    return TrainStateBytes(params=frozen, grads=trained.grads, optimizer=trained.optimizer, reference=0,
+                           adapter_params=trained.params)
 
 
 def reward_model_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, bf16: bool) -> int:

@@ -1,8 +1,9 @@
 """The planner's output: a text table and a JSON document of the same figures."""
 from __future__ import annotations
 
-from mindspeed_rl.memory.residency import (CRITIC_GRADS, CRITIC_OPTIMIZER, CRITIC_PARAMS, INFER_WEIGHTS, KV_CACHE,
-                                           REF_PARAMS, REWARD_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS)
+from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER, CRITIC_PARAMS, INFER_WEIGHTS,
+                                           KV_CACHE, REF_PARAMS, REWARD_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER,
+                                           TRAIN_PARAMS)
 from mindspeed_rl.planner.from_config import Suggestion
 from mindspeed_rl.planner.activations import activation_terms
 from mindspeed_rl.planner.inputs import DTYPE_BYTES
@@ -12,6 +13,7 @@ from mindspeed_rl.planner.switch import SwitchPlan, iteration_moves
 
 ROWS = (
     (TRAIN_PARAMS, "train params"),
+    (ADAPTER_PARAMS, "LoRA adapter params"),
     (TRAIN_GRADS, "train grads (fp32)"),
     (TRAIN_OPTIMIZER, "optimizer (Adam + fp32 masters)"),
     (REF_PARAMS, "reference params"),
@@ -93,7 +95,8 @@ def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
               f"{'':<{width}}{header}"]
     for key, label in ROWS:
         values = [table[p].get(key, 0) for p in phases]
-        if key in (REWARD_PARAMS, CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER, "switch_staging") and not any(values):
+        if key in (ADAPTER_PARAMS, REWARD_PARAMS, CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER, "switch_staging") \
+                and not any(values):
             if key == REWARD_PARAMS:
                 lines.append(f"{label:<{width}}" + "".join(f"{'-':>14}" for _ in phases))
             continue

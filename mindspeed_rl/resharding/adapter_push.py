@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from mindspeed_rl.memory.residency import FIRST_ADAPTER_PUSH_READS
 from mindspeed_rl.resharding.adapter_plan import adapted_weight, build_adapter_plan
 from mindspeed_rl.resharding.fingerprint import verify_transfer
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
@@ -73,6 +74,11 @@ class AdapterPush:
                 weight.add_((self.scale * delta).to(weight.dtype))
         self.inference_model.mark_weights_loaded()
         return metrics
+
+    def states_needed(self) -> frozenset[str]:
+        """The first push reads the backbone (then kept on the host as vLLM's layout); later ones the adapters only,
+        which the residency table's switch row holds (`adapter_only_switch`)."""
+        return FIRST_ADAPTER_PUSH_READS if self.base_on_host is None else frozenset()
 
     def close(self) -> None:
         self.base_push.close()

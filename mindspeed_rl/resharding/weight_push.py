@@ -30,6 +30,10 @@ class WeightPush(Protocol):
         """Collective over every rank of the push: move this rank's share, verify it, return the metrics
         (`resharding/bytes_sent`, `bytes_received`, `bytes_local`, `planned_bytes_received`, ...)."""
 
+    def states_needed(self) -> frozenset[str]:
+        """State groups the next push reads beyond the switch row of the residency table (LoRA's first push
+        reads the backbone)."""
+
     def close(self) -> None:
         """Leave the push's group, if it has one of its own (collective)."""
 
@@ -66,6 +70,9 @@ class PlannedPush:
         if self.inference_model is not None:
             self.inference_model.mark_weights_loaded()
         return metrics
+
+    def states_needed(self) -> frozenset[str]:
+        return frozenset()  # the switch row: the train params it reads
 
     def close(self) -> None:
         if self.group is not None and hasattr(self.group, "barrier"):

@@ -18,7 +18,8 @@ import torch
 
 from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.config import GRPOConfig
-from mindspeed_rl.memory.residency import GENERATE, IDLE, OLD_LOGPROB, REF_LOGPROB, REWARD, SWITCH, UPDATE
+from mindspeed_rl.memory.residency import (GENERATE, IDLE, OLD_LOGPROB, REF_LOGPROB, REWARD, SWITCH, UPDATE,
+                                           ResidencyPolicy)
 from mindspeed_rl.protocol import RolloutBatch, Shard
 from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_config_for, over_mini_batches, packing_for,
                                             sampling_seed, train_dp_slice, train_on_mini_batch)
@@ -100,7 +101,7 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
         self.offloader = Offloader(self.accelerator)
         if self.TRAINS:
             self._build_training_side(started)
-        self.sharding_manager = ShardingManager(offloader=self.offloader, policy=build.residency_policy(
+        self.sharding_manager = ShardingManager(offloader=self.offloader, policy=ResidencyPolicy.for_run(
             cfg, has_reward_model=self.reward_model is not None, has_critic=self.critic is not None,
             offload_inference=self.TRAINS, critic_only=self.actor is None and self.critic is not None))
         # Only pinned states stay while vLLM starts: on an accelerator it sizes its KV cache by the free memory.

@@ -169,19 +169,6 @@ def register_training_states(offloader, actor, reference, reward_model, critic=N
         register_reward_states(offloader, reward_model)
 
 
-def residency_policy(config: GRPOConfig, *, has_reward_model: bool, has_critic: bool, offload_inference: bool = True,
-                     critic_only: bool = False):
-    """The rank's residency table; `critic_only`: a critic's own rank, where the critic's states stay."""
-    from mindspeed_rl.memory.residency import ResidencyPolicy
-
-    gen = config.generate_config
-    return ResidencyPolicy(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
-                           offload_train_optimizer=gen.offload_train_optimizer, has_reward_model=has_reward_model,
-                           has_reference=config.uses_reference and not critic_only, offload_inference=offload_inference,
-                           has_critic=has_critic, offload_critic=not critic_only,
-                           reference_is_backbone=config.reference_is_backbone)
-
-
 def switch_layouts(config: GRPOConfig):
     """The training layout the weight push reads and the inference layout it writes."""
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout

@@ -53,7 +53,7 @@ class ShardingManager:
         started = time.perf_counter()
         moved = Moved()
         if phase == GENERATE and self.weight_push is not None:
-            moved += self._settle(self.policy.resident(SWITCH), phase_change=True)
+            moved += self._settle(self.policy.resident(SWITCH) | self.weight_push.states_needed(), phase_change=True)
             self._add(self.weight_push.push())
         moved += self._settle(self.policy.resident(phase), phase_change=True)
         if phase in _ENTER_TIMINGS:
