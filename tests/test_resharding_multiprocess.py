@@ -5,17 +5,20 @@ tensors cut the way vLLM cuts them) exactly, the fingerprint check passes (and c
 corrupted weight), and each rank receives exactly the plan's bytes. With the live vLLM engine of
 the spawn, vLLM's sampled-token log-probs after the push equal Megatron's (< 1e-4, fp32).
 
-bf16 (one 4-rank spawn, the recipe's infer layout TP1 x DP4 live): Megatron's bf16 model keeps its
-torch RMSNorm weights in fp32 and the rest in bf16, so every push mixes dtypes; the inference
-weights must equal the oracle rounded to bf16 bit for bit, the bytes are counted at 2 per element,
-the fingerprint catches a one-ulp change of a norm weight, and the log-probs agree within the
-bf16 tolerance of resharding_oracle.LOGPROB_TOLERANCE (measured in docs/bf16_logprobs.md).
+bf16 (inside the 4-rank spawn, into plain bf16 tensors of infer TP 1, 2 and 4 from train TP2 x PP2 and
+TP1 x PP4): Megatron's bf16 model keeps its torch RMSNorm weights in fp32 and the rest in bf16, so every
+push mixes dtypes; the inference weights must equal the oracle rounded to bf16 bit for bit, the bytes are
+counted at 2 per element and the fingerprint catches a one-ulp change of a norm weight. A live bf16 vLLM at
+the recipe's layout (TP1 x DP4), its log-probs within resharding_oracle.LOGPROB_TOLERANCE: test_bf16_e2e.
+
+The two-rank spawns: a model with two KV heads, live at infer TP1; one with a single KV head, live at infer
+TP2, where vLLM replicates it on both ranks (two KV heads live at TP2: the e2e runs of
+grpo_tiny_cpu_pp2_infer_tp2).
 
 Runs where: spawned process groups (2 and 4 ranks, gloo), one vLLM engine per process.
 """
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -82,7 +85,34 @@ def _check_one_corruption(engine, destinations, plan, rank, name, index):
     assert raised == (rank == 0), (name, rank)
 
 
-def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_infer_tps, dtype_name="float32"):
+def _check_bf16_pushes(spec, state, tp, pp, infer_tps, world, rank, *, first):
+    """A bf16 Megatron model (fp32 torch norms) pushed into plain bf16 tensors of each infer TP: the oracle rounded
+    to bf16 bit for bit; on the first layout the fingerprint catches a one-ulp change (norm and down projection)."""
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_rl.accelerator import get_accelerator
+    from mindspeed_rl.engines.megatron_engine import MegatronEngine
+    from mindspeed_rl.resharding.layouts import vllm_layout
+    from mindspeed_rl.resharding.plan import TrainLayout
+
+    acc = get_accelerator("cpu")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    acc.seed_model_parallel_rng(1)
+    hf_state = perturbed_state(state, 10 + tp)
+    engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.bfloat16, accelerator=acc, optimizer=None)
+    # What makes the push mixed-dtype: torch RMSNorm weights stay fp32.
+    assert {t.dtype for t in engine.named_weights().values()} == {torch.bfloat16, torch.float32}
+    for infer_tp in infer_tps:
+        destinations = {t.name: torch.zeros(t.shape, dtype=torch.bfloat16)
+                        for t in vllm_layout(spec, tp=infer_tp, tp_rank=rank % infer_tp)}
+        plan = _push(spec, engine, destinations, TrainLayout(tp=tp, pp=pp), infer_tp, world, rank)
+        _assert_oracle(destinations, hf_state, spec, infer_tp, rank, f"bf16: train tp{tp} pp{pp} -> infer tp{infer_tp}")
+        if first:
+            _assert_fingerprint_catches_corruption(spec, engine, destinations, plan, rank)
+    ps.destroy_model_parallel()
+
+
+def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_infer_tps, bf16_layouts=()):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
     torch.set_num_threads(1)
@@ -96,11 +126,11 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
     from mindspeed_rl.resharding.plan import TrainLayout
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 
-    dtype = getattr(torch, dtype_name)
+    dtype = torch.float32
     spec, state = load_hf_checkpoint(checkpoint)
     rollout = VLLMEngine(VLLMEngineConfig(
         model_dir=checkpoint, tensor_parallel_size=live_infer_tp, data_parallel_size=world // live_infer_tp,
-        dtype=dtype_name, max_model_len=32, max_num_seqs=16, max_num_batched_tokens=512, seed=0, enforce_eager=True,
+        dtype="float32", max_model_len=32, max_num_seqs=16, max_num_batched_tokens=512, seed=0, enforce_eager=True,
         gpu_memory_utilization=0.5, cpu_kvcache_space_gb=0.03, on_cpu=True))
     acc = get_accelerator("cpu")
     for case, (tp, pp) in enumerate(train_layouts):
@@ -108,8 +138,6 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
         acc.seed_model_parallel_rng(1)
         hf_state = perturbed_state(state, case)
         engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=dtype, accelerator=acc, optimizer=None)
-        if dtype == torch.bfloat16:  # what makes the push mixed-dtype: torch RMSNorm weights stay fp32
-            assert {t.dtype for t in engine.named_weights().values()} == {torch.bfloat16, torch.float32}
         train = TrainLayout(tp=tp, pp=pp)
         for infer_tp in oracle_infer_tps:  # plain tensors shaped like vLLM's shards
             destinations = {t.name: torch.zeros(t.shape, dtype=dtype)
@@ -117,7 +145,7 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
             plan = _push(spec, engine, destinations, train, infer_tp, world, rank)
             _assert_oracle(destinations, hf_state, spec, infer_tp, rank, f"train tp{tp} pp{pp} -> infer tp{infer_tp}")
         live = rollout.named_weights()
-        assert {t.dtype for t in live.values()} == {dtype}
+        assert {t.dtype for t in live.values()} == {torch.float32}
         plan = _push(spec, engine, live, train, live_infer_tp, world, rank)
         rollout.mark_weights_loaded()
         _assert_oracle(live, hf_state, spec, live_infer_tp, rank, f"live: train tp{tp} pp{pp} -> infer tp{live_infer_tp}")
@@ -125,6 +153,8 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
             _assert_fingerprint_catches_corruption(spec, engine, live, plan, rank)
         assert_vllm_logprobs_match_megatron(engine, rollout, rank, world, live_infer_tp, dtype)
         ps.destroy_model_parallel()
+    for case, (tp, pp) in enumerate(bf16_layouts):
+        _check_bf16_pushes(spec, state, tp, pp, oracle_infer_tps, world, rank, first=case == 0)
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -133,28 +163,19 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
         remove_cpu_shm_segments()
 
 
-@pytest.mark.parametrize("live_infer_tp", [2, 1])
-def test_two_ranks(tmp_path, live_infer_tp):
+def test_two_ranks(tmp_path):
     checkpoint = make_checkpoint(tmp_path / "model")
-    mp.spawn(_worker, args=(2, free_port(), checkpoint, live_infer_tp, [(1, 1), (2, 1), (1, 2)], [1, 2]),
-             nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), checkpoint, 1, [(1, 1), (2, 1), (1, 2)], [1, 2]), nprocs=2, join=True)
 
 
 def test_two_ranks_kv_heads_replicated_in_inference(tmp_path):
     """One KV head, infer TP2: vLLM replicates it on both ranks."""
     checkpoint = make_checkpoint(tmp_path / "model", num_query_groups=1)
-    mp.spawn(_worker, args=(2, free_port(), checkpoint, 2, [(1, 1), (1, 2)], [1]), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), checkpoint, 2, [(1, 1), (1, 2)], [1, 2]), nprocs=2, join=True)
 
 
 def test_four_ranks(tmp_path):
+    """fp32 live at infer TP4 from four train layouts; then bf16 from train TP2 x PP2 and TP1 x PP4."""
     checkpoint = make_checkpoint(tmp_path / "model", hidden_size=256, num_attention_heads=8, num_query_groups=4)
-    mp.spawn(_worker, args=(4, free_port(), checkpoint, 4, [(4, 1), (2, 2), (1, 4), (1, 1)], [1, 2]),
-             nprocs=4, join=True)
-
-
-def test_four_ranks_bf16(tmp_path):
-    """bf16 end to end, live at the recipe's layout infer TP1 x DP4, from train TP2 x PP2 and TP1 x PP4
-    (each also into plain bf16 tensors of infer TP 2 and 4)."""
-    checkpoint = make_checkpoint(tmp_path / "model", hidden_size=256, num_attention_heads=8, num_query_groups=4)
-    mp.spawn(_worker, args=(4, free_port(), checkpoint, 1, [(2, 2), (1, 4)], [2, 4], "bfloat16"),
-             nprocs=4, join=True)
+    mp.spawn(_worker, args=(4, free_port(), checkpoint, 4, [(4, 1), (2, 2), (1, 4), (1, 1)], [1, 2, 4],
+                            [(2, 2), (1, 4)]), nprocs=4, join=True)
