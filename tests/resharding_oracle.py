@@ -205,3 +205,50 @@ def four_sample_batch(pad: int):
     prompts = [torch.randint(0, pad, (n,), generator=generator).tolist() for n in prompt_lengths]
     responses = [torch.randint(0, pad, (n,), generator=generator).tolist() for n in response_lengths]
     return RolloutBatch.from_token_lists(prompts, responses, pad_id=pad, response_width=6)
+
+
+class PlainDestination:
+    """vLLM's parameters of one rank as plain tensors (the resharding layout's names and shapes)."""
+
+    def __init__(self, spec, infer, rank: int, world_size: int):
+        from mindspeed_rl.resharding.plan import infer_layouts
+
+        tensors = infer_layouts(spec, infer, range(world_size))[rank]
+        self.weights = {t.name: torch.zeros(t.shape) for t in tensors}
+
+    def named_weights(self):
+        return self.weights
+
+    def mark_weights_loaded(self):
+        pass
+
+
+def adapter_push_check(actor, infer_tp: int) -> dict:
+    """The adapter-only switch against the merged weights pushed whole, twice (the second after B changed):
+    `push_errors` (max relative difference per push) and `push_bytes` ((received, planned, full push's received))."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_rl.resharding.adapter_push import AdapterPush
+    from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
+    from mindspeed_rl.resharding.weight_push import colocated_push
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train = TrainLayout(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size())
+    infer = InferLayout(tp=infer_tp)
+    merged, adapted = PlainDestination(actor.spec, infer, rank, world), PlainDestination(actor.spec, infer, rank, world)
+    common = dict(actor=actor, train=train, infer=infer, rank=rank, world_size=world, bucket_bytes=1 << 16,
+                  check_weights=True)
+    full, adapter = colocated_push(inference_model=merged, **common), AdapterPush(inference_model=adapted, **common)
+    errors, received = [], []
+    for _ in range(2):
+        full_metrics, adapter_metrics = full.push(), adapter.push()
+        errors.append(max(((adapted.weights[n] - w).abs().max() / w.abs().max().clamp(min=1e-12)).item()
+                          for n, w in merged.weights.items()))
+        received.append((adapter_metrics["resharding/bytes_received"],
+                         adapter_metrics["resharding/planned_bytes_received"], full_metrics["resharding/bytes_received"]))
+        with torch.no_grad():
+            for name, p in actor.module.named_parameters():
+                if name.endswith("lora_B"):
+                    p.mul_(2.0)
+    return dict(push_errors=errors, push_bytes=received)

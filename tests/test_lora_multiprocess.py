@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.protocol import RolloutBatch
-from resharding_oracle import four_sample_batch, free_port
+from resharding_oracle import adapter_push_check, four_sample_batch, free_port
 
 VOCAB, PAD, RANK, ALPHA = 64, 63, 4, 8.0
 LAYOUTS = ((1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False))  # (TP, PP, SP) on 2 ranks: (1, 1) is DP2
@@ -102,51 +102,6 @@ def _frozen_facts(actor, before: dict) -> dict:
                 lora_names_in_push=[k for k in merged if "lora" in k])
 
 
-class _Destination:
-    """vLLM's parameters of one rank as plain tensors (the resharding layout's names and shapes)."""
-
-    def __init__(self, spec, infer, rank: int, world_size: int):
-        from mindspeed_rl.resharding.plan import infer_layouts
-
-        tensors = infer_layouts(spec, infer, range(world_size))[rank]
-        self.weights = {t.name: torch.zeros(t.shape) for t in tensors}
-
-    def named_weights(self):
-        return self.weights
-
-    def mark_weights_loaded(self):
-        pass
-
-
-def _adapter_push_check(actor, infer_tp: int) -> dict:
-    """The adapter-only switch against the merged weights pushed whole, twice (the second after B changed)."""
-    from megatron.core import parallel_state as ps
-
-    from mindspeed_rl.resharding.adapter_push import AdapterPush
-    from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
-    from mindspeed_rl.resharding.weight_push import colocated_push
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    train = TrainLayout(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size())
-    infer = InferLayout(tp=infer_tp)
-    merged, adapted = _Destination(actor.spec, infer, rank, world), _Destination(actor.spec, infer, rank, world)
-    common = dict(actor=actor, train=train, infer=infer, rank=rank, world_size=world, bucket_bytes=1 << 16,
-                  check_weights=True)
-    full, adapter = colocated_push(inference_model=merged, **common), AdapterPush(inference_model=adapted, **common)
-    errors, received = [], []
-    for _ in range(2):
-        full_metrics, adapter_metrics = full.push(), adapter.push()
-        errors.append(max(((adapted.weights[n] - w).abs().max() / w.abs().max().clamp(min=1e-12)).item()
-                          for n, w in merged.weights.items()))
-        received.append((adapter_metrics["resharding/bytes_received"],
-                         adapter_metrics["resharding/planned_bytes_received"], full_metrics["resharding/bytes_received"]))
-        with torch.no_grad():
-            for name, p in actor.module.named_parameters():
-                if name.endswith("lora_B"):
-                    p.mul_(2.0)
-    return dict(push_errors=errors, push_bytes=received)
-
-
 def _worker(rank, port, model_dir, batch, out_dir):
     from megatron.core import parallel_state as ps
 
@@ -164,7 +119,7 @@ def _worker(rank, port, model_dir, batch, out_dir):
                 base = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0)
             results[(tp, pp, sp)] = dict(stats=stats, logprobs=logprobs, base=base, peft=_peft_tensors(actor),
                                          **_frozen_facts(actor, before),
-                                         **_adapter_push_check(actor, INFER_TP[(tp, pp, sp)]))
+                                         **adapter_push_check(actor, INFER_TP[(tp, pp, sp)]))
             ps.destroy_model_parallel()
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "lora.pt"))

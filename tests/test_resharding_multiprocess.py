@@ -15,6 +15,9 @@ The two-rank spawns: a model with two KV heads, live at infer TP1; one with a si
 TP2, where vLLM replicates it on both ranks (two KV heads live at TP2: the e2e runs of
 grpo_tiny_cpu_pp2_infer_tp2).
 
+LoRA (inside the 4-rank spawn): the adapter-only switch from train TP2 x PP2 into plain tensors of infer TP1 x DP4
+equals the merged weights pushed whole (< 1e-6 relative, fp32), twice, with exactly the plan's adapter bytes.
+
 Runs where: spawned process groups (2 and 4 ranks, gloo), one vLLM engine per process.
 """
 import os
@@ -24,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from resharding_oracle import (
+    adapter_push_check,
     assert_vllm_logprobs_match_megatron,
     free_port,
     make_checkpoint,
@@ -112,7 +116,39 @@ def _check_bf16_pushes(spec, state, tp, pp, infer_tps, world, rank, *, first):
     ps.destroy_model_parallel()
 
 
-def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_infer_tps, bf16_layouts=()):
+def _check_lora_switch(spec, state, tp, pp, infer_tp, rank):
+    """LoRA's adapter-only switch (resharding/adapter_push.py) at a 4-rank layout, into plain tensors: vLLM's weights
+    equal the merged weights pushed whole through the full plan, twice (the second time from the host copy, after B
+    changed), and each rank receives exactly the plan's adapter bytes, fewer than the full push's."""
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_rl.accelerator import get_accelerator
+    from mindspeed_rl.engines.megatron_engine import MegatronEngine
+    from mindspeed_rl.models.lora import LoRASettings
+
+    acc = get_accelerator("cpu")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    acc.seed_model_parallel_rng(1)
+    lora = LoRASettings(rank=4, alpha=8.0, target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+                        seed=5)
+    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc, optimizer=None,
+                           lora=lora)
+    # B starts at zero: give it values, as training would, equal on the TP ranks where it is replicated (the B of a
+    # row-parallel linear): one seed per pipeline stage.
+    generator = torch.Generator().manual_seed(ps.get_pipeline_model_parallel_rank())
+    with torch.no_grad():
+        for name, param in actor.module.named_parameters():
+            if name.endswith("lora_B"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    result = adapter_push_check(actor, infer_tp)
+    assert max(result["push_errors"]) < 1e-6, result["push_errors"]
+    for received, planned, full in result["push_bytes"]:
+        assert received == planned and 0 < received < full, (received, planned, full)
+    ps.destroy_model_parallel()
+
+
+def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_infer_tps, bf16_layouts=(),
+            lora_switch=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
     torch.set_num_threads(1)
@@ -155,6 +191,8 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
         ps.destroy_model_parallel()
     for case, (tp, pp) in enumerate(bf16_layouts):
         _check_bf16_pushes(spec, state, tp, pp, oracle_infer_tps, world, rank, first=case == 0)
+    if lora_switch is not None:
+        _check_lora_switch(spec, state, *lora_switch, rank)
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -175,7 +213,8 @@ def test_two_ranks_kv_heads_replicated_in_inference(tmp_path):
 
 
 def test_four_ranks(tmp_path):
-    """fp32 live at infer TP4 from four train layouts; then bf16 from train TP2 x PP2 and TP1 x PP4."""
+    """fp32 live at infer TP4 from four train layouts; then bf16 from train TP2 x PP2 and TP1 x PP4; then LoRA's
+    adapter-only switch from train TP2 x PP2 to infer TP1 x DP4 (the 7B recipe's layouts)."""
     checkpoint = make_checkpoint(tmp_path / "model", hidden_size=256, num_attention_heads=8, num_query_groups=4)
     mp.spawn(_worker, args=(4, free_port(), checkpoint, 4, [(4, 1), (2, 2), (1, 4), (1, 1)], [1, 2, 4],
-                            [(2, 2), (1, 4)]), nprocs=4, join=True)
+                            [(2, 2), (1, 4)], (2, 2, 1)), nprocs=4, join=True)
