@@ -185,10 +185,17 @@ class SequenceParallelRMSNorm:
 
 def with_sequence_parallel_norms(layer_spec, num_layers: int):
     """P6: the block spec of `num_layers` layers whose norms (layer, q/k, final) are SP-capable."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec = sequence_parallel_layer_spec(layer_spec)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelRMSNorm)
+
+
+def sequence_parallel_layer_spec(layer_spec):
+    """P6: a copy of one layer spec whose torch norms (layer, q/k, MLA's kv) are SP-capable."""
     import copy
 
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     spec = copy.deepcopy(layer_spec)
     layer = spec.submodules
@@ -196,7 +203,7 @@ def with_sequence_parallel_norms(layer_spec, num_layers: int):
         if getattr(layer, name) is WrappedTorchNorm:
             setattr(layer, name, SequenceParallelRMSNorm)
     attention = layer.self_attention.submodules
-    for name in ("q_layernorm", "k_layernorm"):
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
         if getattr(attention, name, None) is WrappedTorchNorm:
             setattr(attention, name, SequenceParallelRMSNorm)
-    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelRMSNorm)
+    return spec

@@ -72,6 +72,7 @@ class VLLMEngine:
             add_cpu_variable_size_collectives()
             # vLLM on CPU sizes KV by bytes, not by gpu_memory_utilization of a device.
             kwargs["kv_cache_memory_bytes"] = max(int(config.cpu_kvcache_space_gb * GIB), 1 << 20)
+            kwargs.update(_cpu_mla_kwargs(config))
         else:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         self.config = config
@@ -152,6 +153,10 @@ class VLLMEngine:
         return {name: param.data for name, param in self.model.named_parameters()}
 
     def mark_weights_loaded(self) -> None:
+        from mindspeed_rl.models.deepseek_v3 import refresh_absorbed_mla_weights
+
+        # MLA models (DeepSeek-V3) decode with matrices vLLM derived from kv_b_proj at load time.
+        refresh_absorbed_mla_weights(self.model)
         # Cached prefix blocks hold keys/values computed with the old weights.
         self.llm.reset_prefix_cache()
         self.weights_loaded = True
@@ -195,6 +200,17 @@ class VLLMEngine:
         instead of in the finalizer vLLM runs at interpreter exit, which fails once the trainer has
         destroyed the groups under it. For a rank in the driver (workers/local_group.py)."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def _cpu_mla_kwargs(config: VLLMEngineConfig) -> dict:
+    """MLA checkpoints (DeepSeek-V3) on CPU: the rotary fix and the attention backend (engines/vllm_cpu_mla.py)."""
+    from mindspeed_rl.engines.vllm_cpu_mla import fix_cpu_rotary_for_3d_queries, mla_attention_config, uses_mla
+
+    if not uses_mla(config.model_dir):
+        return {}
+    fix_cpu_rotary_for_3d_queries()
+    backend = mla_attention_config(config.dtype)
+    return {"attention_config": backend} if backend else {}
 
 
 def _unpack_cpu_linears(model: torch.nn.Module) -> None:

@@ -9,13 +9,16 @@ Megatron's layouts (checked against live shards by tests/test_megatron_layouts_m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 
 from mindspeed_rl.models.pipeline_stages import megatron_layout as megatron_pipeline_layout
 from mindspeed_rl.models.pipeline_stages import stage_layer_range
+
+if TYPE_CHECKING:
+    from mindspeed_rl.models.deepseek_v3 import DeepSeekV3Fields
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +45,8 @@ class Qwen2Spec:
     # Layers of each training pipeline stage (actor_config.num_layer_list); None: Megatron's even split.
     # Part of the spec because every layout computation (HF <-> Megatron, the weight push) needs it.
     pipeline_stage_layers: Optional[tuple[int, ...]] = None
+    # DeepSeek-V3's own numbers (models/deepseek_v3.py); None: a Qwen model.
+    deepseek: Optional["DeepSeekV3Fields"] = None
 
     @property
     def is_moe(self) -> bool:
@@ -54,22 +59,25 @@ class Qwen2Spec:
         if rope_theta is None:
             rope_theta = rope_parameters.get("rope_theta", 10000.0)
         heads = hf_config.num_attention_heads
-        moe = _moe_fields(hf_config)
+        if hf_config.model_type == "deepseek_v3":
+            from mindspeed_rl.models.deepseek_v3 import spec_fields_from_hf_config
+
+            moe = spec_fields_from_hf_config(hf_config)
+        else:
+            moe = _moe_fields(hf_config)
         return cls(
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
-            ffn_hidden_size=hf_config.intermediate_size,
             num_layers=hf_config.num_hidden_layers,
             num_attention_heads=heads,
-            num_query_groups=hf_config.num_key_value_heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
             rms_norm_eps=hf_config.rms_norm_eps,
             rope_theta=float(rope_theta),
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(hf_config.tie_word_embeddings),
-            qkv_bias=bool(getattr(hf_config, "attention_bias", True)),
-            qk_layernorm=hf_config.model_type.startswith("qwen3"),
-            **moe,
+            **{"ffn_hidden_size": hf_config.intermediate_size, "num_query_groups": hf_config.num_key_value_heads,
+               "head_dim": getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+               "qkv_bias": bool(getattr(hf_config, "attention_bias", True)),
+               "qk_layernorm": hf_config.model_type.startswith("qwen3"), **moe},
         )
 
 
@@ -147,7 +155,14 @@ def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, p
                                 aux_loss_coeff=options.moe_aux_loss_coeff)
         seq_parallel = seq_parallel or tp > 1  # megatron: MoE with TP needs sequence parallel
     fusions = {name: options.kernel_fields.get(name, False) for name in _FUSION_FIELDS}
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if spec.deepseek is not None:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        from mindspeed_rl.models.deepseek_v3 import megatron_config_fields
+
+        config_class, mla = MLATransformerConfig, megatron_config_fields(spec)
+    fields = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -183,6 +198,7 @@ def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, p
         **fusions,
         **moe,
     )
+    return config_class(**{**fields, **mla})
 
 
 def _packed_pipeline_fields(spec: Qwen2Spec, options: ModelOptions, pp: int) -> dict:

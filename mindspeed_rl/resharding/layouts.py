@@ -12,6 +12,8 @@ and TP takes whole groups; `linear_fc1` is [gate_r; up_r]; embedding/output rows
 heads replicated when infer TP > KV heads; `gate_up_proj` is [gate_r; up_r]; vocab rows are split
 over the padded vocabulary.
 
+DeepSeek-V3 (MLA, dense first layers, shared experts): resharding/deepseek_v3_layouts.py.
+
 MoE (Qwen3-MoE): each expert is its own 2-D HF tensor (`mlp.experts.{e}.gate_proj.weight`). vLLM
 fuses a layer's experts into 3-D parameters (`w13_weight` [E_local, 2F', H], `w2_weight`
 [E_local, H, F']), so a LocalTensor may address one expert `param[index]` of such a parameter;
@@ -104,6 +106,11 @@ def hf_shapes(spec: Qwen2Spec) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
+        if spec.deepseek is not None:
+            from mindspeed_rl.resharding.deepseek_v3_layouts import layer_hf_shapes
+
+            shapes.update(layer_hf_shapes(spec, i))
+            continue
         shapes.update({
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q_rows, h), p + "self_attn.k_proj.weight": (kv_rows, h),
@@ -165,7 +172,11 @@ def megatron_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, pp: int, pp_rank:
     out: list[LocalTensor] = []
     if pp_rank == 0:
         out.append(_even("embedding.word_embeddings.weight", "model.embed_tokens.weight", shapes["model.embed_tokens.weight"], 0, tp_rank, tp))
-    for local, layer in enumerate(layers_of_stage(spec, pp_rank, pp)):
+    if spec.deepseek is not None:
+        from mindspeed_rl.resharding.deepseek_v3_layouts import megatron_layers
+
+        out += megatron_layers(spec, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
+    for local, layer in enumerate(layers_of_stage(spec, pp_rank, pp) if spec.deepseek is None else ()):
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
         out.append(_whole(dst + "input_layernorm.weight", src + "input_layernorm.weight", (h,)))
         out.append(_whole(dst + "pre_mlp_layernorm.weight", src + "post_attention_layernorm.weight", (h,)))
@@ -254,6 +265,12 @@ def vllm_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, dp: int = 1, dp_rank:
         out.append(vocab_shard("model.embed_tokens.weight", "model.embed_tokens.weight"))
     for layer in vllm_pp_layers(spec.num_layers, pp_rank, pp):
         p = f"model.layers.{layer}."
+        if spec.deepseek is not None:
+            from mindspeed_rl.resharding.deepseek_v3_layouts import vllm_layer
+
+            out += vllm_layer(spec, layer, tp=tp, tp_rank=tp_rank, moe_size=tp * dp, moe_rank=dp_rank * tp + tp_rank,
+                              expert_parallel=expert_parallel)
+            continue
         for kind, rest in _qkv_kinds(spec):
             out.append(_stack(f"{p}self_attn.qkv_proj.{kind}", [
                 (f"{p}self_attn.q_proj.{kind}", tp_rank * heads_per_rank * hd, heads_per_rank * hd),
@@ -302,6 +319,10 @@ def _check_vllm_moe(spec: Qwen2Spec, size: int, expert_parallel: bool) -> None:
 
 
 def _check_vllm_tp(spec: Qwen2Spec, tp: int) -> None:
+    if spec.deepseek is not None:
+        from mindspeed_rl.resharding.deepseek_v3_layouts import check_vllm_tp
+
+        return check_vllm_tp(spec, tp)
     kv = spec.num_query_groups
     if spec.num_attention_heads % tp:
         raise ValueError(f"infer TP {tp} must divide num_attention_heads={spec.num_attention_heads}")

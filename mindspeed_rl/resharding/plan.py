@@ -190,6 +190,10 @@ def _check_sizes(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_
         raise ValueError(f"train TP={train.tp} must divide num_key_value_heads={spec.num_query_groups}")
     if spec.vocab_size % train.tp or (not spec.is_moe and spec.ffn_hidden_size % train.tp):
         raise ValueError(f"train TP={train.tp} must divide the vocabulary and intermediate sizes")
+    if spec.deepseek is not None:
+        from mindspeed_rl.resharding.deepseek_v3_layouts import check_train_tp
+
+        check_train_tp(spec, train.tp)
     stage_layer_range(spec.num_layers, 0, train.pp, spec.pipeline_stage_layers if train.pp > 1 else None)
     if train.ep > 1 and not spec.is_moe:
         raise ValueError(f"train EP={train.ep} needs a MoE model (num_experts > 0)")
