@@ -424,10 +424,10 @@ def test_removed_key_is_an_error_naming_it_and_the_reason(key: str) -> None:
 def test_removed_key_in_a_yaml_mapping_is_found_without_hydra() -> None:
     container = OmegaConf.to_container(compose_cfg(TINY))
     assert isinstance(container, dict)
-    container["model"]["tiny_qwen2"]["multi_latent_attention"] = True
+    container["rl_config"]["multi_turn_enable"] = True
     with pytest.raises(ConfigError) as info:
         load_config(container)
-    assert info.value.key == "model.tiny_qwen2.multi_latent_attention"
+    assert info.value.key == "rl_config.multi_turn_enable"
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Packed micro-batches at TP2 (with sequence parallel: packed rows rounded to a multiple of TP) and at PP2
 (stages exchange each packed micro-batch's shape): log-probs, GRPO loss stats and gradients equal the padded
-path's on the same batch and weights. Runs in 2 spawned processes (torch.multiprocessing, gloo); one spawn
-covers both layouts."""
+path's on the same batch and weights. A Qwen3-MoE at PP2 too: packed, its experts run behind Megatron's alltoall
+dispatcher (the one variable pipeline shapes allow), padded behind the allgather one, with the same results.
+Runs in 2 spawned processes (torch.multiprocessing, gloo); one spawn covers every layout."""
 import os
 
 import torch
@@ -60,19 +61,23 @@ def _check_layout(checkpoint, tp, pp, sequence_parallel):
     ps.destroy_model_parallel()
 
 
-def _worker(rank, world_size, port, checkpoint):
+def _worker(rank, world_size, port, checkpoint, moe_checkpoint):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         for tp, pp, sequence_parallel in ((2, 1, False), (2, 1, True), (1, 2, False)):
             _check_layout(checkpoint, tp, pp, sequence_parallel)
+        _check_layout(moe_checkpoint, 1, 2, False)
     finally:
         dist.destroy_process_group()
 
 
-def test_packed_equals_padded_at_tp2_with_sequence_parallel_and_at_pp2(tmp_path):
+def test_packed_equals_padded_at_tp2_with_sequence_parallel_and_at_pp2_dense_and_moe(tmp_path):
     checkpoint = str(tmp_path / "model")
     create_tiny_qwen2_checkpoint(checkpoint, vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=2,
                                  num_attention_heads=4, num_query_groups=2, seed=3)
-    mp.spawn(_worker, args=(2, free_port(), checkpoint), nprocs=2, join=True)
+    from mindspeed_rl.data.tiny_moe import create_tiny_qwen3_moe_checkpoint
+
+    moe_checkpoint = str(create_tiny_qwen3_moe_checkpoint(tmp_path / "moe", vocab_size=64, seed=3))
+    mp.spawn(_worker, args=(2, free_port(), checkpoint, moe_checkpoint), nprocs=2, join=True)

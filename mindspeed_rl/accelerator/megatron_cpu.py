@@ -151,16 +151,39 @@ def megatron_on_cpu() -> Iterator[None]:
         finally:
             _scope_depth -= 1
         return
-    saved = (torch.cuda.current_device, torch.cuda.synchronize)
+    saved = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.Stream, torch.cuda.current_stream,
+             torch.cuda.stream)
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    # P6: the alltoall MoE dispatcher (packed micro-batches under pipeline parallelism) copies its split sizes to
+    # the host on a side stream; on CPU every stream is the one stream, and its events are already complete.
+    torch.cuda.Stream = lambda *args, **kwargs: _ONE_STREAM
+    torch.cuda.current_stream = lambda *args, **kwargs: _ONE_STREAM
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     _scope_depth = 1
     try:
         with cuda_factories_on_cpu():
             yield
     finally:
         _scope_depth = 0
-        torch.cuda.current_device, torch.cuda.synchronize = saved
+        (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.Stream, torch.cuda.current_stream,
+         torch.cuda.stream) = saved
+
+
+class _CpuStream:
+    """The one stream of a CPU process: waits are no-ops, events are complete."""
+
+    def wait_stream(self, _other) -> None:
+        pass
+
+    def record_event(self, _event=None):
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+_ONE_STREAM = _CpuStream()
 
 
 def patch_moe_without_transformer_engine() -> None:

