@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	# different torch and break `import transformers`/`import vllm` (operator torchvision::nms does
 	# not exist). Nothing on the text-only path needs them, so the install removes them.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
-	$(PY) -c "import vllm, megatron.core, transformers, hydra, ray; print('environment ok')"
+	$(PY) -c "import vllm, megatron.core, transformers, hydra, ray, wandb, swanlab, mlflow; print('environment ok')"
 	touch $(STAMP)
 
 demo: venv

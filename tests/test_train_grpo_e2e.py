@@ -13,6 +13,7 @@ import pytest
 
 from cli_runner import run_cli
 from wandb_reader import history_rows
+from tracker_readers import mlflow_scalars, swanlab_scalars
 from planner_checks import assert_prediction_matches_ledger
 
 
@@ -23,6 +24,11 @@ def test_two_iterations_write_metrics(tmp_path):
     done = run_cli(tmp_path, "grpo_tiny_cpu", "megatron_training.train_iters=2", "rl_config.use_tensorboard=true",
                    "runtime.progress_seconds=0.2",
                    "rl_config.use_wandb=true", "rl_config.wandb_project=e2e", "rl_config.wandb_exp_name=two",
+                   # SwanLab's local mode without its dashboard package writes offline, saying so; MLflow's
+                   # default store is <run dir>/mlflow.db.
+                   "rl_config.use_swanlab=true", "rl_config.swanlab_mode=local", "rl_config.swanlab_project=e2e",
+                   "rl_config.swanlab_exp_name=two",
+                   "rl_config.use_mlflow=true", "rl_config.mlflow_project=e2e", "rl_config.mlflow_exp_name=two",
                    f"synthetic_data.data_dir={tmp_path / 'assets'}",
                    env={"RAY_TMPDIR": str(ray_tmp), "WANDB_MODE": "offline"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -49,6 +55,14 @@ def test_two_iterations_write_metrics(tmp_path):
     for row, record in zip(history_rows(wandb_run), records, strict=True):
         assert row["_step"] == record["iteration"]
         assert all(row[k] == pytest.approx(v) for k, v in record.items() if k != "iteration" and isinstance(v, (int, float)))
+    # ... and so do SwanLab's offline run and MLflow's run, each at step = iteration
+    assert "swanlab_mode local needs swanboard" in console, console[-3000:]
+    for steps in (swanlab_scalars(run_dir / "swanlab"),
+                  mlflow_scalars(f"sqlite:///{run_dir / 'mlflow.db'}", experiment="e2e", run_name="two")):
+        assert sorted(steps) == [1, 2]
+        for record in records:
+            assert all(steps[record["iteration"]][k] == pytest.approx(v)
+                       for k, v in record.items() if k != "iteration" and isinstance(v, (int, float)))
     # The planner (cli/plan.py) printed its per-phase bytes at start; each record carries them beside the
     # ledger's: within 10% per category, 30% for the activations.
     assert sum(line.startswith("[plan] ") for line in done.stdout.splitlines()) == 4, done.stdout[-3000:]

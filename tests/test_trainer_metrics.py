@@ -139,6 +139,91 @@ def test_a_wandb_run_offline_holds_each_iterations_scalars(tmp_path, monkeypatch
                 assert row[key] == pytest.approx(value), key
 
 
+
+def _write_and_close(tracker, run_dir: Path, records: list[dict]) -> None:
+    sinks = MetricsSinks(run_dir, metrics_file="metrics.jsonl", trackers=[tracker])
+    for record in records:
+        sinks.write(record)
+    sinks.close()
+
+
+def _assert_every_scalar_at_its_iteration(steps: dict[int, dict[str, float]], records: list[dict]) -> None:
+    assert sorted(steps) == [record["iteration"] for record in records]
+    for record in records:
+        for key, value in record.items():
+            if key != "iteration" and isinstance(value, (int, float)):
+                assert steps[record["iteration"]][key] == pytest.approx(value), (record["iteration"], key)
+
+
+@pytest.mark.parametrize("mode", ["offline", "local", "cloud"])
+def test_a_swanlab_run_is_written_offline_with_each_iterations_scalars(tmp_path, monkeypatch, caplog, mode):
+    """MindSpeed-RL's use_swanlab without a network: offline as asked; local without swanlab's dashboard package
+    and cloud without a login fall back to offline, each saying so in one warning line."""
+    from tracker_readers import swanlab_scalars
+
+    from mindspeed_rl.trainer.trackers import SwanLabTracker
+
+    monkeypatch.delenv("SWANLAB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no saved swanlab login
+    records = _records(3)
+    _write_and_close(SwanLabTracker(tmp_path, mode=mode, project="mindspeed-rl-test", name="three", save_dir="",
+                                    config={"a": 1}), tmp_path, records)
+    _assert_every_scalar_at_its_iteration(swanlab_scalars(tmp_path / "swanlab"), records)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "mindspeed_rl.trainer.trackers"]
+    assert len(warnings) == (mode != "offline"), warnings
+    assert all("writing the run offline under" in w and "swanlab sync" in w for w in warnings), warnings
+
+
+def test_an_mlflow_run_holds_each_iterations_scalars_and_an_unreachable_server_falls_back(tmp_path, monkeypatch,
+                                                                                           caplog):
+    from tracker_readers import mlflow_scalars
+
+    from mindspeed_rl.trainer.trackers import MLflowTracker
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    records = _records(3)
+    for directory, uri in ((tmp_path / "default", ""), (tmp_path / "down", "http://127.0.0.1:9")):
+        directory.mkdir()
+        _write_and_close(MLflowTracker(directory, tracking_uri=uri, project="mindspeed-rl-test", name="three",
+                                       config={"a": 1}), directory, records)
+        steps = mlflow_scalars(f"sqlite:///{directory / 'mlflow.db'}", experiment="mindspeed-rl-test",
+                               run_name="three")
+        _assert_every_scalar_at_its_iteration(steps, records)
+        # The config beside the run, in the run dir (not MLflow's default ./mlartifacts)
+        assert json.loads(next((directory / "mlartifacts").glob("*/artifacts/config.json")).read_text()) == {"a": 1}
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "mindspeed_rl.trainer.trackers"]
+    assert warning.startswith("mlflow could not reach http://127.0.0.1:9 ("), warning
+
+
+@pytest.mark.parametrize(("keys", "error"), [
+    ({"use_swanlab": True, "swanlab_mode": "offline", "swanlab_exp_name": "e"},
+     "rl_config.swanlab_project: must name the SwanLab project and experiment with use_swanlab true"),
+    ({"use_swanlab": True, "swanlab_mode": "offline", "swanlab_project": "p"},
+     "rl_config.swanlab_exp_name: must name the SwanLab project and experiment with use_swanlab true"),
+    ({"use_swanlab": True, "swanlab_project": "p", "swanlab_exp_name": "e"},
+     "rl_config.swanlab_mode: must be one of cloud, local, offline, disabled, got ''"),
+    ({"use_swanlab": True, "swanlab_mode": "online", "swanlab_project": "p", "swanlab_exp_name": "e"},
+     "rl_config.swanlab_mode: must be one of cloud, local, offline, disabled, got 'online'"),
+    ({"use_mlflow": True, "mlflow_exp_name": "e"},
+     "rl_config.mlflow_project: must name the MLflow experiment and run with use_mlflow true"),
+    ({"use_mlflow": True, "mlflow_project": "p"},
+     "rl_config.mlflow_exp_name: must name the MLflow experiment and run with use_mlflow true"),
+    ({"use_wandb": True, "wandb_project": "p"},
+     "rl_config.wandb_exp_name: must name the wandb project and run with use_wandb true"),
+])
+def test_a_tracker_turned_on_needs_its_names_and_a_valid_mode(keys, error):
+    from mindspeed_rl.config import ConfigError
+    from mindspeed_rl.config.rl import RLConfig
+
+    verifiers = {"verifier_function": ["base_acc"], "verifier_weight": [1.0]}
+    with pytest.raises(ConfigError) as info:
+        RLConfig(**verifiers, **keys)
+    assert str(info.value) == error
+    # Off, the keys are not checked (MindSpeed-RL's recipes leave them empty).
+    RLConfig(**verifiers, **{key: value for key, value in keys.items() if not key.startswith("use_")})
+
+
 def test_the_end_of_run_summary_averages_phases_and_the_ends():
     from mindspeed_rl.trainer.summary import summary_lines
 

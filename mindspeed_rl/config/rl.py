@@ -22,6 +22,8 @@ KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 EVAL_SAMPLINGS = ("greedy", "train")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# MindSpeed-RL passes swanlab_mode to swanlab.init: cloud (swanlab's alias of online), local, offline, disabled.
+SWANLAB_MODES = ("cloud", "local", "offline", "disabled")
 
 
 @dataclass(kw_only=True)
@@ -108,6 +110,20 @@ class RLConfig:
     wandb_project: str = ""
     wandb_exp_name: str = ""
     wandb_save_dir: str = ""
+    # MindSpeed-RL's SwanLab keys: mode, project and experiment name are needed (its docs: required with
+    # use_swanlab); the run's files go to swanlab_save_dir ("": <run dir>/swanlab), offline when the cloud
+    # cannot be reached.
+    use_swanlab: bool = False
+    swanlab_mode: str = ""
+    swanlab_project: str = ""
+    swanlab_exp_name: str = ""
+    swanlab_save_dir: str = ""
+    # Ours (not keys there): an MLflow run named mlflow_exp_name in the experiment mlflow_project, both needed,
+    # in mlflow_tracking_uri ("": the SQLite store <run dir>/mlflow.db).
+    use_mlflow: bool = False
+    mlflow_tracking_uri: str = ""
+    mlflow_project: str = ""
+    mlflow_exp_name: str = ""
     # The actor's ranks. May be left out when actor_train.device_mapping gives them (then filled in from it).
     actor_resource: Optional[ResourceConfig] = None
     # PPO: the critic's ranks (MindSpeed-RL's key); colocated with the actor here, so the actor's number.
@@ -213,10 +229,7 @@ class RLConfig:
                 f"must be >= 2: {self.adv_estimator} advantages take their baseline from the other samples of "
                 f"the prompt, got {self.n_samples_per_prompt}",
             )
-        if self.use_wandb:
-            for name in ("wandb_project", "wandb_exp_name"):
-                if not getattr(self, name):
-                    raise ConfigError(f"{prefix}.{name}", "must name the wandb project and run with use_wandb true")
+        self._check_trackers()
         if not 0.0 < self.gamma <= 1.0:
             raise ConfigError(f"{prefix}.gamma", f"must be in (0, 1], got {self.gamma}")
         if not isinstance(self.norm_adv_by_std_in_grpo, bool):
@@ -245,6 +258,17 @@ class RLConfig:
         # use_integrated_worker is checked with the role sections (GRPOConfig, config/resources.py).
         self._check_rewards()
         self._check_ppo()
+
+    def _check_trackers(self) -> None:
+        prefix = self.SECTION_KEY
+        for tracker, what in (("wandb", "wandb project and run"), ("swanlab", "SwanLab project and experiment"),
+                              ("mlflow", "MLflow experiment and run")):
+            if getattr(self, f"use_{tracker}"):
+                for name in (f"{tracker}_project", f"{tracker}_exp_name"):
+                    if not getattr(self, name):
+                        raise ConfigError(f"{prefix}.{name}", f"must name the {what} with use_{tracker} true")
+        if self.use_swanlab:
+            require_choice(prefix, self, "swanlab_mode", SWANLAB_MODES)
 
     def _check_ppo(self) -> None:
         prefix = self.SECTION_KEY

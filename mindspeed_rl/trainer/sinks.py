@@ -1,5 +1,5 @@
 """Where each iteration's metrics go: one JSON line in metrics.jsonl, and each tracker's scalars
-(trainer/trackers.py: TensorBoard event files, wandb)."""
+(trainer/trackers.py: TensorBoard event files, wandb, SwanLab, MLflow)."""
 from __future__ import annotations
 
 import contextlib
