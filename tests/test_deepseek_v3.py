@@ -1,11 +1,16 @@
-"""DeepSeek-V3 (MLA, dense first layer, sigmoid group-limited routing with expert bias, routed scaling,
-shared experts) on Megatron-core and vLLM, against transformers' DeepseekV3ForCausalLM.
+"""DeepSeek-V3 (MLA with YaRN RoPE scaling, dense first layer, sigmoid group-limited routing with expert bias,
+routed scaling, shared experts) on Megatron-core and vLLM, against transformers' DeepseekV3ForCausalLM.
 
 One spawn of 2 gloo ranks, one live vLLM engine (infer TP=2, CPU_MLA backend) per rank. Per train
 layout (TP2 with sequence parallel; PP2 = dense layer | MoE layer; EP2): Megatron's logits equal HF's
 (< 1e-4 fp32; PP: log-probs), the HF -> Megatron -> HF export round trip is exact, the plan's push fills
 every vLLM parameter (shapes checked), the fingerprint check passes, and vLLM's sampled-token log-probs
-after the push equal Megatron's (< 1e-4).
+after the push equal Megatron's (< 1e-4), and the planner's Megatron shard (planner/params.py) is the live
+engine's parameters, name for name and size for size.
+
+The checkpoint uses YaRN (factor 8 over 32 original positions, mscale 1 / mscale_all_dim 0.5, so the cos/sin
+factor and the softmax scale both differ from 1): with plain RoPE instead, HF's logits move by 0.21, Megatron's
+YaRN is within 1e-6 of HF's at TP1.
 
 Runs where: 2 spawned processes (torch.multiprocessing), gloo; about 60 s on 2 loaded cores.
 """
@@ -17,6 +22,8 @@ import torch.multiprocessing as mp
 
 from resharding_oracle import assert_vllm_logprobs_match_megatron, free_port, perturbed_state
 
+YARN = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
+            mscale=1.0, mscale_all_dim=0.5)
 IDS = torch.tensor([[5, 9, 6, 11, 7, 9, 8, 11, 3, 4], [4, 9, 4, 11, 3, 5, 6, 7, 12, 2]])
 
 
@@ -81,6 +88,21 @@ def _push(spec, engine, rollout, train, infer, rank):
     rollout.mark_weights_loaded()
 
 
+def _check_planner_shapes(engine, checkpoint: str, tp: int, pp: int, ep: int) -> None:
+    import json
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_rl.planner.arch import from_hf_config
+    from mindspeed_rl.planner.params import megatron_params
+
+    arch = from_hf_config(json.loads((Path(checkpoint) / "config.json").read_text()))
+    planned = megatron_params(arch, tp=tp, tp_rank=0, pp=pp, pp_rank=ps.get_pipeline_model_parallel_rank(), ep=ep)
+    live = {name: p.numel() for name, p in engine.module.named_parameters()}
+    assert {p.name: p.numel for p in planned} == live
+
+
 def _worker(rank, port, checkpoint, layouts):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
@@ -96,7 +118,7 @@ def _worker(rank, port, checkpoint, layouts):
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
 
     spec, state = load_hf_checkpoint(checkpoint)
-    assert spec.deepseek is not None and spec.deepseek.num_groups > 1
+    assert spec.deepseek is not None and spec.deepseek.num_groups > 1 and spec.deepseek.yarn is not None
     rollout = VLLMEngine(VLLMEngineConfig(
         model_dir=checkpoint, tensor_parallel_size=2, dtype="float32", max_model_len=32, max_num_seqs=16,
         max_num_batched_tokens=512, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
@@ -110,6 +132,7 @@ def _worker(rank, port, checkpoint, layouts):
         engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.float32, accelerator=acc,
                                 optimizer=None)
         _check_against_hf(engine, _hf_logits(checkpoint, hf_state), pp)
+        _check_planner_shapes(engine, checkpoint, tp, pp, ep)
         if ep == 1:  # the export gathers over TP and PP (not EP)
             exported = hf_weights_from_megatron(engine.named_weights(), spec)
             assert set(exported) == set(hf_state) and all(torch.equal(exported[k], v) for k, v in hf_state.items())
@@ -128,5 +151,5 @@ def test_megatron_and_vllm_match_hf_on_two_ranks(tmp_path):
     # 8 experts in 4 groups, 2 groups and 4 experts per token: Megatron's group score (top topk/topk_group) is
     # then HF's (top 2).
     checkpoint = str(create_tiny_deepseek_v3_checkpoint(tmp_path / "ds", n_routed_experts=8, n_group=4, topk_group=2,
-                                                        num_experts_per_tok=4, seed=3))
+                                                        num_experts_per_tok=4, seed=3, rope_scaling=YARN))
     mp.spawn(_worker, args=(free_port(), checkpoint, [(2, 1, 1), (1, 2, 1)]), nprocs=2, join=True)

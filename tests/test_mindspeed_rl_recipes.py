@@ -58,6 +58,97 @@ def test_their_qwen3_moe_recipe_keeps_its_router_load_balancing() -> None:
     assert config.generate_config.enable_expert_parallel is True
 
 
+DEEPSEEK_HF = CONFIG_DIR / "model" / "hf" / "deepseek_v3.json"  # the published config.json (planner copy)
+
+
+def _deepseek(*overrides: str, notices: list[str] | None = None) -> GRPOConfig:
+    return load_recipe("grpo_deepseek_r1_671b_A3", "runtime.device=npu", *overrides, notices=notices)
+
+
+def test_their_deepseek_block_describes_the_published_checkpoint() -> None:
+    """Every field of their deepseekv3_671b block is compared with DeepSeek-V3's config.json, and agrees."""
+    import json
+
+    from mindspeed_rl.config import check_model_block_against_hf
+
+    block = _deepseek().selected_model
+    assert (block.multi_latent_attention, block.q_lora_rank, block.kv_lora_rank, block.qk_head_dim,
+            block.qk_pos_emb_head_dim, block.v_head_dim) == (True, 1536, 512, 128, 64, 128)
+    assert (block.rope_scaling_type, block.rope_scaling_factor, block.beta_fast) == ("yarn", 40.0, 32.0)
+    assert (block.first_k_dense_replace, block.moe_router_num_groups, block.moe_router_group_topk) == (3, 8, 4)
+    check_model_block_against_hf(block, "model.deepseekv3_671b", json.loads(DEEPSEEK_HF.read_text()))
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("qk_head_dim", 64, "model.deepseekv3_671b.qk_head_dim: is 64 but the checkpoint's config.json has "
+                        "qk_nope_head_dim=128"),
+    ("qk_pos_emb_head_dim", 32, "model.deepseekv3_671b.qk_pos_emb_head_dim: is 32 but the checkpoint's config.json "
+                                "has qk_rope_head_dim=64"),
+    ("rope_scaling_factor", 4.0, "model.deepseekv3_671b.rope_scaling_factor: is 4.0 but the checkpoint's config.json "
+                                 "has rope_scaling.factor=40"),
+    ("moe_router_group_topk", 2, "model.deepseekv3_671b.moe_router_group_topk: is 2 but the checkpoint's "
+                                 "config.json has topk_group=4"),
+    ("moe_router_score_function", "softmax", "model.deepseekv3_671b.moe_router_score_function: is 'softmax' but "
+                                             "the checkpoint's config.json has scoring_func='sigmoid'"),
+])
+def test_a_deepseek_block_that_disagrees_with_the_checkpoint_is_one_error_naming_both(field, value, expected) -> None:
+    import json
+    from dataclasses import replace
+
+    from mindspeed_rl.config import check_model_block_against_hf
+
+    block = replace(_deepseek().selected_model, **{field: value})
+    with pytest.raises(ConfigError) as info:
+        check_model_block_against_hf(block, "model.deepseekv3_671b", json.loads(DEEPSEEK_HF.read_text()))
+    assert str(info.value).startswith(expected), str(info.value)
+
+
+def test_an_mla_block_for_a_qwen_checkpoint_and_yarn_for_plain_rope_are_errors() -> None:
+    import json
+
+    from mindspeed_rl.config import check_model_block_against_hf
+
+    block = _deepseek().selected_model
+    published = json.loads(DEEPSEEK_HF.read_text())
+    with pytest.raises(ConfigError, match="multi_latent_attention: is true but the checkpoint's config.json has "
+                                          "model_type='qwen3_moe' .without multi-head latent attention"):
+        check_model_block_against_hf(block, "model.deepseekv3_671b", {**published, "model_type": "qwen3_moe"})
+    plain = {**published, "rope_scaling": None}
+    with pytest.raises(ConfigError, match="rope_scaling_type: is 'yarn' but the checkpoint's config.json has no "
+                                          "rope_scaling"):
+        check_model_block_against_hf(block, "model.deepseekv3_671b", plain)
+
+
+def test_their_seq_aux_false_is_listed_and_true_is_an_error() -> None:
+    notices: list[str] = []
+    _deepseek(notices=notices)
+    assert any(notice.startswith("model.deepseekv3_671b.seq_aux (") for notice in notices)
+    with pytest.raises(ConfigError, match="model.deepseekv3_671b.seq_aux: only False works here"):
+        _deepseek("model.deepseekv3_671b.seq_aux=true")
+
+
+def test_the_planner_sizes_their_deepseek_block_as_the_published_checkpoint() -> None:
+    """No config.json of theirs here: the planner reads the block. (`cli/plan.py --config-dir <theirs>
+    --config-name grpo_deepseek_r1_671b_A3` prints the whole plan, the switch of 256 ranks included, in ~30 s of
+    CPU: too long for the suite.)"""
+    import json
+    from dataclasses import replace
+
+    from mindspeed_rl.planner.arch import from_hf_config, hf_config_from_model_block
+    from mindspeed_rl.planner.params import megatron_params
+
+    config = _deepseek()
+    arch = from_hf_config(hf_config_from_model_block(config.selected_model, "deepseekv3_671b"))
+    assert arch.trainable and arch.parameter_count() == from_hf_config(json.loads(DEEPSEEK_HF.read_text())).parameter_count()
+    stages = config.actor_config.pipeline_stage_layers
+    assert stages == (7, 7, 8, 8, 8, 8, 8, 7)
+    arch = replace(arch, pipeline_stage_layers=stages)
+    tp, ep = config.actor_config.tensor_model_parallel_size, config.actor_config.expert_model_parallel_size
+    layers = [{p.name.split(".")[2] for p in megatron_params(arch, tp=tp, tp_rank=0, pp=8, pp_rank=r, ep=ep)
+               if p.name.startswith("decoder.layers.")} for r in range(8)]
+    assert [len(stage) for stage in layers] == list(stages)
+
+
 def test_strict_keys_makes_every_knob_an_error() -> None:
     notices: list[str] = []
     load_recipe("grpo_qwen3_8b_A3", notices=notices)

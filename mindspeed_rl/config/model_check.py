@@ -1,7 +1,10 @@
 """A `model.<name>` block against the HF checkpoint's config.json, which is what the engines build.
 
 Pure: the caller reads config.json (a dict) and decides what to do with the ConfigError. A field
-left None in the block, or a key the checkpoint's config.json does not have, is not compared. Fields
+left None in the block, or a key the checkpoint's config.json does not have, is not compared.
+DeepSeek-V3's fields carry MindSpeed-LLM's (Megatron's) names: qk_head_dim is HF's qk_nope_head_dim,
+qk_pos_emb_head_dim its qk_rope_head_dim, moe_router_num_groups / group_topk its n_group / topk_group,
+moe_router_topk_scaling_factor its routed_scaling_factor, rope_scaling_* its rope_scaling mapping. Fields
 must equal the checkpoint's, except two bounds: max_position_embeddings <= the checkpoint's and
 padded_vocab_size >= its vocab_size.
 """
@@ -79,7 +82,76 @@ def _pairs(arch: ModelArchConfig, hf: dict) -> list[_Pair]:
         _direct("moe_router_topk", arch.moe_router_topk, hf, "num_experts_per_tok"),
         _direct("moe_ffn_hidden_size", arch.moe_ffn_hidden_size, hf, "moe_intermediate_size"),
         _direct("norm_topk_prob", arch.norm_topk_prob, hf, "norm_topk_prob"),
+        *_deepseek_pairs(arch, hf),
+        *_rope_scaling_pairs(arch, hf),
     ]
+
+
+def _deepseek_pairs(arch: ModelArchConfig, hf: dict) -> list[_Pair]:
+    """DeepSeek-V3's fields (MindSpeed-LLM / Megatron names) against its config.json keys."""
+    model_type = hf.get("model_type")
+    deepseek, qwen_moe = model_type == "deepseek_v3", model_type in ("qwen2_moe", "qwen3_moe")
+    return [
+        # MLA is what a deepseek_v3 checkpoint has; every other model type the engine builds has none.
+        _Pair("multi_latent_attention", arch.multi_latent_attention, deepseek if isinstance(model_type, str) else _MISSING,
+              f"model_type={_show(model_type)} ({'with' if deepseek else 'without'} multi-head latent attention)"),
+        _direct("q_lora_rank", arch.q_lora_rank, hf, "q_lora_rank"),
+        _direct("kv_lora_rank", arch.kv_lora_rank, hf, "kv_lora_rank"),
+        _direct("qk_head_dim", arch.qk_head_dim, hf, "qk_nope_head_dim"),
+        _direct("qk_pos_emb_head_dim", arch.qk_pos_emb_head_dim, hf, "qk_rope_head_dim"),
+        _direct("v_head_dim", arch.v_head_dim, hf, "v_head_dim"),
+        _direct("n_shared_experts", arch.n_shared_experts, hf, "n_shared_experts"),
+        _direct("first_k_dense_replace", arch.first_k_dense_replace, hf, "first_k_dense_replace"),
+        # Qwen-MoE states the same spacing as decoder_sparse_step.
+        _direct("moe_layer_freq", arch.moe_layer_freq, hf,
+                "decoder_sparse_step" if "moe_layer_freq" not in hf and qwen_moe else "moe_layer_freq"),
+        _score_function(arch, hf, deepseek, qwen_moe),
+        _direct("moe_router_num_groups", arch.moe_router_num_groups, hf, "n_group"),
+        _direct("moe_router_group_topk", arch.moe_router_group_topk, hf, "topk_group"),
+        # transformers' DeepseekV3 always has the e_score_correction_bias (topk_method noaux_tc); Qwen-MoE none.
+        _Pair("moe_router_enable_expert_bias", arch.moe_router_enable_expert_bias,
+              hf.get("topk_method", "noaux_tc") == "noaux_tc" if deepseek else (False if qwen_moe else _MISSING),
+              f"model_type={_show(model_type)}, topk_method={_show(hf.get('topk_method'))} "
+              f"({'with' if deepseek else 'without'} e_score_correction_bias)"),
+        _direct("moe_router_topk_scaling_factor", arch.moe_router_topk_scaling_factor, hf, "routed_scaling_factor"),
+    ]
+
+
+def _score_function(arch: ModelArchConfig, hf: dict, deepseek: bool, qwen_moe: bool) -> _Pair:
+    if "scoring_func" in hf:
+        return _direct("moe_router_score_function", arch.moe_router_score_function, hf, "scoring_func")
+    # transformers' DeepseekV3 scores with a sigmoid, Qwen-MoE with a softmax, neither states it.
+    implied = "sigmoid" if deepseek else ("softmax" if qwen_moe else _MISSING)
+    return _Pair("moe_router_score_function", arch.moe_router_score_function, implied,
+                 f"model_type={_show(hf.get('model_type'))} (scoring {_show(implied)})")
+
+
+def _rope_scaling_pairs(arch: ModelArchConfig, hf: dict) -> list[_Pair]:
+    """The block's RoPE scaling against config.json's `rope_scaling` (transformers 4) or `rope_parameters`
+    (transformers 5, which also holds rope_theta). No scaling there: type "default"; the other fields then
+    have nothing to be compared with."""
+    where = "rope_scaling" if isinstance(hf.get("rope_scaling"), dict) else "rope_parameters"
+    rope = hf.get(where)
+    if not isinstance(rope, dict):
+        if "rope_scaling" not in hf and "rope_parameters" not in hf:
+            return [_Pair("rope_scaling_type", arch.rope_scaling_type, _MISSING, "")]
+        rope, where = {}, "rope_scaling"  # stated as null: no scaling
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    pairs = [_Pair("rope_scaling_type", arch.rope_scaling_type, kind,
+                   f"{where}.type={_show(kind)}" if rope else f"no {where} (type 'default')")]
+    # Block field -> the rope_scaling / rope_parameters key it restates.
+    for field_name, block_value, key in (
+        ("rope_scaling_factor", arch.rope_scaling_factor, "factor"),
+        ("rope_scaling_original_max_position_embeddings", arch.rope_scaling_original_max_position_embeddings,
+         "original_max_position_embeddings"),
+        ("rope_scaling_mscale", arch.rope_scaling_mscale, "mscale"),
+        ("rope_scaling_mscale_all_dim", arch.rope_scaling_mscale_all_dim, "mscale_all_dim"),
+        ("beta_fast", arch.beta_fast, "beta_fast"),
+        ("beta_slow", arch.beta_slow, "beta_slow"),
+    ):
+        value = rope.get(key, _MISSING)
+        pairs.append(_Pair(field_name, block_value, value, f"{where}.{key}={_show(value)}"))
+    return pairs
 
 
 # The expert count's names: the published Qwen3-MoE configs, transformers 5's save_pretrained, DeepSeek-V3.
@@ -141,7 +213,9 @@ def _qk_layernorm(arch: ModelArchConfig, hf: dict) -> _Pair:
     model_type = hf.get("model_type")
     if not isinstance(model_type, str):
         return _Pair("qk_layernorm", arch.qk_layernorm, _MISSING, "")
-    has_norms = model_type.startswith("qwen3")
+    # Qwen3's per-head q/k norms; DeepSeek-V3's MLA normalises its compressed query and key-value latents
+    # (q_a_layernorm, kv_a_layernorm), which is what MindSpeed-LLM's qk_layernorm switches on for MLA.
+    has_norms = model_type.startswith("qwen3") or model_type == "deepseek_v3"
     desc = f"model_type={model_type!r} ({'with' if has_norms else 'without'} q/k norms)"
     return _Pair("qk_layernorm", arch.qk_layernorm, has_norms, desc)
 

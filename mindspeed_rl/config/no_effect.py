@@ -99,6 +99,12 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
     "model.*.use_fused_moe_token_permute_and_unpermute": NoEffect(_MOE_KERNEL),
     "model.*.use_rotary_position_embeddings": NoEffect("every model here uses RoPE (rotary_base)", (True,)),
     "model.*.spec": NoEffect("the layers are built from the model block and the checkpoint's config.json"),
+    # MindSpeed-LLM reads seq_aux only under its own router types (group_limited_greedy; none with
+    # moe_aux_loss_coeff > 0), never under Megatron's seq_aux_loss, and its loss there adds the expert bias to
+    # the scores, which Megatron's seq_aux_loss does not: true has no equivalent here, false is its default.
+    "model.*.seq_aux": NoEffect(
+        "MindSpeed-LLM's switch for the sequence-wise balance loss of its own router types; the loss here is "
+        "moe_router_load_balancing_type (seq_aux_loss: per sequence)", (False,)),
 }
 
 # Keys MindSpeed-RL's model blocks carry and it reads as megatron_training's (it merges the selected block

@@ -12,6 +12,9 @@ DeepseekV3ForCausalLM by tests/test_deepseek_v3.py):
 - Router: sigmoid scores, `e_score_correction_bias` (Megatron's `mlp.router.expert_bias`, a buffer),
   group-limited top-k and `routed_scaling_factor`; shared experts (`mlp.shared_experts.linear_fc1` =
   [gate; up] per TP shard).
+- YaRN RoPE scaling (`rope_scaling` type yarn, as the published checkpoints have): Megatron's
+  MLATransformerConfig rope_type "yarn" (`yarn_megatron_fields`: the same frequencies, cos/sin factor and
+  softmax scale as transformers' and vLLM's; the one case where HF and vLLM disagree is refused).
 vLLM derives `W_UK_T` / `W_UV` from `kv_b_proj` once after loading; a push must refresh them
 (`refresh_absorbed_mla_weights`).
 """
@@ -21,6 +24,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class YaRN:
+    """HF's YaRN numbers (rope_scaling / rope_parameters), defaults filled in as transformers fills them."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +52,7 @@ class DeepSeekV3Fields:
     num_groups: int  # n_group; 1: no group limit
     group_topk: int
     routed_scaling_factor: float
+    yarn: Optional[YaRN] = None  # None: plain RoPE
 
     @property
     def q_head_dim(self) -> int:
@@ -53,6 +69,7 @@ def spec_fields_from_hf_config(hf_config) -> dict:
         v_head_dim=hf_config.v_head_dim, first_dense_layers=hf_config.first_k_dense_replace or 0,
         num_shared_experts=hf_config.n_shared_experts or 0, num_groups=hf_config.n_group or 1,
         group_topk=hf_config.topk_group or 1, routed_scaling_factor=float(hf_config.routed_scaling_factor or 1.0),
+        yarn=yarn_from_hf_config(hf_config),
     )
     return dict(
         ffn_hidden_size=hf_config.intermediate_size, num_query_groups=heads,
@@ -63,10 +80,6 @@ def spec_fields_from_hf_config(hf_config) -> dict:
 
 
 def _refuse_unsupported(hf_config) -> None:
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError("DeepSeek-V3: rope_scaling (yarn) is not built yet: Megatron's YaRN and HF's are not "
-                         "checked against each other; use a checkpoint with plain RoPE")
     if getattr(hf_config, "num_nextn_predict_layers", 0):
         raise ValueError("DeepSeek-V3: multi-token prediction layers (num_nextn_predict_layers > 0) are not built")
     if not getattr(hf_config, "rope_interleave", True):
@@ -90,6 +103,47 @@ def _refuse_unsupported(hf_config) -> None:
                          f"{topk} / {hf_config.topk_group}")
 
 
+def yarn_from_hf_config(hf_config) -> Optional[YaRN]:
+    """The checkpoint's YaRN (None: plain RoPE); ValueError for a scaling the three implementations do not share."""
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ValueError(f"DeepSeek-V3: rope_scaling type {kind!r} is not built (only yarn)")
+    for key, plain in (("attention_factor", None), ("truncate", True), ("partial_rotary_factor", 1.0)):
+        if rope.get(key, plain) != plain:
+            # vLLM reads attention_factor 1.0 as "no softmax mscale" (HF does not); Megatron always truncates
+            # the correction range and rotates every rope dim.
+            raise ValueError(f"DeepSeek-V3: rope_scaling.{key}={rope[key]!r} is not supported")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if bool(mscale) != bool(mscale_all_dim) and not (not mscale_all_dim and mscale in (None, 1)):
+        # HF then scales cos/sin by get_mscale(factor) alone, vLLM by mscale / mscale_all_dim.
+        raise ValueError(f"DeepSeek-V3: rope_scaling mscale={mscale!r} with mscale_all_dim={mscale_all_dim!r}: "
+                         "transformers and vLLM compute different YaRN attention factors; give both or neither")
+    original = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor") or hf_config.max_position_embeddings / original  # transformers' default
+    return YaRN(factor=float(factor), original_max_position_embeddings=original,
+                beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                mscale=mscale, mscale_all_dim=mscale_all_dim)
+
+
+def yarn_megatron_fields(yarn: Optional[YaRN]) -> dict:
+    """MLATransformerConfig's RoPE fields. HF scales cos/sin by get_mscale(factor, mscale) / get_mscale(factor,
+    mscale_all_dim) when both are set, else by get_mscale(factor), and the softmax by get_mscale(factor,
+    mscale_all_dim)^2 when mscale_all_dim is set; Megatron by the same quotient of its mscale / mscale_all_dim
+    and the softmax by get_mscale(factor, mscale_all_dim)^2 (1 for 0). Neither set in HF: Megatron's 1 / 0 gives
+    get_mscale(factor, 1) / 1 and a plain softmax, the same numbers."""
+    if yarn is None:
+        return dict(rope_type="rope", rotary_scaling_factor=1.0)
+    both = bool(yarn.mscale) and bool(yarn.mscale_all_dim)
+    return dict(rope_type="yarn", rotary_scaling_factor=yarn.factor,
+                original_max_position_embeddings=yarn.original_max_position_embeddings,
+                beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow,
+                mscale=float(yarn.mscale) if both else 1.0,
+                mscale_all_dim=float(yarn.mscale_all_dim) if both else 0.0)
+
+
 # -- Megatron ------------------------------------------------------------------------------------
 def megatron_config_fields(spec) -> dict:
     """MLATransformerConfig fields beyond Qwen's (attention, router, shared experts, dense layers)."""
@@ -98,7 +152,7 @@ def megatron_config_fields(spec) -> dict:
     return dict(
         multi_latent_attention=True, q_lora_rank=ds.q_lora_rank, kv_lora_rank=ds.kv_lora_rank,
         qk_head_dim=ds.qk_nope_head_dim, qk_pos_emb_head_dim=ds.qk_rope_head_dim, v_head_dim=ds.v_head_dim,
-        rope_type="rope", rotary_base=spec.rope_theta, rotary_scaling_factor=1.0,
+        rotary_base=spec.rope_theta, **yarn_megatron_fields(ds.yarn),
         qk_layernorm=True,  # MLA's q_layernorm / kv_layernorm (HF q_a_layernorm / kv_a_layernorm)
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
         # The bias is a buffer: the weight push and the export move parameters and it, but Megatron's

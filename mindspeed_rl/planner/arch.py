@@ -2,9 +2,9 @@
 
 Three families: Qwen2 / Qwen2.5 dense (`qwen2`, and Qwen3 dense `qwen3`), Qwen3-MoE (`qwen3_moe`), and
 DeepSeek-V3 (`deepseek_v3`: multi-head latent attention, dense first layers, routed + shared experts).
-The engine trains Qwen2 dense and Qwen3-MoE (`Architecture.trainable`); the planner sizes the others
-too and says so. DeepSeek-V3's multi-token-prediction module (`num_nextn_predict_layers`) is left out
-of every count, as in its published 671B.
+The engine trains Qwen2 dense, Qwen3-MoE and DeepSeek-V3 (`Architecture.trainable`); the planner sizes
+Qwen3 dense too and says so. DeepSeek-V3's multi-token-prediction module (`num_nextn_predict_layers`) is
+left out of every count, as in its published 671B (the engine does not build it either).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from mindspeed_rl.config.model_check import expert_count_key
 
-TRAINABLE_TYPES = ("qwen2", "qwen3_moe")
+TRAINABLE_TYPES = ("qwen2", "qwen3_moe", "deepseek_v3")
 PLANNED_TYPES = ("qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
@@ -71,12 +71,7 @@ class Architecture:
         """One line: what the engine can do with this architecture."""
         if self.trainable:
             return "the engine can train it (Megatron + vLLM layouts and the resharding plan cover it)"
-        missing = {
-            "qwen3": "Qwen3 dense is not covered by the engine's tests",
-            "deepseek_v3": "multi-head latent attention, dense first layers and shared experts have no "
-                           "Megatron/vLLM layouts in the engine",
-        }[self.model_type]
-        return f"planner only: the engine cannot train it yet ({missing})"
+        return "planner only: the engine cannot train it yet (Qwen3 dense is not covered by the engine's tests)"
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer >= self.first_dense_layers
@@ -155,12 +150,11 @@ class Architecture:
 
     # -- the engine's own spec -------------------------------------------------------------------------
     def to_spec(self):
-        """The engine's `Qwen2Spec` (what its layouts and the resharding plan take); None when the engine
-        has no layouts for this architecture."""
-        if self.model_type not in ("qwen2", "qwen3", "qwen3_moe"):
-            return None
+        """The engine's `Qwen2Spec` (what its layouts and the resharding plan take)."""
         from mindspeed_rl.models.qwen2 import Qwen2Spec
 
+        if self.is_mla:
+            return self._deepseek_spec()
         return Qwen2Spec(
             vocab_size=self.vocab_size, hidden_size=self.hidden_size, ffn_hidden_size=self.intermediate_size,
             num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
@@ -169,6 +163,27 @@ class Architecture:
             tie_word_embeddings=self.tie_word_embeddings, qkv_bias=self.qkv_bias, qk_layernorm=self.qk_norm,
             num_experts=self.num_experts, moe_ffn_hidden_size=self.moe_intermediate_size, moe_topk=self.moe_topk,
             norm_topk_prob=self.norm_topk_prob, pipeline_stage_layers=self.pipeline_stage_layers,
+        )
+
+    def _deepseek_spec(self):
+        """As models/deepseek_v3.spec_fields_from_hf_config builds it; the routing numbers (groups, scaling)
+        and the RoPE scaling shape no tensor, so the planner leaves them at their defaults."""
+        from mindspeed_rl.models.deepseek_v3 import DeepSeekV3Fields
+        from mindspeed_rl.models.qwen2 import Qwen2Spec
+
+        fields = DeepSeekV3Fields(
+            q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
+            first_dense_layers=self.first_dense_layers, num_shared_experts=self.num_shared_experts, num_groups=1,
+            group_topk=1, routed_scaling_factor=1.0)
+        return Qwen2Spec(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, ffn_hidden_size=self.intermediate_size,
+            num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_attention_heads, head_dim=fields.q_head_dim, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings, qkv_bias=False, qk_layernorm=False,
+            num_experts=self.num_experts, moe_ffn_hidden_size=self.moe_intermediate_size, moe_topk=self.moe_topk,
+            norm_topk_prob=self.norm_topk_prob, pipeline_stage_layers=self.pipeline_stage_layers, deepseek=fields,
         )
 
 
@@ -243,6 +258,8 @@ def hf_config_from_model_block(block, name: str) -> dict:
         "tie_word_embeddings": block.untie_embeddings_and_output_weights is False,
         "max_position_embeddings": block.max_position_embeddings or 4096,
     }
+    if block.multi_latent_attention:
+        return {**config, **_deepseek_config_from_block(block, name)}
     if block.num_experts:
         config.update(num_experts=block.num_experts, moe_intermediate_size=block.moe_ffn_hidden_size,
                       num_experts_per_tok=block.moe_router_topk,
@@ -251,3 +268,23 @@ def hf_config_from_model_block(block, name: str) -> dict:
     else:
         config["attention_bias"] = True if block.add_qkv_bias is None else block.add_qkv_bias
     return config
+
+
+def _deepseek_config_from_block(block, name: str) -> dict:
+    """DeepSeek-V3's config.json keys from a block with multi_latent_attention (MindSpeed-LLM's names)."""
+    for field in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_experts"):
+        if getattr(block, field) is None:
+            raise ArchitectureError(f"model.{name}.{field}: needed to size multi-head latent attention and the "
+                                    "experts (no config.json found for this model)")
+    return {
+        "model_type": "deepseek_v3", "num_key_value_heads": block.num_attention_heads,
+        "q_lora_rank": block.q_lora_rank, "kv_lora_rank": block.kv_lora_rank,
+        "qk_nope_head_dim": block.qk_head_dim, "qk_rope_head_dim": block.qk_pos_emb_head_dim,
+        "v_head_dim": block.v_head_dim, "n_routed_experts": block.num_experts,
+        "moe_intermediate_size": block.moe_ffn_hidden_size, "num_experts_per_tok": block.moe_router_topk,
+        "norm_topk_prob": True if block.norm_topk_prob is None else block.norm_topk_prob,
+        "n_shared_experts": block.n_shared_experts or 0, "first_k_dense_replace": block.first_k_dense_replace or 0,
+        "moe_layer_freq": block.moe_layer_freq or 1,
+        "topk_method": "noaux_tc" if block.moe_router_enable_expert_bias else "greedy",
+        "attention_bias": False,
+    }

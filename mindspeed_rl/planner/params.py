@@ -1,12 +1,11 @@
 """Per-rank tensors of the training and the inference layouts, and what Megatron's DDP and optimizer make
 of them: numbers only, no tensor is allocated.
 
-Qwen2 / Qwen3-MoE shards come from the engine's own layouts (`resharding/layouts.py`: `megatron_layout`,
-`vllm_layout`, the functions the switch is planned with), so the planner and the engine agree by
-construction. DeepSeek-V3 has no layout in the engine; its shards follow Megatron-core's MLA / MoE
-modules (down-projections and norms replicated over TP, up-projections and the output projection split,
-routed experts over EP with expert TP = TP, shared experts split like a dense MLP) and vLLM's
-DeepSeek-V2/V3 model (same split; experts over TP x DP, or whole experts with expert parallelism).
+Every shard comes from the engine's own layouts (`resharding/layouts.py`: `megatron_layout`, `vllm_layout`,
+the functions the switch is planned with; DeepSeek-V3's in `resharding/deepseek_v3_layouts.py`: Megatron's
+local spec splits MLA's down projections over TP as well, vLLM keeps them whole), so the planner and the
+engine agree by construction. The routers' `expert_bias` (DeepSeek-V3) is a buffer in Megatron, not a
+parameter: no DDP buffer or optimizer state; vLLM's `e_score_correction_bias` is a parameter.
 
 What Megatron builds (megatron-core 0.16, `distributed/param_and_grad_buffer.py`, the engine's
 `DistributedDataParallelConfig(grad_reduce_in_fp32=True)`, no overlapped grad reduce, so one bucket
@@ -29,6 +28,8 @@ from functools import lru_cache
 from mindspeed_rl.planner.arch import Architecture
 
 NORM_SUFFIXES = ("layernorm.weight", "norm.weight")
+# Layout tensors that are buffers in Megatron (moved by the push and the export, not trained).
+BUFFER_SUFFIXES = (".router.expert_bias",)
 
 
 @dataclass(frozen=True)
@@ -55,15 +56,11 @@ def megatron_params(arch: Architecture, *, tp: int, tp_rank: int, pp: int, pp_ra
 
 @lru_cache(maxsize=4096)
 def _stage_params(arch: Architecture, tp: int, pp: int, pp_rank: int, ep: int) -> tuple[Param, ...]:
-    tp_rank = ep_rank = 0
-    spec = arch.to_spec()
-    if spec is not None:
-        from mindspeed_rl.resharding.layouts import megatron_layout
+    from mindspeed_rl.resharding.layouts import megatron_layout
 
-        layout = megatron_layout(spec, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
-        params = [Param(t.name, math.prod(t.shape), _is_norm(t.name), ".experts." in t.name) for t in layout]
-    else:
-        params = list(_deepseek_megatron(arch, tp, tp_rank, pp, pp_rank, ep, ep_rank))
+    layout = megatron_layout(arch.to_spec(), tp=tp, tp_rank=0, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=0)
+    params = [Param(t.name, math.prod(t.shape), _is_norm(t.name), ".experts." in t.name) for t in layout
+              if not t.name.endswith(BUFFER_SUFFIXES)]
     return tuple(sorted(params, key=_registration_order))
 
 
@@ -89,48 +86,6 @@ def stage_layers(arch: Architecture, pp_rank: int, pp: int) -> range:
     from mindspeed_rl.models.pipeline_stages import stage_layer_range
 
     return stage_layer_range(arch.num_layers, pp_rank, pp, arch.pipeline_stage_layers if pp > 1 else None)
-
-
-def _deepseek_megatron(arch: Architecture, tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int, ep_rank: int):
-    h, a = arch.hidden_size, arch.num_attention_heads // tp
-    q_head = arch.qk_nope_head_dim + arch.qk_rope_head_dim
-    vocab = arch.vocab_size // tp
-    if pp_rank == 0:
-        yield Param("embedding.word_embeddings.weight", vocab * h)
-    for local, layer in enumerate(stage_layers(arch, pp_rank, pp)):
-        p = f"decoder.layers.{local}."
-        yield Param(p + "input_layernorm.weight", h, norm=True)
-        if arch.q_lora_rank:
-            yield Param(p + "self_attention.linear_q_down_proj.weight", arch.q_lora_rank * h)
-            yield Param(p + "self_attention.q_layernorm.weight", arch.q_lora_rank, norm=True)
-            yield Param(p + "self_attention.linear_q_up_proj.weight", a * q_head * arch.q_lora_rank)
-        else:
-            yield Param(p + "self_attention.linear_q_proj.weight", a * q_head * h)
-        yield Param(p + "self_attention.linear_kv_down_proj.weight", (arch.kv_lora_rank + arch.qk_rope_head_dim) * h)
-        yield Param(p + "self_attention.kv_layernorm.weight", arch.kv_lora_rank, norm=True)
-        yield Param(p + "self_attention.linear_kv_up_proj.weight",
-                    a * (arch.qk_nope_head_dim + arch.v_head_dim) * arch.kv_lora_rank)
-        yield Param(p + "self_attention.linear_proj.weight", h * a * arch.v_head_dim)
-        yield Param(p + "pre_mlp_layernorm.weight", h, norm=True)
-        if not arch.is_moe_layer(layer):
-            f = arch.intermediate_size // tp
-            yield Param(p + "mlp.linear_fc1.weight", 2 * f * h)
-            yield Param(p + "mlp.linear_fc2.weight", h * f)
-            continue
-        yield Param(p + "mlp.router.weight", arch.num_experts * h)
-        f = arch.moe_intermediate_size // tp
-        for e in range(arch.num_experts // ep):
-            m = f"{p}mlp.experts.local_experts.{e}."
-            yield Param(m + "linear_fc1.weight", 2 * f * h, expert=True)
-            yield Param(m + "linear_fc2.weight", h * f, expert=True)
-        if arch.num_shared_experts:
-            fs = arch.shared_expert_size // tp
-            yield Param(p + "mlp.shared_experts.linear_fc1.weight", 2 * fs * h)
-            yield Param(p + "mlp.shared_experts.linear_fc2.weight", h * fs)
-    if pp_rank == pp - 1:
-        yield Param("decoder.final_layernorm.weight", h, norm=True)
-        if not arch.tie_word_embeddings or pp > 1:
-            yield Param("output_layer.weight", vocab * h)
 
 
 # -- Megatron's buffers and optimizer -----------------------------------------------------------------
@@ -273,7 +228,6 @@ def stage_critic_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, dp
 
 
 # -- inference shards -----------------------------------------------------------------------------------
-VLLM_VOCAB_PADDING = 64
 
 
 def vllm_stage_layers(arch: Architecture, pp_rank: int, pp: int) -> range:
@@ -297,45 +251,14 @@ def _vllm_numel(arch: Architecture, tp: int, dp: int, expert_parallel: bool, pp:
                 layers: range) -> int:
     tp_rank = dp_rank = 0
     spec = arch.to_spec()
-    if spec is None:
-        return _deepseek_vllm_numel(arch, tp, dp, expert_parallel, pp, pp_rank, layers)
     from mindspeed_rl.resharding.layouts import parameter_shapes, vllm_layout
 
     shapes = parameter_shapes(vllm_layout(spec, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank,
                                           expert_parallel=expert_parallel, pp=pp, pp_rank=pp_rank))
-    if spec.is_moe and pp > 1:
+    if spec.is_moe and spec.deepseek is None and pp > 1:
         # vLLM 0.32's Qwen3-MoE allocates the embedding, final norm and head on every stage (it reads them on the
         # first / last only, so the layout leaves them out elsewhere); they take memory all the same.
         whole = parameter_shapes(vllm_layout(spec, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank,
                                              expert_parallel=expert_parallel))
         shapes.update({name: shape for name, shape in whole.items() if not name.startswith("model.layers.")})
     return sum(math.prod(shape) for shape in shapes.values())
-
-
-def _deepseek_vllm_numel(arch: Architecture, tp: int, dp: int, expert_parallel: bool, pp: int, pp_rank: int,
-                         layers: range) -> int:
-    """vLLM's DeepSeek-V2/V3 under PP: `layers`, the embedding on the first stage, the norm and head on the last."""
-    h, a = arch.hidden_size, arch.num_attention_heads // tp
-    vocab = -(-arch.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // tp
-    first, last = pp_rank == 0, pp_rank == pp - 1
-    total = vocab * h if first else 0
-    if last:
-        total += h + (vocab * h if not (arch.tie_word_embeddings and first) else 0)  # a tied head is the embedding
-    q_head = arch.qk_nope_head_dim + arch.qk_rope_head_dim
-    attention = (arch.kv_lora_rank + arch.qk_rope_head_dim) * h + arch.kv_lora_rank  # kv_a_proj + norm: whole
-    attention += a * (arch.qk_nope_head_dim + arch.v_head_dim) * arch.kv_lora_rank + h * a * arch.v_head_dim
-    if arch.q_lora_rank:
-        attention += arch.q_lora_rank * h + arch.q_lora_rank + a * q_head * arch.q_lora_rank
-    else:
-        attention += a * q_head * h
-    moe_ranks = tp * dp
-    for layer in layers:
-        total += 2 * h + attention
-        if not arch.is_moe_layer(layer):
-            total += 3 * h * arch.intermediate_size // tp
-            continue
-        total += arch.num_experts * h + (arch.num_experts if arch.router_bias else 0)
-        experts = arch.num_experts * 3 * h * arch.moe_intermediate_size
-        total += experts // moe_ranks  # whole experts (EP) or a 1/(TP x DP) slice of each: the same count
-        total += 3 * h * arch.shared_expert_size // tp
-    return total

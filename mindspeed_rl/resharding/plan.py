@@ -142,12 +142,14 @@ def plan_between(train: dict[int, list[LocalTensor]], infer: dict[int, list[Loca
                 copies += _cover(rank, tensor, seg, holders[seg.hf_name], unit, sent)
     plan = Plan(world_size=infer_ranks.stop, copies=copies, train_tensors=train_tensors, infer_tensors=infer_tensors,
                 train_ranks=train_ranks, infer_ranks=infer_ranks)
-    for rank in range(plan.world_size):
-        plan.stats[rank] = {
-            "received_numel": plan.received_numel(rank),
-            "sent_numel": sum(c.numel for c in copies if c.src_rank == rank and c.dst_rank != rank),
-            "local_numel": sum(c.numel for c in copies if c.src_rank == rank == c.dst_rank),
-        }
+    # One pass over the copies (DeepSeek-V3's 671B on 256 ranks has ~0.5M of them; a pass per rank took seconds).
+    plan.stats.update({rank: {"received_numel": 0, "sent_numel": 0, "local_numel": 0} for rank in range(plan.world_size)})
+    for c in copies:
+        if c.src_rank == c.dst_rank:
+            plan.stats[c.src_rank]["local_numel"] += c.numel
+        else:
+            plan.stats[c.dst_rank]["received_numel"] += c.numel
+            plan.stats[c.src_rank]["sent_numel"] += c.numel
     return plan
 
 
