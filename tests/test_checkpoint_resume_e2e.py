@@ -10,9 +10,11 @@
   per update = the mini-batch) the KL of an iteration is computed before its step, between the actor's and the
   reference's log-probs of the same samples. A run whose actor and reference both come from checkpoint S has a KL
   of (numerically) zero at its first iteration; the run that wrote S has a clearly positive one at the next
-  iteration, where its actor equals S and its reference is the initial model.
+  iteration, where its actor equals S and its reference is the initial model;
+- `megatron_training.save_hf`: at the end the live actor is exported as an HF checkpoint to <run dir>/hf_export,
+  bit for bit cli/export_hf.py's conversion of the final checkpoint, and transformers loads it.
 
-Runs where: five CLI runs one after the other; ~2 min on 2 cores."""
+Runs where: four CLI runs one after the other; ~2 min on 2 cores."""
 
 import json
 import os
@@ -35,9 +37,12 @@ TRAIN_4 = ("megatron_training.train_iters=4", "megatron_training.save_interval=2
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """Also exports its final actor (megatron_training.save_hf)."""
     full = tmp_path_factory.mktemp("uninterrupted")
-    done = run_cli(full, "grpo_tiny_cpu", *TRAIN_4, f"actor_config.save={full / 'save'}")
+    done = run_cli(full, "grpo_tiny_cpu", *TRAIN_4, f"actor_config.save={full / 'save'}", "megatron_training.save_hf=true",
+                   f"synthetic_data.data_dir={full / 'assets'}")
     assert done.returncode == 0, done.stderr[-3000:]
+    (full / "stdout.txt").write_text(done.stdout)
     return full
 
 
@@ -106,3 +111,32 @@ def test_the_reference_loads_from_our_checkpoint(tmp_path, uninterrupted):
     kl_actor_s_reference_s = _kl(tmp_path / "run")[0]
     assert kl_actor_s_reference_initial > 1e-6
     assert abs(kl_actor_s_reference_s) < 1e-3 * kl_actor_s_reference_initial
+
+
+def test_save_hf_exports_the_final_actor(world, tmp_path, uninterrupted):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mindspeed_rl.checkpoint.hf_export import RUN_EXPORT_DIR, export_checkpoint
+
+    run_dir, save = uninterrupted / "run", uninterrupted / "save"
+    export = run_dir / RUN_EXPORT_DIR
+    assert f"[export] HF checkpoint: {export}" in (uninterrupted / "stdout.txt").read_text().splitlines()
+    assert (save / "latest").read_text().strip() == "iter_0000004"
+    # The same weights as the final checkpoint converted by cli/export_hf.py's code, bit for bit.
+    from_checkpoint = export_checkpoint(save, tmp_path / "from_checkpoint")
+    got, expected = load_file(export / "model.safetensors"), load_file(from_checkpoint / "model.safetensors")
+    assert got.keys() == expected.keys() and len(got) > 0
+    assert all(torch.equal(got[name], expected[name]) for name in got)
+    # ... and trained: not the generated initial weights.
+    (initial_dir,) = (uninterrupted / "assets").glob("arith-*")
+    initial = load_file(initial_dir / "model" / "model.safetensors")
+    assert max((got[name] - initial[name]).abs().max().item() for name in got) > 0
+    assert json.loads((export / "config.json").read_text())["dtype"] == "float32"
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(f".{RUN_EXPORT_DIR}")], "staging left behind"
+    model = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(str(export)).encode("3+4=")])
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], model.config.vocab_size) and torch.isfinite(logits).all()
+    assert torch.equal(model.model.embed_tokens.weight, got["model.embed_tokens.weight"])
