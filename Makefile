@@ -32,6 +32,11 @@ demo-math: venv
 test: venv
 	$(PY) -m pytest -q tests
 
+# The two-node tests (a Ray cluster of two nodes made on this machine, tests/two_nodes.py); .ci/run runs them too.
+.PHONY: test-multinode
+test-multinode: venv
+	$(PY) -m pytest -q -m multinode tests/test_two_nodes_e2e.py
+
 bench: venv
 	$(PY) benchmarks/bench_resharding.py --json bench_resharding.json
 	$(PY) benchmarks/bench_offload.py --json bench_offload.json

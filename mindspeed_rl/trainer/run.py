@@ -184,8 +184,10 @@ def start_hosts(config: GRPOConfig, device: str, progress: RunProgress) -> bool:
 
 
 def initialize(config: GRPOConfig, actor_group: ActorGroup, device: str) -> None:
+    spans_nodes = len({address.ip for address in actor_group.addresses}) > 1
     for address in actor_group.addresses:
-        print(f"[init] {address.describe()}", flush=True)
+        # Across nodes the node's address tells them apart (hostnames may repeat; a node lost is named by it).
+        print(f"[init] {address.describe()}" + (f" on node {address.ip}" if spans_nodes else ""), flush=True)
     init_metrics = merge_metrics(actor_group.initialize())
     print(f"[init] ranks={config.num_rank_processes} device={device} {init_metrics['timing/initialize']:.1f}s",
           flush=True)

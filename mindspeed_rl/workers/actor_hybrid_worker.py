@@ -72,9 +72,15 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
 
         return this_worker_address(self.rank_info.rank, role=self.ROLE)
 
-    def set_master_addr(self, master_addr: str) -> None:
-        """Ranks on several nodes meet at rank 0's node (one node: the loopback address)."""
-        os.environ["MASTER_ADDR"] = master_addr
+    def set_rendezvous(self, master_addr: str, master_port: int) -> None:
+        """Where the ranks meet: rank 0's node (one node: the loopback address) at a port free there."""
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+
+    def free_port(self) -> int:
+        """A port free on this rank's node, on every interface: rank 0's is the rendezvous port."""
+        from mindspeed_rl.workers.processes import free_port
+
+        return free_port("")
 
     def shm_segments(self) -> list[str]:
         """The /dev/shm segments this process maps (vLLM's broadcast and all-reduce buffers): the

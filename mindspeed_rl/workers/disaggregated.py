@@ -14,7 +14,6 @@ from typing import Any
 
 from mindspeed_rl.workers.actor_group import GRACEFUL_SHUTDOWN_SECONDS, CompositeGroup, merge_metrics
 from mindspeed_rl.workers.group import RayActorGroup, wait_all
-from mindspeed_rl.workers.processes import free_port
 
 # Calls after which the inference weights are stale: the next generate pushes first.
 _CHANGES_WEIGHTS = frozenset({"update", "load_checkpoint"})
@@ -44,8 +43,9 @@ class DisaggregatedActor(CompositeGroup):
                                                  for group in (self.train, self.infer)])
         for group in (self.train, self.infer):
             group.shm_segments.update(name for names in group.call("shm_segments") for name in names)
-        single_host = len({a.host for a in self.addresses}) == 1
-        host, port = ("127.0.0.1" if single_host else self.train.addresses[0].ip), free_port()
+        single_host = len({(a.host, a.ip) for a in self.addresses}) == 1
+        # The bridge listens at the first training rank: a port free on its node.
+        host, port = ("127.0.0.1" if single_host else self.train.addresses[0].ip), self.train.rank0_free_port()
         sizes = dict(train_world_size=self.config.world_size, infer_world_size=self.config.infer_world_size)
         dtypes = self.infer.call("inference_dtypes")[0]
         wait_all([(self.train, "connect_bridge",

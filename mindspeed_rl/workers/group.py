@@ -21,7 +21,8 @@ from mindspeed_rl.workers.placement import place_ranks
 from mindspeed_rl.workers.processes import (descendants, free_port, mapped_shm_segments, remove_shm_segments,
                                             sigkill_rank_processes, wait_for_exit)
 from mindspeed_rl.workers.supervision import (Deadlines, HeartbeatWatch, WorkerAddress, WorkerFailure,
-                                              deadline_text, describe_worker_error, silent_ranks)
+                                              deadline_text, describe_worker_error, lost_nodes, lost_nodes_text,
+                                              silent_ranks)
 
 _EXIT_WAIT_SECONDS = 10.0
 _RANK_EXIT_GRACE_SECONDS = 3.0
@@ -53,8 +54,17 @@ class RayActorGroup(RankGroupBase):
         self.addresses = [WorkerAddress(rank=rank, host="?", pid=0, role=worker_class.ROLE)
                           for rank in range(world_size)]
         self.addresses = self.call("address")
-        if len({a.host for a in self.addresses}) > 1:  # across nodes: rendezvous at rank 0's node
-            self.call("set_master_addr", self.addresses[0].ip)
+        # Rank 0 listens for the rendezvous, so its node picks the port, just before the ranks meet: the driver's
+        # pick above was for the driver's node, and long before (start-up takes seconds), time for another process
+        # to take it (seen: EADDRINUSE). Across nodes (told apart by address too: two machines may share a
+        # hostname) the ranks meet at rank 0's node.
+        self.master_port = self.rank0_free_port()
+        spans_nodes = len({(a.host, a.ip) for a in self.addresses}) > 1
+        self.call("set_rendezvous", self.addresses[0].ip if spans_nodes else "127.0.0.1", self.master_port)
+
+    def rank0_free_port(self) -> int:
+        """A port free now on rank 0's node (the rendezvous, a disaggregated run's bridge listen there)."""
+        return wait_all([(self, "free_port", [self.workers[0].free_port.remote()])])[0][0]
 
     def _start_workers(self, worker_class, config, env_vars, model_dir, ref_model_dir, cpus_per_rank, device,
                        world_size):
@@ -154,17 +164,23 @@ def wait_all(calls: list[tuple["RayActorGroup", str, list]]) -> list[list[Any]]:
                 with interrupts.shielded():
                     results[index][rank] = ray.get(ref)
             except ray.exceptions.RayError as error:
-                raise WorkerFailure(_failure_message(calls, pending, index, rank, error)) from None
+                raise _failure(calls, _failure_message(calls, pending, index, rank, error)) from None
         _raise_if_frozen(calls, pending)
         if pending and time.monotonic() - started > deadline_seconds:
             waiting = {index: sorted(r for i, r in pending.values() if i == index) for index, _ in pending.values()}
             # The group with a silent rank is the culprit; the other group's ranks are waiting for it.
             index = next((i for i in sorted(waiting) if silent_ranks(calls[i][0].run_key, waiting[i])), min(waiting))
             group, method, _ = calls[index]
-            raise WorkerFailure(group._hang_message(method, waiting[index], deadline_seconds))
+            raise _failure(calls, group._hang_message(method, waiting[index], deadline_seconds))
     for group, method, _ in calls:
         group.deadlines.observe(method, time.monotonic() - started)
     return results
+
+
+def _failure(calls: list[tuple["RayActorGroup", str, list]], message: str) -> WorkerFailure:
+    """The failure line, led by the nodes lost with their ranks when that is why (their ranks died or went silent)."""
+    lost = lost_nodes([address for group, _, _ in calls for address in group.addresses])
+    return WorkerFailure(f"{lost_nodes_text(lost)}: {message}" if lost else message)
 
 
 # A rank's peers see its death (a closed connection in a collective) before Ray reports it.
@@ -220,4 +236,4 @@ def _raise_if_frozen(calls: list[tuple["RayActorGroup", str, list]], pending: di
         waiting = sorted(r for i, r in pending.values() if i == index)
         frozen = group.heartbeats.silent(waiting)
         if frozen:
-            raise WorkerFailure(group._frozen_message(method, frozen, waiting))
+            raise _failure(calls, group._frozen_message(method, frozen, waiting))

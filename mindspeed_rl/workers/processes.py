@@ -12,9 +12,10 @@ import time
 from mindspeed_rl.engines.vllm_engine import remove_cpu_shm_segments
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now on `host` of this machine ("": every interface, as a rendezvous server listens)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

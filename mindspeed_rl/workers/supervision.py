@@ -136,6 +136,49 @@ class HeartbeatWatch:
         return silent
 
 
+# -- lost nodes -----------------------------------------------------------------------------------
+def lost_nodes(addresses: list[WorkerAddress], *, timeout_seconds: float = 1.0) -> dict[str, list[WorkerAddress]]:
+    """node address -> its ranks, for each node of these ranks whose raylet is gone (the raylet killed, the
+    machine down): Ray lists it dead, or its node manager port does not answer. Ray itself marks a node dead
+    only after its health checks fail (~15 s), after the ranks' deaths have already reached the driver."""
+    import ray
+
+    try:
+        nodes = ray.nodes()
+    except Exception:  # the failure line must come out whatever the cluster's state (its head gone too)
+        return {}
+    by_ip: dict[str, list[dict]] = {}
+    for node in nodes:
+        by_ip.setdefault(node["NodeManagerAddress"], []).append(node)
+    answers: dict[str, bool] = {}
+    lost: dict[str, list[WorkerAddress]] = {}
+    for address in addresses:
+        if address.ip not in by_ip:  # not a node Ray knows by this address: nothing to say about it
+            continue
+        if address.ip not in answers:
+            answers[address.ip] = any(node.get("Alive") and _port_answers(address.ip, node["NodeManagerPort"],
+                                                                          timeout_seconds)
+                                      for node in by_ip[address.ip])
+        if not answers[address.ip]:
+            lost.setdefault(address.ip, []).append(address)
+    return lost
+
+
+def _port_answers(host: str, port: int, timeout_seconds: float) -> bool:
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_seconds):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def lost_nodes_text(lost: dict[str, list[WorkerAddress]]) -> str:
+    """`node 10.0.0.2 was lost (rank 1 ran there)`, for the front of the failure line; "" when none was."""
+    return "; ".join(f"node {ip} was lost ("
+                     + ", ".join(f"{a.role + ' ' if a.role else ''}rank {a.rank}" for a in ranks)
+                     + " ran there)" for ip, ranks in lost.items())
+
+
 # -- messages -------------------------------------------------------------------------------------
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
