@@ -5,7 +5,7 @@ exactly its shard's bytes, and the fingerprint check passes over the bridge (and
 range).
 
 Runs where: 3 spawned processes (two gloo worlds plus the bridge); plain tensors shaped like the
-engines' parameters, so no Megatron or vLLM import (the live engines run in test_disaggregated_e2e.py).
+engines' parameters, so no Megatron or vLLM import (the live engines run in test_disaggregated_async_e2e.py and test_two_nodes_e2e.py).
 """
 import os
 

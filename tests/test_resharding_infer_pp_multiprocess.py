@@ -7,7 +7,7 @@ equal the oracle (full HF tensors cut the way vLLM cuts them, restricted to the 
 receives exactly the plan's bytes (none where train and infer layouts agree), the fingerprint check
 passes, and vLLM's sampled-token log-probs equal Megatron's (< 1e-4, fp32).
 
-Runs where: spawned process groups (2 and 4 ranks, gloo), one vLLM engine per process.
+Runs where: one spawned process group of 4 ranks (gloo), one vLLM engine per process.
 """
 import os
 
@@ -87,16 +87,11 @@ def _worker(rank, world, port, checkpoint, infer_tp, infer_pp, train_layouts, sa
         remove_cpu_shm_segments()
 
 
-def test_two_ranks_infer_pp2(tmp_path):
-    """Train TP2 -> infer PP2 (each stage receives its layers' other half), train PP2 -> infer PP2
-    (the same split: nothing crosses the wire)."""
-    checkpoint = make_checkpoint(tmp_path / "model")
-    mp.spawn(_worker, args=(2, free_port(), checkpoint, 1, 2, [(2, 1), (1, 2)], [(1, 2)]), nprocs=2, join=True)
-
-
 def test_four_ranks_infer_tp2_pp2(tmp_path):
     """Train PP2 x DP2 -> infer TP2 x PP2: Megatron's ranks 0, 1 hold stage 0's layers whole and vLLM's
     ranks 0, 1 are stage 0's TP ranks, so every stage cuts its half locally (nothing crosses); train
-    PP4 -> infer TP2 x PP2: each rank receives the other layer of its stage."""
+    PP4 -> infer TP2 x PP2: each rank receives the other layer of its stage; train TP2 x PP2 -> infer TP2 x PP2
+    (the same cut: nothing crosses)."""
     checkpoint = make_checkpoint(tmp_path / "model")
-    mp.spawn(_worker, args=(4, free_port(), checkpoint, 2, 2, [(1, 2), (1, 4)], [(1, 2)]), nprocs=4, join=True)
+    mp.spawn(_worker, args=(4, free_port(), checkpoint, 2, 2, [(1, 2), (1, 4), (2, 2)], [(1, 2), (2, 2)]), nprocs=4,
+             join=True)

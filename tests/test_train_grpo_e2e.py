@@ -156,7 +156,9 @@ def test_dataset_smaller_than_a_batch_is_an_error_not_a_hang(tmp_path):
 @pytest.fixture(scope="module")
 def pp2_run(tmp_path_factory):
     """The 2-rank variant, watched: Megatron PP2 stages are resharded into vLLM TP2 halves every iteration; its
-    forwards and updates run packed, in token-budget micro-batches (the stages exchange each one's shape)."""
+    forwards and updates run packed, in token-budget micro-batches (the stages exchange each one's shape); 12
+    held-out prompts are evaluated before training and after the second update; 2 CPU Ray workers score the rule
+    rewards (ROLL's rewards.rule.world_size)."""
     from run_watch import launch, leftovers, shm_entries
 
     tmp_path = tmp_path_factory.mktemp("pp2")
@@ -168,7 +170,7 @@ def pp2_run(tmp_path_factory):
                  f"synthetic_data.data_dir={tmp_path / 'assets'}", "rl_config.use_remove_padding=true",
                  "rl_config.use_dynamic_bsz=true", "rl_config.max_packing_token_size=64",
                  "rl_config.eval_interval=2", "rl_config.eval_before_train=true",
-                 f"megatron_training.eval_data_path={eval_path}")
+                 f"megatron_training.eval_data_path={eval_path}", "rewards.rule.world_size=2")
     code, _ = run.finish(timeout=600)
     assert code == 0, run.stderr_text()[-3000:]
     return tmp_path / "run", leftovers(run, shm_before), run.stdout_text()
@@ -186,6 +188,17 @@ def test_pp2_train_tp2_infer_variant_runs(pp2_run):
         assert abs(r["resharding/bytes_received"] - r["resharding/bytes_local"]) / r["resharding/bytes_local"] < 0.2
         assert r["resharding/ranges_verified"] > 0
         assert_prediction_matches_ledger(r)  # the planner's bytes per phase and category, largest rank
+
+
+def test_two_reward_workers_score_the_rule_rewards_as_the_driver_would(pp2_run):
+    run_dir, _, stdout = pp2_run
+    assert "rewards.rule (2 worker(s))" in stdout and "[reward] warning" not in stdout
+    records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in r]
+    for r in records:
+        assert r["reward_workers/failed_samples"] == 0
+        assert 0.0 <= r["reward/mean"] <= 1.0
+        assert r["arith_acc_rewards/mean"] == r["reward/mean"]  # one verifier, weight 1
+        assert r["reward/mean"] >= r["reward/accuracy"]  # correct answers score 1, the rest 0 or 0.2
 
 
 def test_a_finished_two_rank_run_leaves_no_process_and_no_shm_segment(pp2_run):

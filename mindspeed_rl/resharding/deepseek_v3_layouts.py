@@ -6,7 +6,7 @@ models/deepseek_v3.py's docstring. Embedding, head and final norm are Qwen's and
 from __future__ import annotations
 
 from mindspeed_rl.models.qwen2 import Qwen2Spec, layers_of_stage
-from mindspeed_rl.resharding.layouts import LocalTensor, _even, _expert, _named, _stack, _whole
+from mindspeed_rl.resharding.layout_parts import LocalTensor, _even, _expert, _named, _stack, _vllm_moe, _whole
 
 
 def is_moe_layer(spec: Qwen2Spec, layer: int) -> bool:
@@ -116,8 +116,6 @@ def megatron_layers(spec: Qwen2Spec, *, tp: int, tp_rank: int, pp: int, pp_rank:
 def vllm_layer(spec: Qwen2Spec, layer: int, *, tp: int, tp_rank: int, moe_size: int, moe_rank: int,
                expert_parallel: bool) -> list[LocalTensor]:
     """One vLLM DeepseekV2DecoderLayer on attention TP rank `tp_rank` and MoE rank `moe_rank` of `moe_size`."""
-    from mindspeed_rl.resharding.layouts import _vllm_moe
-
     p, h = f"model.layers.{layer}.", spec.hidden_size
     a = p + "self_attn."
     shapes = _attention_shapes(spec)
