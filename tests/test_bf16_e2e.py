@@ -1,7 +1,8 @@
 """bf16 end to end: `python cli/train_grpo.py --config-name grpo_tiny_cpu_bf16_tp2pp2` (Megatron bf16
-TP2 x PP2 -> vLLM bfloat16 TP1 x DP4, the 7B recipe's layout, 4 ranks on gloo) runs 2 GRPO
-iterations; every switch moves bytes, checks every range's fingerprint, and vLLM's sampled-token
-log-probs stay within the bf16 gap that docs/bf16_logprobs.md measures.
+TP2 x PP2 -> vLLM bfloat16 TP1 x DP4, the 7B recipe's layout, 4 ranks on gloo) runs a GRPO
+iteration (one: bf16 has no fast path on this CPU, and the suite has a time budget); the switch moves bytes,
+checks every range's fingerprint, and vLLM's sampled-token log-probs stay within the bf16 gap that
+docs/bf16_logprobs.md measures; the update's bytes are the planner's.
 
 Runs where: a subprocess (Ray starts 4 worker processes); minutes on 2 cores (bf16 has no AMX here).
 """
@@ -14,11 +15,11 @@ from resharding_oracle import LOGPROB_TOLERANCE
 
 
 def test_bf16_tp2pp2_to_infer_dp4_runs(tmp_path):
-    done = run_cli(tmp_path, "grpo_tiny_cpu_bf16_tp2pp2", "megatron_training.train_iters=2",
+    done = run_cli(tmp_path, "grpo_tiny_cpu_bf16_tp2pp2", "megatron_training.train_iters=1",
                    f"synthetic_data.data_dir={tmp_path / 'assets'}", timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in records] == [1, 2]
+    assert [r["iteration"] for r in records] == [1]
     for r in records:
         # Infer DP4 from two stages of two TP halves: every rank receives three quarters of the model
         # (it holds one quarter: half of its own stage's layers), in bf16 (2 bytes per element,

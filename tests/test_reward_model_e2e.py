@@ -1,10 +1,13 @@
-"""End to end through the CLI: configs/grpo_tiny_cpu_reward_model.yaml, every role colocated on 2 device slots
-(2 ranks, Megatron TP2) with a reward model as the fifth role, 2 GRPO iterations.
+"""End to end through the CLI: five roles on each of 2 device slots (Megatron TP2): vLLM, a reward model
+(`rewards.rm`), the reference, the actor and PPO's critic (`cli/train_ppo.py --config-name ppo_tiny_cpu` at TP2 with
+`rewards.rm.model_path=synthetic`), 2 iterations. (One run for the reward model's and the critic's residency
+checks: the suite's time budget.)
 
 Oracles: the reward-phase ledger holds exactly one rank's share of the reward model's parameters, counted
 from the checkpoint file (TP2 halves every tensor but the replicated norms and score row), and nothing
 else; the planner predicted the same bytes; every other phase holds none of them; reward/mean is the rule
-total plus weight x reward/model_score (the combination rule, on means).
+total plus weight x reward/model_score (the combination rule, on means); the critic trains and is on the device
+only in its two phases, the actor's Adam states never in the critic's.
 
 Runs where: subprocesses (Ray, 2 ranks); ~1 min on 2 cores.
 """
@@ -16,15 +19,17 @@ from safetensors.torch import load_file
 from cli_runner import run_cli
 
 ITERATIONS = 2
-WEIGHT = 0.5  # rewards.rm.weight in the config
-OTHER_PHASES = ("generate", "ref_logprob", "old_logprob", "update")
+WEIGHT = 0.5  # rewards.rm.weight
+OTHER_PHASES = ("generate", "ref_logprob", "old_logprob", "critic_values", "update", "critic_update")
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("reward_model")
-    done = run_cli(tmp_path, "grpo_tiny_cpu_reward_model", f"megatron_training.train_iters={ITERATIONS}",
-                   f"synthetic_data.data_dir={tmp_path / 'assets'}")
+    done = run_cli(tmp_path, "ppo_tiny_cpu", f"megatron_training.train_iters={ITERATIONS}",
+                   f"synthetic_data.data_dir={tmp_path / 'assets'}", "actor_config.tensor_model_parallel_size=2",
+                   "critic_config.tensor_model_parallel_size=2", "+rewards.rm.model_path=synthetic",
+                   f"+rewards.rm.weight={WEIGHT}", script="cli/train_ppo.py")
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     reward_dir = next((tmp_path / "assets").glob("reward_model-*"))
@@ -47,7 +52,9 @@ def test_every_iteration_completes_and_logs_the_model_score(run):
 
 def test_the_start_table_puts_the_reward_model_on_the_actors_devices(run):
     done, _, _, _ = run
-    assert "  0,1     actor_train, actor_infer, reference, rewards.rm" in done.stdout
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("  0,1 ")]
+    assert {"actor_train", "actor_infer", "reference", "critic", "rewards.rm"} <= {
+        role.strip() for role in row.split(maxsplit=1)[1].split(",")}, row
     assert "[plan] reward:" in done.stdout
 
 
@@ -102,3 +109,14 @@ def test_every_switch_moves_the_minimum_and_the_weights_arrive_exact(run):
         assert m["resharding/bytes_received"] == split // 2
         assert m["resharding/ranges_verified"] > 0
         assert m["rollout/logprob_max_abs_diff"] < 1e-4
+
+
+def test_the_critic_trains_on_the_device_only_in_its_own_phases(run):
+    _, metrics, _, _ = run
+    for record in metrics:
+        assert record["critic/vf_loss"] > 0 and record["critic/grad_norm"] > 0 and record["actor/grad_norm"] > 0
+        assert record["memory/critic_update/critic_optimizer_states_bytes"] > 0
+        assert record["memory/critic_values/critic_params_bytes"] > 0
+        for phase in ("generate", "old_logprob", "update"):  # the critic is off the device there ...
+            assert record.get(f"memory/{phase}/critic_params_bytes", 0) == 0, phase
+        assert record["memory/critic_update/optimizer_states_bytes"] == 0  # ... and the actor's Adam states here

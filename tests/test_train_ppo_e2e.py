@@ -1,14 +1,13 @@
 """PPO with a colocated critic end to end through `cli/train_ppo.py` (subprocesses, real vLLM + Megatron):
-- 2 ranks (Ray, DP2) with a reward model too: two iterations train the actor and the critic, each of the five roles'
-  states on the device only in its own phases (the ledger's records of the live run);
 - 1 rank: a run resumed from its iteration-2 checkpoint reaches the uninterrupted run's iteration 3 exactly:
   metrics (the adaptive KL coefficient included), the critic's weights and Adam states;
 - disaggregated roles with the critic on a device of its own (actor_train with the reference on device 0, vLLM on
   device 1, the critic on device 2: three rank groups) train as the colocated run does: the same rewards, values and
   value losses; the critic's own rank killed in its update stops the run naming it;
 - the GRPO entry point refuses a PPO recipe, naming the one to use.
+Five roles on 2 ranks (TP2, a reward model too): tests/test_reward_model_e2e.py.
 
-Runs where: five CLI runs, ~2.5 min on 2 cores."""
+Runs where: four CLI runs, ~2 min on 2 cores."""
 
 import json
 
@@ -32,26 +31,6 @@ def _records(run_dir, *, all_keys: bool = False) -> list[dict]:
         return records
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE_PREFIXES) and not k.endswith(VOLATILE_SUFFIXES)}
             for r in records]
-
-
-def test_two_ranks_train_the_actor_and_the_critic_each_in_its_own_phases(tmp_path):
-    """Five roles on each device: vLLM, the reward model, the reference, the actor and the critic."""
-    done = run_cli(tmp_path, "ppo_tiny_cpu", "megatron_training.train_iters=2", "+rewards.rm.model_path=synthetic",
-                   "+rewards.rm.weight=0.5", script=PPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    records = _records(tmp_path, all_keys=True)
-    assert [r["iteration"] for r in records] == [1, 2]
-    for record in records:
-        assert record["critic/vf_loss"] > 0 and record["critic/grad_norm"] > 0
-        assert record["actor/grad_norm"] > 0
-        assert record["memory/critic_update/critic_optimizer_states_bytes"] > 0
-        assert record["memory/critic_values/critic_params_bytes"] > 0
-        for phase in ("generate", "old_logprob", "update"):  # the critic is off the device there ...
-            assert record.get(f"memory/{phase}/critic_params_bytes", 0) == 0, phase
-        assert record["memory/critic_update/optimizer_states_bytes"] == 0  # ... and the actor's Adam states here
-        assert record["memory/reward/reward_params_bytes"] > 0 and record["reward/model_score"] != 0
-        for phase in ("generate", "old_logprob", "critic_values", "update", "critic_update"):
-            assert record[f"memory/{phase}/reward_params_bytes"] == 0, phase
 
 
 @pytest.fixture(scope="module")
