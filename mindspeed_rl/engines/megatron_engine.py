@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from mindspeed_rl.accelerator import Accelerator
 from mindspeed_rl.engines.vocab_parallel import response_logprobs_from_logits
-from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, layers_of_stage, transformer_config
-from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
+from mindspeed_rl.models.megatron_build import (  # noqa: F401 (build_gpt_model, load_hf_into_megatron: API)
+    build_gpt_model, layout_buffers, load_hf_into_megatron)
+from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec
 from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
 
 if TYPE_CHECKING:
@@ -60,86 +61,6 @@ class OptimizerSettings:
     schedule: LRSchedule = field(default_factory=LRSchedule)
     # Megatron's DistributedOptimizer: fp32 masters and Adam moments sharded over DP ranks.
     use_distributed_optimizer: bool = False
-
-
-def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, ep: int = 1,
-                    options: ModelOptions = ModelOptions()):
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-
-    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp, ep=ep, options=options)
-    if spec.deepseek is not None:
-        layer_spec = _deepseek_block_spec(config, options)
-    else:
-        layer_spec = _qwen_layer_spec(spec, config, options, pp)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=spec.vocab_size,
-        max_sequence_length=spec.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        # MLA layers build their own rotary embedding (models/deepseek_v3.py); GPTModel's would go unused.
-        position_embedding_type="none" if spec.deepseek is not None else "rope",
-        rotary_base=int(spec.rope_theta),
-    )
-    return model
-
-
-def _qwen_layer_spec(spec: Qwen2Spec, config, options: ModelOptions, pp: int):
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
-                                          qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
-    if options.packed_sequences:
-        from mindspeed_rl.models.packed_attention import with_packed_attention
-
-        layer_spec = with_packed_attention(layer_spec)
-    if config.sequence_parallel:
-        from mindspeed_rl.accelerator.megatron_cpu import with_sequence_parallel_norms
-
-        stage = layers_of_stage(spec, parallel_state.get_pipeline_model_parallel_rank(), pp)
-        layer_spec = with_sequence_parallel_norms(layer_spec, len(stage))
-    return layer_spec
-
-
-def _deepseek_block_spec(config, options: ModelOptions):
-    if options.packed_sequences:
-        raise ValueError("packed sequences (rl_config.use_remove_padding) are not supported for DeepSeek-V3 yet: "
-                         "its MLA layers have no packed core attention here; use padded batches")
-    from mindspeed_rl.models.deepseek_v3 import decoder_block_spec
-
-    return decoder_block_spec(config, sequence_parallel_norms=config.sequence_parallel)
-
-
-def load_hf_into_megatron(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], spec: Qwen2Spec) -> None:
-    from megatron.core import parallel_state as ps
-
-    shard = megatron_shard_from_hf(
-        hf_state, spec,
-        tp_rank=ps.get_tensor_model_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_world_size(),
-        ep_rank=ps.get_expert_model_parallel_rank(), ep=ps.get_expert_model_parallel_world_size(),
-    )
-    params = {**dict(model.named_parameters()), **_layout_buffers(model)}
-    missing = sorted(set(params) - set(shard))
-    unexpected = sorted(set(shard) - set(params))
-    if missing or unexpected:
-        raise ValueError(f"HF -> Megatron mapping mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    with torch.no_grad():
-        for name, tensor in shard.items():
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shard {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
-            params[name].copy_(tensor)
-
-
-def _layout_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers the layouts move like parameters: DeepSeek-V3's router expert_bias (HF e_score_correction_bias)."""
-    from mindspeed_rl.models.deepseek_v3 import expert_bias_buffers
-
-    return expert_bias_buffers(model)
 
 
 def _in_batch_order(outputs: list[torch.Tensor], micro_batches: list[MicroBatch]) -> torch.Tensor | None:
@@ -411,7 +332,7 @@ class MegatronEngine:
             from mindspeed_rl.models.lora import MergedWeights
 
             return MergedWeights(self.module)
-        return {**{name: param.data for name, param in self.module.named_parameters()}, **_layout_buffers(self.module)}
+        return {**{name: param.data for name, param in self.module.named_parameters()}, **layout_buffers(self.module)}
 
     def adapters_disabled(self):
         """The backbone without the adapters while the context lasts (LoRA's shared-backbone reference)."""
