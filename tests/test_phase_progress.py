@@ -24,6 +24,9 @@ class SleepingGroup:
         time.sleep(self.seconds)
         return [{}]
 
+    def start_generate(self, prompts, iteration=None):
+        time.sleep(self.seconds)
+
     def finish_generate(self):
         time.sleep(self.seconds)
         return []
@@ -41,7 +44,7 @@ def _reporting(seconds_per_call: float, every_seconds: float) -> tuple[ProgressR
 def test_a_long_phase_prints_a_line_per_interval_under_its_name():
     group, lines = _reporting(0.55, 0.1)
     group.call("compute_log_prob")
-    group.finish_generate()
+    group.start_generate([[1, 2]])
     group.stop_reporting()
     phases = [LINE.match(line).group(1) for line in lines]
     # 0.55 s in steps of 0.1 s: 5 lines each (polled every 0.025 s; one may fall either side on a loaded machine)

@@ -89,6 +89,12 @@ class ProgressReportingGroup:
         with self._clock.phase(PHASE_NAMES.get(method, method)):
             return self._group.call(method, *args, **kwargs)
 
+    def start_generate(self, *args: Any, **kwargs: Any) -> Any:
+        # A one-rank run in this process generates here (its finish only hands the result over); a Ray group
+        # returns at once.
+        with self._clock.phase("generate"):
+            return self._group.start_generate(*args, **kwargs)
+
     def finish_generate(self) -> list[Any]:
         with self._clock.phase("generate"):
             return self._group.finish_generate()
