@@ -36,25 +36,37 @@ ITER_LINE = re.compile(r"^\[iter\s+(\d+)\]")
 WINDOW = 100
 
 
+RSS_KINDS = ("RssAnon", "RssFile", "RssShmem")
+
+
+def rss_kinds(pid: int) -> dict[str, int]:
+    """The RSS split as the kernel counts it: anonymous (the heaps), file-backed (library code and data paged in as
+    it is first touched: grows with the code paths a run reaches, bounded by the libraries' size) and shared memory."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {kind: int(fields[kind].split()[0]) * 1024 for kind in RSS_KINDS if kind in fields}
+
+
 def soak(iterations: int, run_dir: Path, *, keep_free_heap: bool = False,
-         threads: int = 0) -> tuple[list[tuple[int, int, float]], list[dict]]:
-    """(iteration, RSS bytes, CPU seconds so far) at each iteration's line, and the run's metrics records."""
+         threads: int = 0) -> tuple[list[tuple[int, int, float]], list[dict], list[dict[str, int]]]:
+    """(iteration, RSS bytes, CPU seconds so far) at each iteration's line, the run's metrics records, and the RSS
+    split (`rss_kinds`) at each line."""
     argv = [sys.executable, "cli/train_grpo.py", "--config-name", "grpo_tiny_cpu",
             f"megatron_training.train_iters={iterations}", "runtime.memory_timeline=false", f"hydra.run.dir={run_dir}",
             f"runtime.num_threads_per_rank={threads}"]
     env = os.environ | ({"MINDSPEED_RL_KEEP_FREE_HEAP": "1"} if keep_free_heap else {})
     process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    rss = []
+    rss, kinds = [], []
     for line in process.stdout:
         match = ITER_LINE.match(line)
         if match:
             watched = psutil.Process(process.pid)
             cpu = watched.cpu_times()
             rss.append((int(match.group(1)), watched.memory_info().rss, cpu.user + cpu.system))
+            kinds.append(rss_kinds(process.pid))
     if process.wait() != 0:
         raise SystemExit(f"the demo exited {process.returncode}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return rss, records
+    return rss, records, kinds
 
 
 def slope_mb_per_100(points: list[tuple[int, int, float]]) -> float:
@@ -64,7 +76,10 @@ def slope_mb_per_100(points: list[tuple[int, int, float]]) -> float:
     return 100 * covariance / sum((x - mean_x) ** 2 for x in xs)
 
 
-def figures(rss: list[tuple[int, int, float]], records: list[dict], warmup: int) -> dict:
+def figures(rss: list[tuple[int, int, float]], records: list[dict], kinds: list[dict[str, int]],
+            warmup: int) -> dict:
+    by_kind = {kind: slope_mb_per_100([(i, split.get(kind, 0), 0.0) for (i, _, _), split in zip(rss, kinds)
+                                       if i > warmup]) for kind in RSS_KINDS}
     measured = [r for r in records if r["iteration"] > warmup]
     first, last = (statistics.median(r["timing/all"] for r in part) for part in (measured[:WINDOW], measured[-WINDOW:]))
     cpu = [(i, now - before) for (_, _, before), (i, _, now) in zip(rss, rss[1:]) if i > warmup]
@@ -76,12 +91,14 @@ def figures(rss: list[tuple[int, int, float]], records: list[dict], warmup: int)
         "drift_percent": 100 * (last - first) / first,
         "cpu_seconds_per_iteration_first": cpu_first, "cpu_seconds_per_iteration_last": cpu_last,
         "cpu_drift_percent": 100 * (cpu_last - cpu_first) / cpu_first,
+        "rss_slope_mb_per_100_iterations_by_kind": by_kind,
     }
 
 
 def print_figures(label: str, result: dict) -> None:
     print(f"{label}: RSS {result['rss_mb_first']:.1f} -> {result['rss_mb_last']:.1f} MB, slope "
-          f"{result['rss_slope_mb_per_100_iterations']:.3f} MB per 100 iterations (target <= 0.2)")
+          f"{result['rss_slope_mb_per_100_iterations']:.3f} MB per 100 iterations (target <= 0.2); of which "
+          + ", ".join(f"{kind} {slope:.3f}" for kind, slope in result["rss_slope_mb_per_100_iterations_by_kind"].items()))
     print(f"{label}: seconds per iteration, median of the first / last {WINDOW} after the warm-up: "
           f"{result['seconds_per_iteration_first']:.3f} / {result['seconds_per_iteration_last']:.3f} "
           f"({result['drift_percent']:+.1f}%, target <= 2%)")

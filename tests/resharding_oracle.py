@@ -69,6 +69,24 @@ def make_checkpoint(path, **kwargs) -> str:
 
 
 # -- MoE (Qwen3-MoE) ------------------------------------------------------------------------------
+def fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names (one tensor per expert) -> transformers 5's in-memory fused experts."""
+    out, experts = {}, {}
+    for name, tensor in state.items():
+        if ".mlp.experts." not in name:
+            out[name] = tensor
+            continue
+        prefix, rest = name.split(".mlp.experts.")
+        expert, kind = rest.split(".")[:2]
+        experts.setdefault(prefix, {}).setdefault(int(expert), {})[kind] = tensor
+    for prefix, by_expert in experts.items():
+        ids = sorted(by_expert)
+        out[prefix + ".mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in ids])
+        out[prefix + ".mlp.experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in ids])
+    return out
+
+
 def tiny_moe_spec(*, vocab=96, hidden=64, layers=2, heads=4, kv=2, head_dim=32, experts=4, topk=2, moe_ffn=64) -> Qwen2Spec:
     return Qwen2Spec(vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=2 * moe_ffn, num_layers=layers,
                      num_attention_heads=heads, num_query_groups=kv, head_dim=head_dim, rms_norm_eps=1e-6,
@@ -207,6 +225,38 @@ def four_sample_batch(pad: int):
     return RolloutBatch.from_token_lists(prompts, responses, pad_id=pad, response_width=6)
 
 
+def hf_adapters(shapes: dict, seed: int = 1) -> dict:
+    """Random LoRA A/B tensors by their HF names (resharding/adapter_plan.adapter_layouts' shapes)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator) for name, shape in sorted(shapes.items())}
+
+
+def merged_hf(hf: dict, adapters: dict, spec, scale: float) -> dict:
+    """W + scale B A per HF module: q/k/v share their fused linear's A, gate/up theirs."""
+    from mindspeed_rl.models.lora_peft import HF_MODULES
+
+    merged = dict(hf)
+    for layer in range(spec.num_layers):
+        for target, modules in HF_MODULES.items():
+            for module in modules:
+                prefix = f"model.layers.{layer}.{'self_attn' if target in ('linear_qkv', 'linear_proj') else 'mlp'}"
+                name = f"{prefix}.{module}"
+                a = adapters.get(f"{name}.lora_A", adapters.get(f"model.layers.{layer}.{target}.lora_A"))
+                merged[f"{name}.weight"] = hf[f"{name}.weight"] + scale * adapters[f"{name}.lora_B"] @ a
+    return merged
+
+
+def fill_layout(tensors, adapters: dict) -> dict:
+    """Each local tensor of a layout filled from the HF tensors its segments name."""
+    out = {}
+    for t in tensors:
+        out[t.key] = torch.zeros(t.shape)
+        for seg in t.segments:
+            out[t.key].narrow(t.dim, seg.local_start, seg.length).copy_(
+                adapters[seg.hf_name].narrow(t.dim, seg.hf_start, seg.length))
+    return out
+
+
 class PlainDestination:
     """vLLM's parameters of one rank as plain tensors (the resharding layout's names and shapes)."""
 
@@ -229,7 +279,7 @@ def adapter_push_check(actor, infer_tp: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from mindspeed_rl.resharding.adapter_push import AdapterPush
+    from mindspeed_rl.resharding.adapter_push import colocated_adapter_push
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
     from mindspeed_rl.resharding.weight_push import colocated_push
 
@@ -239,7 +289,7 @@ def adapter_push_check(actor, infer_tp: int) -> dict:
     merged, adapted = PlainDestination(actor.spec, infer, rank, world), PlainDestination(actor.spec, infer, rank, world)
     common = dict(actor=actor, train=train, infer=infer, rank=rank, world_size=world, bucket_bytes=1 << 16,
                   check_weights=True)
-    full, adapter = colocated_push(inference_model=merged, **common), AdapterPush(inference_model=adapted, **common)
+    full, adapter = colocated_push(inference_model=merged, **common), colocated_adapter_push(inference_model=adapted, **common)
     errors, received = [], []
     for _ in range(2):
         full_metrics, adapter_metrics = full.push(), adapter.push()

@@ -8,43 +8,14 @@ Runs where: in the pytest process; pure tensor code, no collectives.
 import pytest
 import torch
 
-from mindspeed_rl.models.lora_peft import HF_MODULES
 from mindspeed_rl.resharding.adapter_plan import adapted_weight, adapter_layouts, build_adapter_plan
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan, train_layouts
-from resharding_oracle import random_hf_state, tiny_spec, vllm_shard_oracle
+from resharding_oracle import fill_layout, hf_adapters, merged_hf, random_hf_state, tiny_spec, vllm_shard_oracle
 
 R, SCALE = 4, 2.0
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # (world, train TP, train PP, vLLM TP); at vLLM TP8 the 4 KV heads are replicated
 LAYOUTS = [(2, 2, 1, 1), (2, 1, 2, 2), (4, 2, 2, 1), (4, 4, 1, 2), (4, 1, 4, 2), (8, 2, 2, 4), (8, 2, 1, 8)]
-
-
-def _hf_adapters(spec, shapes: dict, seed: int = 1) -> dict:
-    generator = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=generator) for name, shape in sorted(shapes.items())}
-
-
-def _merged_hf(hf: dict, adapters: dict, spec) -> dict:
-    """W + scale B A per HF module: q/k/v share their fused linear's A, gate/up theirs."""
-    merged = dict(hf)
-    for layer in range(spec.num_layers):
-        for target, modules in HF_MODULES.items():
-            for module in modules:
-                prefix = f"model.layers.{layer}.{'self_attn' if target in ('linear_qkv', 'linear_proj') else 'mlp'}"
-                name = f"{prefix}.{module}"
-                a = adapters.get(f"{name}.lora_A", adapters.get(f"model.layers.{layer}.{target}.lora_A"))
-                merged[f"{name}.weight"] = hf[f"{name}.weight"] + SCALE * adapters[f"{name}.lora_B"] @ a
-    return merged
-
-
-def _fill(tensors, adapters: dict) -> dict:
-    out = {}
-    for t in tensors:
-        out[t.key] = torch.zeros(t.shape)
-        for seg in t.segments:
-            out[t.key].narrow(t.dim, seg.local_start, seg.length).copy_(
-                adapters[seg.hf_name].narrow(t.dim, seg.hf_start, seg.length))
-    return out
 
 
 @pytest.mark.parametrize("world,tp,pp,infer_tp", LAYOUTS)
@@ -53,10 +24,10 @@ def test_the_adapter_switch_gives_every_vllm_shard_its_merged_weights(world, tp,
     hf = random_hf_state(spec)
     train = TrainLayout(tp=tp, pp=pp)
     layouts, shapes = adapter_layouts(train_layouts(spec, train, world), spec, rank=R, target_modules=TARGETS)
-    adapters = _hf_adapters(spec, shapes)
+    adapters = hf_adapters(shapes)
     plan = build_adapter_plan(spec, train, InferLayout(tp=infer_tp), world, rank=R, target_modules=TARGETS)
-    sources = {rank: _fill(layouts[rank], adapters) for rank in range(world)}
-    merged = _merged_hf(hf, adapters, spec)
+    sources = {rank: fill_layout(layouts[rank], adapters) for rank in range(world)}
+    merged = merged_hf(hf, adapters, spec, SCALE)
     for rank in range(world):
         slices = {key: torch.zeros(t.shape) for key, t in plan.infer_tensors[rank].items()}
         for c in plan.copies_to(rank):

@@ -2,21 +2,75 @@
 shards) in one torch.distributed world, inference rank 2 (vLLM TP1 shard) in another, the bridge a
 standalone gloo group over all 3. The pushed inference tensors equal the oracle's, the receiver got
 exactly its shard's bytes, and the fingerprint check passes over the bridge (and catches a corrupted
-range).
+range). Then LoRA's adapter-only push over the same bridge (resharding/adapter_push.AdapterPush), twice, the
+adapters changed between: the inference weights equal W + (alpha/r) B A cut as vLLM cuts it, and after the first
+push (the backbone) only the adapters' bytes cross.
 
 Runs where: 3 spawned processes (two gloo worlds plus the bridge); plain tensors shaped like the
 engines' parameters, so no Megatron or vLLM import (the live engines run in test_disaggregated_async_e2e.py and test_two_nodes_e2e.py).
 """
 import os
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from resharding_oracle import free_port, random_hf_state, tiny_spec, vllm_shard_oracle
+from resharding_oracle import (fill_layout, free_port, hf_adapters, merged_hf, random_hf_state, tiny_spec,
+                               vllm_shard_oracle)
 
 TRAIN_WORLD, INFER_WORLD = 2, 1
+LORA = SimpleNamespace(rank=4, scale=2.0, target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+
+
+class _PlainInference:
+    """vLLM's weights of the inference rank as plain tensors."""
+
+    def __init__(self, weights: dict):
+        self.weights = weights
+
+    def named_weights(self):
+        return self.weights
+
+    def mark_weights_loaded(self):
+        pass
+
+
+def _adapter_pushes(rank: int, bridge, spec, hf: dict, dtypes: dict) -> dict:
+    """Two adapter-only pushes over the bridge (B doubled between them): what the inference rank holds after each,
+    and its received / planned bytes."""
+    from mindspeed_rl.resharding.adapter_plan import adapter_layouts
+    from mindspeed_rl.resharding.adapter_push import AdapterPush
+    from mindspeed_rl.resharding.layouts import megatron_shard_from_hf, vllm_layout
+    from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, train_layouts
+
+    train = TrainLayout(tp=2)
+    layouts, shapes = adapter_layouts(train_layouts(spec, train, TRAIN_WORLD), spec, rank=LORA.rank,
+                                      target_modules=LORA.target_modules)
+    adapters = hf_adapters(shapes)
+    is_train = rank < TRAIN_WORLD
+    mine = fill_layout(layouts[rank], adapters) if is_train else None
+    inference = None if is_train else _PlainInference({t.name: torch.zeros(t.shape) for t in vllm_layout(spec, tp=1, tp_rank=0)})
+    push = AdapterPush(spec=spec, lora=LORA, train=train, infer=InferLayout(tp=1), rank=rank, world_size=TRAIN_WORLD,
+                       infer_world_size=INFER_WORLD, group=bridge, dtypes=dtypes, adapter_dtype=torch.float32,
+                       read_backbone=(lambda: megatron_shard_from_hf(hf, spec, tp_rank=rank, tp=2, pp_rank=0, pp=1))
+                       if is_train else None, read_adapters=(lambda: mine) if is_train else None,
+                       inference_model=inference, bucket_bytes=16 * 1024, check_weights=True)
+    out = {"weights": [], "bytes": [], "adapters": []}
+    for _ in range(2):
+        metrics = push.push()
+        out["bytes"].append((metrics["resharding/bytes_received"], metrics["resharding/planned_bytes_received"],
+                             metrics["resharding/full_push_planned_bytes_received"]))
+        if inference is not None:
+            out["weights"].append({name: t.clone() for name, t in inference.weights.items()})
+        out["adapters"].append(dict(adapters))
+        adapters = {name: t * 2 if name.endswith("lora_B") else t for name, t in adapters.items()}
+        if is_train:
+            for key, tensor in fill_layout(layouts[rank], adapters).items():
+                mine[key].copy_(tensor)
+    return out
 
 
 def _worker(rank: int, ports: tuple[int, int, int], out_dir: str) -> None:
@@ -57,11 +111,13 @@ def _worker(rank: int, ports: tuple[int, int, int], out_dir: str) -> None:
         caught = True
     if not is_train:
         destinations["model.layers.0.self_attn.o_proj.weight"][0, 0] -= 1.0
-        torch.save({"destinations": destinations, "bytes_received": stats.bytes_received,
+        lora = _adapter_pushes(rank, bridge, spec, hf, dtypes)
+        torch.save({"lora": lora, "destinations": destinations, "bytes_received": stats.bytes_received,
                     "minimum_bytes": plan.received_numel(rank) * 4, "checked": checked, "caught": caught,
                     "copies": len(plan.copies_to(rank))}, os.path.join(out_dir, "infer.pt"))
     else:
         assert stats.bytes_received == 0 and not caught
+        _adapter_pushes(rank, bridge, spec, hf, dtypes)
     bridge.barrier()
     dist.destroy_process_group()
 
@@ -89,3 +145,19 @@ def test_received_bytes_are_the_shard_once(pushed):
 def test_fingerprints_cross_the_bridge_and_catch_a_changed_range(pushed):
     assert pushed["checked"] == pushed["copies"] > 0
     assert pushed["caught"]
+
+
+def test_the_adapter_push_over_the_bridge_gives_the_merged_weights(pushed):
+    spec = tiny_spec(heads=8, kv=2, hidden=64, vocab=96)
+    hf = random_hf_state(spec)
+    for weights, adapters in zip(pushed["lora"]["weights"], pushed["lora"]["adapters"]):
+        expected = vllm_shard_oracle(merged_hf(hf, adapters, spec, LORA.scale), spec, 1, 0)
+        assert set(weights) == set(expected)
+        for name, tensor in expected.items():
+            assert torch.allclose(weights[name], tensor, rtol=1e-6, atol=1e-6), name
+
+
+def test_after_the_backbone_only_the_adapters_cross_the_bridge(pushed):
+    (first, _, full), (second, planned, _) = pushed["lora"]["bytes"]
+    assert first == second == planned > 0  # the adapter bytes of each push; the backbone's are reported apart
+    assert planned < 0.25 * full

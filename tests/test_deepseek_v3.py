@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from resharding_oracle import assert_vllm_logprobs_match_megatron, free_port, perturbed_state
+from resharding_oracle import assert_vllm_logprobs_match_megatron, free_port, fused_experts, perturbed_state
 
 YARN = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
             mscale=1.0, mscale_all_dim=0.5)
@@ -31,27 +31,9 @@ def _hf_logits(checkpoint: str, state: dict) -> torch.Tensor:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32).eval()
-    hf.load_state_dict(_fused_experts(state), strict=True)
+    hf.load_state_dict(fused_experts(state), strict=True)
     with torch.no_grad():
         return hf(IDS).logits
-
-
-def _fused_experts(state):
-    """Checkpoint names (one tensor per expert) -> transformers 5's in-memory [E, 2F, H] / [E, H, F]."""
-    out, experts = {}, {}
-    for name, tensor in state.items():
-        if ".mlp.experts." not in name:
-            out[name] = tensor
-            continue
-        prefix, rest = name.split(".mlp.experts.")
-        expert, kind = rest.split(".")[:2]
-        experts.setdefault(prefix, {}).setdefault(int(expert), {})[kind] = tensor
-    for prefix, by_expert in experts.items():
-        ids = sorted(by_expert)
-        out[prefix + ".mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in ids])
-        out[prefix + ".mlp.experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in ids])
-    return out
 
 
 def _check_against_hf(engine, expected_logits, pp: int) -> None:

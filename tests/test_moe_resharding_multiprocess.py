@@ -32,29 +32,12 @@ import torch.multiprocessing as mp
 from resharding_oracle import (
     assert_vllm_logprobs_match_megatron,
     free_port,
+    fused_experts,
     perturbed_state,
     vllm_moe_shard_oracle,
 )
 
 BUCKET = 32 * 1024
-
-
-def _fuse_experts(state):
-    """Checkpoint names (one tensor per expert) -> transformers 5's in-memory fused experts."""
-    out, experts = {}, {}
-    for name, tensor in state.items():
-        if ".mlp.experts." not in name:
-            out[name] = tensor
-            continue
-        prefix, rest = name.split(".mlp.experts.")
-        expert, kind = rest.split(".")[:2]
-        experts.setdefault(prefix, {}).setdefault(int(expert), {})[kind] = tensor
-    for prefix, by_expert in experts.items():
-        ids = sorted(by_expert)
-        out[prefix + ".mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in ids])
-        out[prefix + ".mlp.experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in ids])
-    return out
 
 
 def _check_megatron_matches_hf(engine, hf_state, checkpoint):
@@ -63,7 +46,7 @@ def _check_megatron_matches_hf(engine, hf_state, checkpoint):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32).eval()
-    hf.load_state_dict(_fuse_experts(hf_state), strict=True)
+    hf.load_state_dict(fused_experts(hf_state), strict=True)
     ids = torch.tensor([[5, 9, 6, 11, 7, 9, 8, 11], [4, 9, 4, 11, 3, 5, 6, 7]])
     engine.module.eval()
     with torch.no_grad(), engine.accelerator.megatron_context():

@@ -8,11 +8,13 @@ Megatron TP2 -> vLLM TP1 x DP2, lora_filter, three iterations, a checkpoint afte
 - its checkpoints hold the adapters only, and a run resumed from one reaches the uninterrupted run's next iteration
   exactly; the export (at TP1, from the TP2 checkpoint) writes it merged into the backbone and as a PEFT adapter,
   and PEFT's base + adapter gives the merged model's logits;
+- with the roles disaggregated (actor_train and actor_infer on a device each, Ray), the push over the bridge moves the
+  backbone once and then the adapters only (the plan's bytes), and vLLM's log-probs stay Megatron's;
 - the seed's LoRA reference call through ROLL's API (`compute_log_prob` with `meta_info["disable_adapter"]` and
   `is_offload_states = False`) gives the reference log-probs and keeps the train params on the device (one
   in-process rank in a subprocess, tests/lora_roll_api_run.py).
 
-Runs where: two CLI runs and one in-process rank in subprocesses, two exports in this process; ~1.5 min on 2 cores."""
+Runs where: three CLI runs and one in-process rank in subprocesses, two exports in this process; ~2.5 min on 2 cores."""
 
 import json
 import subprocess
@@ -26,6 +28,9 @@ from megatron.core import dist_checkpointing
 from cli_runner import run_cli
 
 LORA = "grpo_tiny_cpu_lora"
+# grpo_tiny_cpu_lora's adapters on the disaggregated demo's layout.
+LORA_KEYS = ("actor_config.lora_r=16", "actor_config.lora_alpha=32", "actor_config.lr=2e-3",
+             "actor_config.lora_target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]")
 ADAPTER_ONLY = ("actor_config.lora_filter=true", "megatron_training.train_iters=3")
 REPO = Path(__file__).resolve().parents[1]
 STATES = ("train_params", "adapter_params", "train_grads", "optimizer_states")
@@ -70,6 +75,19 @@ def test_two_ranks_train_the_adapters_on_the_shared_backbone(adapter_only_run):
         adapters, backbone = record["memory/update/adapter_params_bytes"], record["memory/update/train_params_bytes"]
         first = record["iteration"] == 1
         assert record["offload/generate/reload_bytes"] == adapters + (backbone if first else 0)
+
+
+def test_disaggregated_roles_push_the_backbone_once_then_the_adapters_over_the_bridge(tmp_path):
+    done = run_cli(tmp_path, "grpo_tiny_cpu_disaggregated", *LORA_KEYS, "megatron_training.train_iters=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = _records(tmp_path)
+    for record in (first, second):
+        assert record["rollout/logprob_max_abs_diff"] < 1e-4  # the second: after an update, adapters landed
+        received = record["resharding/bytes_received_all_ranks"]
+        assert received == record["resharding/planned_bytes_received_all_ranks"]
+        assert 0 < received < 0.2 * record["resharding/full_push_planned_bytes_received"]
+    assert first["resharding/backbone_bytes_received"] == first["resharding/full_push_planned_bytes_received"]
+    assert "resharding/backbone_bytes_received" not in second
 
 
 def test_adapter_only_checkpoints_resume_exactly(world, tmp_path, adapter_only_run):

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
 
-from mindspeed_rl.config.checks import require_divides, require_equal
+from mindspeed_rl.config.checks import require_equal
 from mindspeed_rl.config.errors import ConfigError, run_checks
 from mindspeed_rl.config.generate import GenerateConfig
 from mindspeed_rl.config.megatron import ActorConfig, CriticConfig, MegatronTrainingConfig
@@ -24,11 +24,12 @@ from mindspeed_rl.config.resources import (
 )
 from mindspeed_rl.config.algorithm_checks import (check_critic, check_dynamic_sampling, check_evaluation, check_packing,
                                                   check_num_layer_list, check_recompute_layers)
+from mindspeed_rl.config.layout_checks import (check_infer_layout, check_model_sharding,
+                                               check_sequence_parallel, check_train_layout)
 from mindspeed_rl.config.lora import check_lora_run
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 
-WORLD_DESC_KEY = "rl_config.actor_resource.num_npus"
 # Architecture fields the synthetic generator writes into the demo checkpoint; the model block
 # that describes that checkpoint must agree with them.
 SYNTHETIC_ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
@@ -157,9 +158,9 @@ class GRPOConfig:
 
     @property
     def adapter_only_switch(self) -> bool:
-        """LoRA with colocated roles: each switch moves the adapters only (resharding/adapter_push.py); disaggregated
-        roles push the merged weights through the bridge."""
-        return self.actor_config.uses_lora and not self.disaggregated
+        """LoRA: each switch moves the adapters only (resharding/adapter_push.py), between the same ranks or over the
+        bridge to actor_infer's own."""
+        return self.actor_config.uses_lora
 
     @property
     def uses_reference(self) -> bool:
@@ -204,8 +205,8 @@ class GRPOConfig:
         """The parallel layout and batch shapes against the selected model block. The trainer runs them
         again with the block the checkpoint's config.json describes (setup.check_against_checkpoint)."""
         run_checks(
-            self._check_train_layout, self._check_sequence_parallel, self._check_infer_layout,
-            self._check_model_sharding, self._check_batch_sizes, self._check_lengths, partial(check_packing, self),
+            partial(check_train_layout, self), partial(check_sequence_parallel, self),
+            partial(check_infer_layout, self), partial(check_model_sharding, self), self._check_batch_sizes, self._check_lengths, partial(check_packing, self),
             partial(check_recompute_layers, self), partial(check_num_layer_list, self),
         )
 
@@ -221,107 +222,6 @@ class GRPOConfig:
                 "megatron_training.model",
                 f"must equal actor_config.model={actor_model!r}, got {self.megatron_training.model!r}",
             )
-
-    def _check_train_layout(self) -> None:
-        actor, world = self.actor_config, self.world_size
-        tp, pp, ep = (
-            actor.tensor_model_parallel_size,
-            actor.pipeline_model_parallel_size,
-            actor.expert_model_parallel_size,
-        )
-        world_desc = f"{WORLD_DESC_KEY}={world}"
-        require_divides("actor_config.tensor_model_parallel_size", tp, world, world_desc)
-        if world % (tp * pp) != 0:
-            raise ConfigError(
-                "actor_config.pipeline_model_parallel_size",
-                f"tensor_model_parallel_size * pipeline_model_parallel_size = {tp} * {pp} = {tp * pp} "
-                f"must divide {world_desc}, got pipeline_model_parallel_size={pp}",
-            )
-        if world % (tp * pp * ep) != 0:
-            raise ConfigError(
-                "actor_config.expert_model_parallel_size",
-                f"tensor * pipeline * expert parallel size = {tp} * {pp} * {ep} = {tp * pp * ep} "
-                f"must divide {world_desc}, got expert_model_parallel_size={ep}",
-            )
-
-    def _check_sequence_parallel(self) -> None:
-        tp = self.actor_config.tensor_model_parallel_size
-        if self.megatron_training.sequence_parallel and tp == 1:
-            raise ConfigError(
-                "megatron_training.sequence_parallel",
-                "has no effect with actor_config.tensor_model_parallel_size=1 (it splits activations over the "
-                "tensor-parallel ranks); set false",
-            )
-
-    def _check_infer_layout(self) -> None:
-        generate, world = self.generate_config, self.infer_world_size
-        tp, ep = generate.infer_tensor_parallel_size, generate.infer_expert_parallel_size
-        world_desc = (f"the {world} actor_infer devices" if self.disaggregated else f"{WORLD_DESC_KEY}={world}")
-        require_divides("generate_config.infer_tensor_parallel_size", tp, world, world_desc)
-        self._check_infer_pipeline()
-        if world % (tp * ep) != 0:
-            raise ConfigError(
-                "generate_config.infer_expert_parallel_size",
-                f"infer_tensor_parallel_size * infer_expert_parallel_size = {tp} * {ep} = {tp * ep} "
-                f"must divide {world_desc}, got infer_expert_parallel_size={ep}",
-            )
-
-    def _check_infer_pipeline(self) -> None:
-        """TP x PP dividing the inference devices is checked with the resource plan (actor_infer's workers)."""
-        key, pp = "generate_config.infer_pipeline_parallel_size", self.generate_config.infer_pipeline_parallel_size
-        if pp == 1:
-            return
-        if self.disaggregated:
-            # The disaggregated switch takes vLLM's parameter dtypes from one inference rank, which would
-            # hold one stage's parameters only (workers/disaggregated.py).
-            raise ConfigError(key, f"inference pipeline stages run colocated only (actor_infer on the actor's "
-                                   f"devices), got {pp} with disaggregated actor_infer devices")
-        arch = self.selected_model
-        if arch is not None and pp > arch.num_layers:
-            raise ConfigError(key, f"must not exceed model.{self.actor_config.model}.num_layers={arch.num_layers} "
-                                   f"(vLLM gives every stage at least one layer), got {pp}")
-
-    def _check_model_sharding(self) -> None:
-        arch = self.selected_model
-        if arch is None:
-            return
-        prefix = f"model.{self.actor_config.model}"
-        heads_desc = f"{prefix}.num_attention_heads={arch.num_attention_heads}"
-        kv_heads = arch.num_key_value_heads
-        kv_desc = f"{prefix}.num_query_groups={kv_heads}"
-        train_key, train_tp = "actor_config.tensor_model_parallel_size", self.actor_config.tensor_model_parallel_size
-        infer_key = "generate_config.infer_tensor_parallel_size"
-        infer_tp = self.generate_config.infer_tensor_parallel_size
-        # Megatron shards attention heads and query groups over TP; vLLM shards the heads.
-        require_divides(train_key, train_tp, arch.num_attention_heads, heads_desc)
-        require_divides(train_key, train_tp, kv_heads, kv_desc)
-        require_divides(infer_key, infer_tp, arch.num_attention_heads, heads_desc)
-        # vLLM replicates KV heads when there are fewer than TP ranks, which needs an exact multiple.
-        if kv_heads % infer_tp != 0 and infer_tp % kv_heads != 0:
-            raise ConfigError(infer_key, f"must divide or be a multiple of {kv_desc}, got {infer_tp}")
-        if arch.padded_vocab_size is not None:
-            vocab_desc = f"{prefix}.padded_vocab_size={arch.padded_vocab_size}"
-            require_divides(train_key, train_tp, arch.padded_vocab_size, vocab_desc)
-            require_divides(infer_key, infer_tp, arch.padded_vocab_size, vocab_desc)
-        if self.actor_config.num_layer_list is None:  # listed stages: check_num_layer_list checks them
-            require_divides(
-                "actor_config.pipeline_model_parallel_size",
-                self.actor_config.pipeline_model_parallel_size,
-                arch.num_layers,
-                f"{prefix}.num_layers={arch.num_layers} (or list each stage's layers in actor_config.num_layer_list)",
-            )
-        self._check_experts(arch, prefix)
-
-    def _check_experts(self, arch: ModelArchConfig, prefix: str) -> None:
-        for key, ep in (
-            ("actor_config.expert_model_parallel_size", self.actor_config.expert_model_parallel_size),
-            ("generate_config.infer_expert_parallel_size", self.generate_config.infer_expert_parallel_size),
-        ):
-            if ep == 1:
-                continue
-            if arch.num_experts is None:
-                raise ConfigError(key, f"must be 1 for a dense model ({prefix}.num_experts is unset), got {ep}")
-            require_divides(key, ep, arch.num_experts, f"{prefix}.num_experts={arch.num_experts}")
 
     def _check_batch_sizes(self) -> None:
         rl = self.rl_config

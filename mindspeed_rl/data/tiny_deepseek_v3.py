@@ -13,15 +13,12 @@ DeepSeek-V3's real values; everything else is small. transformers 5 fuses the ex
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from mindspeed_rl.checkpoint.store import replace_dir
-from mindspeed_rl.data.tiny_model import RMS_NORM_EPS, randomize_parameters
-from mindspeed_rl.data.tokenizer import EOS_TOKEN_ID, save_hf_tokenizer, train_arith_tokenizer
+from mindspeed_rl.data.tiny_model import RMS_NORM_EPS, randomize_parameters, save_tiny_checkpoint
+from mindspeed_rl.data.tokenizer import EOS_TOKEN_ID, train_arith_tokenizer
 
 CPU_MLA_KV_LORA_RANK = 512
 CPU_MLA_ROPE_HEAD_DIM = 64
@@ -61,16 +58,7 @@ def create_tiny_deepseek_v3_checkpoint(out_dir: str | os.PathLike[str], *, vocab
     model = DeepseekV3ForCausalLM(config).float()
     randomize_parameters(model, seed, init_std)
     _randomize_score_bias(model, seed)
-    out_path = Path(out_dir)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
-    try:
-        model.save_pretrained(str(staging))
-        save_hf_tokenizer(train_arith_tokenizer(vocab_size, seed), staging)
-        replace_dir(staging, out_path)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out_path
+    return save_tiny_checkpoint(model, train_arith_tokenizer(vocab_size, seed), out_dir)
 
 
 def _randomize_score_bias(model: torch.nn.Module, seed: int) -> None:

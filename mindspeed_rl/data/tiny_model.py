@@ -60,11 +60,16 @@ def create_tiny_qwen2_checkpoint(
         max_position_embeddings=max_position_embeddings,
         init_std=init_std,
     )
+    return save_tiny_checkpoint(_build_model(config, seed, init_std), tokenizer, out_dir)
+
+
+def save_tiny_checkpoint(model: torch.nn.Module, tokenizer: Tokenizer, out_dir: str | os.PathLike[str]) -> Path:
+    """Write the model and its tokenizer as an HF directory, whole or not at all (staged beside, then swapped in)."""
     out_path = Path(out_dir)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
     try:
-        _build_model(config, seed, init_std).save_pretrained(str(staging))
+        model.save_pretrained(str(staging))
         save_hf_tokenizer(tokenizer, staging)
         replace_dir(staging, out_path)
     finally:

@@ -7,13 +7,10 @@ the resharding layouts call the full HF tensors. Every parameter is random (norm
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from mindspeed_rl.checkpoint.store import replace_dir
-from mindspeed_rl.data.tiny_model import RMS_NORM_EPS, ROPE_THETA, randomize_parameters
-from mindspeed_rl.data.tokenizer import EOS_TOKEN_ID, save_hf_tokenizer, train_arith_tokenizer
+from mindspeed_rl.data.tiny_model import RMS_NORM_EPS, ROPE_THETA, randomize_parameters, save_tiny_checkpoint
+from mindspeed_rl.data.tokenizer import EOS_TOKEN_ID, train_arith_tokenizer
 
 
 def create_tiny_qwen3_moe_checkpoint(out_dir: str | os.PathLike[str], *, vocab_size: int = 64, hidden_size: int = 128,
@@ -37,13 +34,4 @@ def create_tiny_qwen3_moe_checkpoint(out_dir: str | os.PathLike[str], *, vocab_s
     )
     model = Qwen3MoeForCausalLM(config).float()
     randomize_parameters(model, seed, init_std)
-    out_path = Path(out_dir)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
-    try:
-        model.save_pretrained(str(staging))
-        save_hf_tokenizer(train_arith_tokenizer(vocab_size, seed), staging)
-        replace_dir(staging, out_path)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out_path
+    return save_tiny_checkpoint(model, train_arith_tokenizer(vocab_size, seed), out_dir)

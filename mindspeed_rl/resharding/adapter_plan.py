@@ -26,14 +26,18 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def build_adapter_plan(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_size: int, *, rank: int,
-                       target_modules: tuple[str, ...]) -> Plan:
-    """The colocated plan (the same ranks train and infer) of the adapters of rank `rank` on `target_modules`."""
-    ranks = range(world_size)
+                       target_modules: tuple[str, ...], infer_world_size: int | None = None) -> Plan:
+    """The plan of the adapters of rank `rank` on `target_modules`: between the same ranks (colocated), or, with
+    `infer_world_size` (disaggregated), from the `world_size` training ranks to that many inference ranks numbered
+    after them (as plan.build_plan numbers them)."""
+    train_ranks = range(world_size)
+    infer_ranks = train_ranks if infer_world_size is None else range(world_size, world_size + infer_world_size)
     train_side, shapes = adapter_layouts(train_layouts(spec, train, world_size), spec, rank=rank,
                                          target_modules=target_modules)
-    infer_side, infer_shapes = adapter_layouts(infer_layouts(spec, infer, ranks), spec, rank=rank,
+    infer_side, infer_shapes = adapter_layouts(infer_layouts(spec, infer, infer_ranks), spec, rank=rank,
                                                target_modules=target_modules)
-    return plan_between(train_side, infer_side, shapes | infer_shapes, train_ranks=ranks, infer_ranks=ranks)
+    return plan_between(train_side, infer_side, shapes | infer_shapes, train_ranks=train_ranks,
+                        infer_ranks=infer_ranks)
 
 
 def adapter_layouts(layouts: dict[int, list[LocalTensor]], spec: Qwen2Spec, *, rank: int,

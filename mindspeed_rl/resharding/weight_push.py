@@ -10,6 +10,8 @@ moved as metrics. Two ways to build one, one implementation (`PlannedPush`, the 
 * `bridge_push`: actor_train and actor_infer on their own ranks (disaggregated); the plan runs between
   the two rank sets over the bridge (resharding/bridge.py), training ranks send, inference ranks receive.
 
+A LoRA actor's push (resharding/adapter_push.py) is the same protocol in both modes, moving only the adapters.
+
 A new transport (CUDA IPC, HCCL, vLLM's weight-transfer API) is another class with `push` and `close`.
 """
 from __future__ import annotations
@@ -95,13 +97,19 @@ def bridge_push(*, spec, train: TrainLayout, infer: InferLayout, train_world_siz
                 check_weights: bool) -> PlannedPush:
     """Join the bridge as `bridge_rank` (training ranks first, then inference ranks) and plan between the two
     rank sets: every copy crosses the bridge, and each inference rank receives exactly its shard."""
-    from mindspeed_rl.resharding.bridge import BridgeGroup
-
-    bridge = BridgeGroup(host=host, port=port, rank=bridge_rank, size=train_world_size + infer_world_size,
+    bridge = join_bridge(host=host, port=port, bridge_rank=bridge_rank, size=train_world_size + infer_world_size,
                          timeout_seconds=timeout_seconds, backend=backend)
     plan = build_plan(spec, train, infer, train_world_size, infer_world_size=infer_world_size)
     return PlannedPush(plan, rank=bridge_rank, bucket_bytes=bucket_bytes, dtypes=dtypes, read_sources=read_sources,
                        inference_model=inference_model, check_weights=check_weights, group=bridge)
+
+
+def join_bridge(*, host: str, port: int, bridge_rank: int, size: int, timeout_seconds: float, backend: str):
+    """The bridge's group over every training and inference rank (training ranks first)."""
+    from mindspeed_rl.resharding.bridge import BridgeGroup
+
+    return BridgeGroup(host=host, port=port, rank=bridge_rank, size=size, timeout_seconds=timeout_seconds,
+                       backend=backend)
 
 
 def all_stage_dtypes(destinations, infer: InferLayout) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -25,21 +24,12 @@ from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_config_for
                                             sampling_seed, train_dp_slice, train_on_mini_batch)
 from mindspeed_rl.workers import critic_steps
 from mindspeed_rl.workers.phase_rpc import phase_rpc
+from mindspeed_rl.workers.rank_process import RankInfo, RankProcess
 
 TRAIN_ROLE, INFER_ROLE = "actor_train", "actor_infer"
 
 
-@dataclass(frozen=True, kw_only=True)
-class RankInfo:
-    rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    # Names this run's heartbeats in Ray's key-value store (workers/supervision.py).
-    run_key: str = ""
-
-
-class ActorHybridWorkerBase(critic_steps.CriticMethods):
+class ActorHybridWorkerBase(RankProcess, critic_steps.CriticMethods):
     # Named in failure messages beside the rank; the disaggregated workers are actor_train / actor_infer.
     ROLE = ""
     # What this rank builds: the training side (Megatron actor, reference, reward model), the inference side (vLLM).
@@ -47,7 +37,6 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
     actor = reference = inference_model = None
     reward_model = None  # rewards.<name>.model_path: a Megatron reward model on these ranks
     critic = None  # PPO (critic_config): a Megatron value model on these ranks (workers/critic_steps.py)
-    weight_push = None  # disaggregated: this rank's end of the push over the bridge (connect_bridge)
 
     def __init__(self, config: GRPOConfig, rank_info: RankInfo, *, model_dir: str, ref_model_dir: str):
         self.config = config
@@ -65,29 +54,6 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
             from mindspeed_rl.workers.supervision import start_heartbeat
 
             start_heartbeat(rank_info.run_key, rank_info.rank)
-
-    def address(self):
-        """Where this rank runs (host, pid): named in every failure message."""
-        from mindspeed_rl.workers.supervision import this_worker_address
-
-        return this_worker_address(self.rank_info.rank, role=self.ROLE)
-
-    def set_rendezvous(self, master_addr: str, master_port: int) -> None:
-        """Where the ranks meet: rank 0's node (one node: the loopback address) at a port free there."""
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-
-    def free_port(self) -> int:
-        """A port free on this rank's node, on every interface: rank 0's is the rendezvous port."""
-        from mindspeed_rl.workers.processes import free_port
-
-        return free_port("")
-
-    def shm_segments(self) -> list[str]:
-        """The /dev/shm segments this process maps (vLLM's broadcast and all-reduce buffers): the
-        driver unlinks them once the ranks are gone, since a killed process never does."""
-        from mindspeed_rl.workers.processes import mapped_shm_segments
-
-        return sorted(mapped_shm_segments([os.getpid()]))
 
     # -- construction ----------------------------------------------------------------------------
     def initialize(self) -> dict[str, float]:
@@ -134,7 +100,7 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
     def _build_inference_side(self, started: float) -> None:
         """vLLM, its states, and, where this rank also trains, the colocated weight push into it."""
         from mindspeed_rl.memory.vllm_states import register_inference_states
-        from mindspeed_rl.resharding.adapter_push import AdapterPush
+        from mindspeed_rl.resharding.adapter_push import colocated_adapter_push
         from mindspeed_rl.resharding.weight_push import colocated_push
         from mindspeed_rl.workers import engine_builders as build
 
@@ -144,7 +110,7 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
         if self.TRAINS:
             train, infer = build.switch_layouts(self.config)
             # LoRA: only the adapters move (resharding/adapter_push.py); else the weights through the plan.
-            push = colocated_push if self.actor.lora is None else AdapterPush
+            push = colocated_push if self.actor.lora is None else colocated_adapter_push
             self.sharding_manager.weight_push = push(
                 actor=self.actor, inference_model=self.inference_model, train=train, infer=infer,
                 rank=self.rank_info.rank, world_size=self.rank_info.world_size,
@@ -186,27 +152,35 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
 
     def connect_bridge(self, host: str, port: int, *, train_world_size: int, infer_world_size: int,
                        infer_dtypes: dict | None = None) -> None:
-        """Join the bridge (training ranks first, then inference ranks) and plan this rank's end of the push."""
+        """Join the bridge (training ranks first, then inference ranks) and plan this rank's end of the push: a LoRA
+        actor's moves the adapters only (resharding/adapter_push.py), else the weights go through the plan."""
         from mindspeed_rl.models.checkpoint import read_spec
+        from mindspeed_rl.resharding.adapter_push import bridge_adapter_push
         from mindspeed_rl.resharding.weight_push import bridge_push
         from mindspeed_rl.workers import engine_builders as build
 
         train, infer = build.switch_layouts(self.config)
-        self.weight_push = bridge_push(
-            spec=build.train_spec(self.config, read_spec(self.model_dir)), train=train, infer=infer, train_world_size=train_world_size,
-            infer_world_size=infer_world_size,
+        common = dict(
+            spec=build.train_spec(self.config, read_spec(self.model_dir)), train=train, infer=infer,
+            train_world_size=train_world_size, infer_world_size=infer_world_size,
             bridge_rank=self.rank_info.rank + (0 if self.TRAINS else train_world_size),
             dtypes=infer_dtypes if infer_dtypes is not None else self.inference_dtypes(),
-            read_sources=self.actor.named_weights if self.TRAINS else None,
             inference_model=self.inference_model, host=host, port=port,
             timeout_seconds=self.config.runtime.collective_timeout_seconds,
             backend=self.accelerator.distributed_backend, bucket_bytes=build.bucket_bytes(self.config),
             check_weights=self.config.generate_config.check_weights_after_switch)
+        lora = build.lora_settings(self.config)
+        if lora is None:
+            push = bridge_push(read_sources=self.actor.named_weights if self.TRAINS else None, **common)
+        else:
+            push = bridge_adapter_push(lora=lora, adapter_dtype=build.params_dtype(self.config),
+                                       actor=self.actor if self.TRAINS else None, **common)
+        self.sharding_manager.bridge_push = push
 
     @phase_rpc(SWITCH)
     def sync_weights(self) -> dict[str, float]:
         """Collective over the training and the inference ranks: this rank's end of the push."""
-        return self.weight_push.push()
+        return self.sharding_manager.bridge_push.push()
 
     # -- the phases ------------------------------------------------------------------------------
     @phase_rpc(GENERATE)
@@ -388,9 +362,10 @@ class ActorHybridWorkerBase(critic_steps.CriticMethods):
 
         from mindspeed_rl.engines.vllm_engine import remove_cpu_shm_segments
 
-        if self.weight_push is not None:
-            self.weight_push.close()
-            self.weight_push = None
+        manager = getattr(self, "sharding_manager", None)
+        if manager is not None and manager.bridge_push is not None:
+            manager.bridge_push.close()
+            manager.bridge_push = None
         if dist.is_initialized():
             dist.destroy_process_group()
         remove_cpu_shm_segments()

@@ -16,7 +16,7 @@ import ray
 
 from mindspeed_rl import interrupts
 from mindspeed_rl.workers.actor_group import RankGroupBase
-from mindspeed_rl.workers.actor_hybrid_worker import RankInfo
+from mindspeed_rl.workers.rank_process import RankInfo
 from mindspeed_rl.workers.placement import place_ranks
 from mindspeed_rl.workers.processes import (descendants, free_port, mapped_shm_segments, remove_shm_segments,
                                             sigkill_rank_processes, wait_for_exit)

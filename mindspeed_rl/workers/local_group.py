@@ -32,7 +32,7 @@ import torch
 
 from mindspeed_rl.interrupts import RunInterrupted
 from mindspeed_rl.workers.actor_group import GRACEFUL_SHUTDOWN_SECONDS, RankGroupBase
-from mindspeed_rl.workers.actor_hybrid_worker import RankInfo
+from mindspeed_rl.workers.rank_process import RankInfo
 # Imported now (they import vLLM's segment cleanup): the watchdog removes the segments while the hung thread
 # may hold an import lock.
 from mindspeed_rl.workers.processes import (descendants, free_port, mapped_shm_segments, remove_shm_segments,

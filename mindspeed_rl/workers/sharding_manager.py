@@ -45,6 +45,9 @@ class ShardingManager:
         self.offloader = offloader
         self.policy = policy
         self.weight_push = weight_push  # set where this rank holds both ends of the push
+        # Disaggregated: this rank's end of the push over the bridge, which the sync_weights call (the switch row)
+        # runs; the manager reads only what it needs beyond that row.
+        self.bridge_push: WeightPush | None = None
         self.metrics: dict[str, float] = {}  # timings and push figures since the last pop_metrics
 
     # -- phases ------------------------------------------------------------------------------------
@@ -55,7 +58,10 @@ class ShardingManager:
         if phase == GENERATE and self.weight_push is not None:
             moved += self._settle(self.policy.resident(SWITCH) | self.weight_push.states_needed(), phase_change=True)
             self._add(self.weight_push.push())
-        moved += self._settle(self.policy.resident(phase), phase_change=True)
+        needed = self.policy.resident(phase)
+        if phase == SWITCH and self.bridge_push is not None:
+            needed |= self.bridge_push.states_needed()
+        moved += self._settle(needed, phase_change=True)
         if phase in _ENTER_TIMINGS:
             self._add({_ENTER_TIMINGS[phase]: time.perf_counter() - started})
         return moved
