@@ -4,7 +4,7 @@ Megatron TP2 -> vLLM TP1 x DP2, lora_filter, three iterations, a checkpoint afte
   a state group of their own, brought to the device for it after the first), samples with the
   log-probs Megatron's adapted forward computes; the reference phase holds the train params and there are no
   reference params; the update holds the backbone plus the adapters' grads and Adam states, as the planner says to
-  the byte;
+  the byte, and its activations as the planner's LoRA terms say (within 3%);
 - its checkpoints hold the adapters only, and a run resumed from one reaches the uninterrupted run's next iteration
   exactly; the export (at TP1, from the TP2 checkpoint) writes it merged into the backbone and as a PEFT adapter,
   and PEFT's base + adapter gives the merged model's logits;
@@ -64,6 +64,9 @@ def test_two_ranks_train_the_adapters_on_the_shared_backbone(adapter_only_run):
         assert record.get("memory/ref_logprob/reference_params_bytes", 0) == 0
         for state in STATES:
             assert record[f"memory/update/{state}_bytes"] == record[f"memory/update/{state}_predicted_bytes"], state
+        # The update keeps no frozen linear's input and nothing before the first adapter (planner/activations.py).
+        activations = record["memory/update/activations_bytes"]
+        assert abs(record["memory/update/activations_predicted_bytes"] - activations) < 0.03 * activations
         # Adapters are a fraction of the model: their grads (fp32) are far below the params ...
         assert record["memory/update/train_grads_bytes"] < 0.3 * record["memory/update/train_params_bytes"]
         # ... and the switch moves them, not the model: the plan's adapter bytes, below the full push's.

@@ -15,6 +15,12 @@ flash attention its output and a logsumexp)
                 attention output eq; fc1's gate and up 2ef, fc2's input ef)
 both
     first stage + 8 (the token ids the embedding keeps)
+LoRA (actor_config.lora_*; models/lora.py): a frozen linear keeps no input (Megatron's LinearWithFrozenWeight), an
+adapted one keeps it for A (column-parallel: gathered over sequence parallel, e h per token) and A's output for B
+(e r); and nothing upstream of the first adapter needs a gradient, so the first stage keeps neither the token ids
+nor the first layer's input norm (cpu: 7 e h, measured; accelerator: its input e h) [/t with sequence parallel].
+Measured on CPU in fp32 (h 128/256, f 256/512, r 16, adapters on all four linears or on one): within 1% of the
+ledger with linear_qkv among the targets; without it the first layer keeps less than this (an upper bound).
     last stage  + (8 + e) h, and per response token + e V/t + 24 (the response rows of the logits, in their own
                 dtype and vocabulary-sharded, and four numbers per token: engines/vocab_parallel.py)
 with q = heads x head_dim, kv = KV heads x head_dim, f the MLP width (MoE layers: top-k x the expert width +
@@ -65,12 +71,31 @@ def activation_terms(inputs: PlanInputs) -> ActivationTerms:
         attention = 4 * e * h / h_split + (2 * e * arch.q_width + 2 * e * arch.kv_width) / t + scores
         mlp_per_width = 3 * e
     dense = attention + mlp_per_width * arch.intermediate_size / t
+    first_stage = 8.0
+    if inputs.lora_targets:
+        dense += _lora_layer_change(inputs, e, h_split)
+        first_stage = -(7 if inputs.activation_profile == "cpu" else 1) * e * h / h_split
     moe = attention
     if arch.is_moe:
         moe += mlp_per_width * (arch.moe_topk * arch.moe_intermediate_size + arch.shared_expert_size) / t
         moe += 8 * arch.num_experts + 2 * e * arch.moe_topk * h
-    return ActivationTerms(dense_layer=dense, moe_layer=moe, first_stage=8.0, last_stage=(8 + e) * h,
+    return ActivationTerms(dense_layer=dense, moe_layer=moe, first_stage=first_stage, last_stage=(8 + e) * h,
                            last_stage_per_response_token=e * arch.vocab_size / t + 24)
+
+
+def _lora_layer_change(inputs: PlanInputs, e: int, h_split: int) -> float:
+    """Bytes per token a LoRA layer keeps beyond the full-parameter one: each frozen linear's input not kept, each
+    adapter's A output kept (and a column-parallel adapter's input gathered over sequence parallel)."""
+    arch, t, h = inputs.arch, inputs.tp, inputs.arch.hidden_size
+    linear_inputs = {"linear_qkv": (e * h / h_split, True), "linear_proj": (e * arch.q_width / t, False),
+                     "linear_fc1": (e * h / h_split, True), "linear_fc2": (e * arch.intermediate_size / t, False)}
+    change = 0.0
+    for target, (input_bytes, column) in linear_inputs.items():
+        if target not in inputs.lora_targets:
+            change -= input_bytes
+        else:
+            change += e * inputs.lora_rank + (e * h - input_bytes if column else 0.0)
+    return change
 
 
 def activation_bytes(inputs: PlanInputs, pp_rank: int, *, logits: bool = True) -> int:

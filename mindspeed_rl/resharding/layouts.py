@@ -163,13 +163,7 @@ def vllm_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, dp: int = 1, dp_rank:
     first, last = pp_rank == 0, pp_rank == pp - 1
     if spec.is_moe:
         _check_vllm_moe(spec, tp * dp, expert_parallel)
-    h, hd = spec.hidden_size, spec.head_dim
-    heads_per_rank = spec.num_attention_heads // tp
-    kv_heads = spec.num_query_groups
-    # vLLM replicates KV heads when there are fewer than TP ranks: rank r serves KV head r // (tp / kv).
-    kv_per_rank = max(kv_heads // tp, 1)
-    kv_first = tp_rank * kv_per_rank if kv_heads >= tp else tp_rank // (tp // kv_heads)
-    f_part = spec.ffn_hidden_size // tp
+    h = spec.hidden_size
     vocab_rows = padded_vocab(spec.vocab_size) // tp
     vocab_start = tp_rank * vocab_rows
     real_rows = max(0, min(spec.vocab_size - vocab_start, vocab_rows))
@@ -182,33 +176,47 @@ def vllm_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, dp: int = 1, dp_rank:
     if first or (last and spec.tie_word_embeddings):
         out.append(vocab_shard("model.embed_tokens.weight", "model.embed_tokens.weight"))
     for layer in vllm_pp_layers(spec.num_layers, pp_rank, pp):
-        p = f"model.layers.{layer}."
         if spec.deepseek is not None:
             from mindspeed_rl.resharding.deepseek_v3_layouts import vllm_layer
 
             out += vllm_layer(spec, layer, tp=tp, tp_rank=tp_rank, moe_size=tp * dp, moe_rank=dp_rank * tp + tp_rank,
                               expert_parallel=expert_parallel)
-            continue
-        for kind, rest in _qkv_kinds(spec):
-            out.append(_stack(f"{p}self_attn.qkv_proj.{kind}", [
-                (f"{p}self_attn.q_proj.{kind}", tp_rank * heads_per_rank * hd, heads_per_rank * hd),
-                (f"{p}self_attn.k_proj.{kind}", kv_first * hd, kv_per_rank * hd),
-                (f"{p}self_attn.v_proj.{kind}", kv_first * hd, kv_per_rank * hd),
-            ], rest))
-        out.append(_even(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", (h, spec.num_attention_heads * hd), 1, tp_rank, tp))
-        out += _qk_norms(spec, p, p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
-        out.append(_whole(p + "input_layernorm.weight", p + "input_layernorm.weight", (h,)))
-        out.append(_whole(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", (h,)))
-        if spec.is_moe:
-            out += _vllm_moe(spec, p, tp * dp, dp_rank * tp + tp_rank, expert_parallel)
-            continue
-        out.append(_stack(p + "mlp.gate_up_proj.weight", [(p + "mlp.gate_proj.weight", tp_rank * f_part, f_part),
-                                                           (p + "mlp.up_proj.weight", tp_rank * f_part, f_part)], (h,)))
-        out.append(_even(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", (h, spec.ffn_hidden_size), 1, tp_rank, tp))
+        else:
+            out += _vllm_qwen_layer(spec, f"model.layers.{layer}.", tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank,
+                                    expert_parallel=expert_parallel)
     if last:
         out.append(_whole("model.norm.weight", "model.norm.weight", (h,)))
         if not spec.tie_word_embeddings:
             out.append(vocab_shard("lm_head.weight", "lm_head.weight"))
+    return out
+
+
+def _vllm_qwen_layer(spec: Qwen2Spec, p: str, *, tp: int, tp_rank: int, dp: int, dp_rank: int,
+                     expert_parallel: bool) -> list[LocalTensor]:
+    """One Qwen2 / Qwen3-MoE decoder layer of a vLLM rank (prefix `p` = "model.layers.<i>.")."""
+    h, hd = spec.hidden_size, spec.head_dim
+    heads_per_rank = spec.num_attention_heads // tp
+    kv_heads = spec.num_query_groups
+    # vLLM replicates KV heads when there are fewer than TP ranks: rank r serves KV head r // (tp / kv).
+    kv_per_rank = max(kv_heads // tp, 1)
+    kv_first = tp_rank * kv_per_rank if kv_heads >= tp else tp_rank // (tp // kv_heads)
+    out = []
+    for kind, rest in _qkv_kinds(spec):
+        out.append(_stack(f"{p}self_attn.qkv_proj.{kind}", [
+            (f"{p}self_attn.q_proj.{kind}", tp_rank * heads_per_rank * hd, heads_per_rank * hd),
+            (f"{p}self_attn.k_proj.{kind}", kv_first * hd, kv_per_rank * hd),
+            (f"{p}self_attn.v_proj.{kind}", kv_first * hd, kv_per_rank * hd),
+        ], rest))
+    out.append(_even(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", (h, spec.num_attention_heads * hd), 1, tp_rank, tp))
+    out += _qk_norms(spec, p, p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
+    out.append(_whole(p + "input_layernorm.weight", p + "input_layernorm.weight", (h,)))
+    out.append(_whole(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", (h,)))
+    if spec.is_moe:
+        return out + _vllm_moe(spec, p, tp * dp, dp_rank * tp + tp_rank, expert_parallel)
+    f_part = spec.ffn_hidden_size // tp
+    out.append(_stack(p + "mlp.gate_up_proj.weight", [(p + "mlp.gate_proj.weight", tp_rank * f_part, f_part),
+                                                       (p + "mlp.up_proj.weight", tp_rank * f_part, f_part)], (h,)))
+    out.append(_even(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", (h, spec.ffn_hidden_size), 1, tp_rank, tp))
     return out
 
 
