@@ -1,19 +1,15 @@
-"""The parallel layout's checks against the world size and the selected model block (GRPOConfig.check_layout)."""
+"""The parallel layout's checks against the world size and the selected model block (GRPOConfig.check_layout);
+`config` is the GRPOConfig (not imported here: it imports this module)."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from mindspeed_rl.config.checks import require_divides
 from mindspeed_rl.config.errors import ConfigError
 from mindspeed_rl.config.model_arch import ModelArchConfig
 
-if TYPE_CHECKING:
-    from mindspeed_rl.config.grpo import GRPOConfig
-
 WORLD_DESC_KEY = "rl_config.actor_resource.num_npus"
 
 
-def check_train_layout(config: GRPOConfig) -> None:
+def check_train_layout(config) -> None:
     actor, world = config.actor_config, config.world_size
     tp, pp, ep = (
         actor.tensor_model_parallel_size,
@@ -36,7 +32,7 @@ def check_train_layout(config: GRPOConfig) -> None:
         )
 
 
-def check_sequence_parallel(config: GRPOConfig) -> None:
+def check_sequence_parallel(config) -> None:
     tp = config.actor_config.tensor_model_parallel_size
     if config.megatron_training.sequence_parallel and tp == 1:
         raise ConfigError(
@@ -46,7 +42,7 @@ def check_sequence_parallel(config: GRPOConfig) -> None:
         )
 
 
-def check_infer_layout(config: GRPOConfig) -> None:
+def check_infer_layout(config) -> None:
     generate, world = config.generate_config, config.infer_world_size
     tp, ep = generate.infer_tensor_parallel_size, generate.infer_expert_parallel_size
     world_desc = (f"the {world} actor_infer devices" if config.disaggregated else f"{WORLD_DESC_KEY}={world}")
@@ -60,7 +56,7 @@ def check_infer_layout(config: GRPOConfig) -> None:
         )
 
 
-def check_infer_pipeline(config: GRPOConfig) -> None:
+def check_infer_pipeline(config) -> None:
     """TP x PP dividing the inference devices is checked with the resource plan (actor_infer's workers)."""
     key, pp = "generate_config.infer_pipeline_parallel_size", config.generate_config.infer_pipeline_parallel_size
     if pp == 1:
@@ -76,7 +72,7 @@ def check_infer_pipeline(config: GRPOConfig) -> None:
                                f"(vLLM gives every stage at least one layer), got {pp}")
 
 
-def check_model_sharding(config: GRPOConfig) -> None:
+def check_model_sharding(config) -> None:
     arch = config.selected_model
     if arch is None:
         return
@@ -108,7 +104,7 @@ def check_model_sharding(config: GRPOConfig) -> None:
     check_experts(config, arch, prefix)
 
 
-def check_experts(config: GRPOConfig, arch: ModelArchConfig, prefix: str) -> None:
+def check_experts(config, arch: ModelArchConfig, prefix: str) -> None:
     for key, ep in (
         ("actor_config.expert_model_parallel_size", config.actor_config.expert_model_parallel_size),
         ("generate_config.infer_expert_parallel_size", config.generate_config.infer_expert_parallel_size),
