@@ -8,7 +8,8 @@ every vLLM parameter (shapes checked), the fingerprint check passes, and vLLM's 
 after the push equal Megatron's (< 1e-4), and the planner's Megatron shard (planner/params.py) is the live
 engine's parameters, name for name and size for size.
 
-The checkpoint uses YaRN (factor 8 over 32 original positions, mscale 1 / mscale_all_dim 0.5, so the cos/sin
+The checkpoint holds a multi-token-prediction layer, as DeepSeek-V3's does: it is not read (RL trains the main
+model). The checkpoint uses YaRN (factor 8 over 32 original positions, mscale 1 / mscale_all_dim 0.5, so the cos/sin
 factor and the softmax scale both differ from 1): with plain RoPE instead, HF's logits move by 0.21, Megatron's
 YaRN is within 1e-6 of HF's at TP1.
 
@@ -132,6 +133,21 @@ def test_megatron_and_vllm_match_hf_on_two_ranks(tmp_path):
 
     # 8 experts in 4 groups, 2 groups and 4 experts per token: Megatron's group score (top topk/topk_group) is
     # then HF's (top 2).
+    # With DeepSeek-V3's multi-token-prediction layer (model.layers.2.*, num_nextn_predict_layers 1), which the
+    # reader skips: every check below runs on the main model, as HF's (which builds no MTP module) does.
     checkpoint = str(create_tiny_deepseek_v3_checkpoint(tmp_path / "ds", n_routed_experts=8, n_group=4, topk_group=2,
-                                                        num_experts_per_tok=4, seed=3, rope_scaling=YARN))
+                                                        num_experts_per_tok=4, seed=3, rope_scaling=YARN, mtp_layers=1))
+    _check_the_mtp_layer_is_in_the_checkpoint_and_not_read(checkpoint)
     mp.spawn(_worker, args=(free_port(), checkpoint, [(2, 1, 1), (1, 2, 1)]), nprocs=2, join=True)
+
+
+def _check_the_mtp_layer_is_in_the_checkpoint_and_not_read(checkpoint: str) -> None:
+    from safetensors import safe_open
+
+    from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+
+    with safe_open(f"{checkpoint}/model.safetensors", framework="pt") as tensors:
+        mtp = [name for name in tensors.keys() if name.startswith("model.layers.2.")]
+    assert "model.layers.2.eh_proj.weight" in mtp and len(mtp) > 10
+    spec, state = load_hf_checkpoint(checkpoint)
+    assert spec.num_layers == 2 and not any(name.startswith("model.layers.2.") for name in state)

@@ -148,6 +148,19 @@ def test_bf16_dtype_option(tmp_path, exported):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_an_export_from_a_config_with_an_mtp_module_says_it_holds_none(tmp_path, exported):
+    """DeepSeek-V3's multi-token-prediction layers are not trained or exported: config.json must not promise them."""
+    import shutil
+
+    _, state = load_hf_checkpoint(str(exported))
+    config_dir = tmp_path / "source"
+    shutil.copytree(exported, config_dir)
+    config = json.loads((config_dir / "config.json").read_text())
+    (config_dir / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    out = write_hf_checkpoint(state, config_dir=config_dir, output_dir=tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
 def test_existing_nonempty_output_is_refused(tmp_path, saved):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("x")

@@ -108,6 +108,8 @@ def write_hf_checkpoint(state: dict[str, torch.Tensor], *, config_dir: str | os.
         config = json.loads((config_dir / "config.json").read_text())
         # transformers 5 reads "dtype", older versions "torch_dtype"; both name what the files hold
         config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        if config.get("num_nextn_predict_layers"):
+            config["num_nextn_predict_layers"] = 0  # DeepSeek-V3's MTP module is not trained or exported
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in _SIDE_FILES:
             if (config_dir / name).is_file():

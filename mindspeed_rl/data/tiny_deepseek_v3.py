@@ -34,8 +34,10 @@ def create_tiny_deepseek_v3_checkpoint(out_dir: str | os.PathLike[str], *, vocab
                                        routed_scaling_factor: float = 2.5, first_k_dense_replace: int = 1,
                                        norm_topk_prob: bool = True, rope_scaling: dict | None = None,
                                        seed: int = 0, init_std: float = 0.05,
-                                       max_position_embeddings: int = 256) -> Path:
-    """Write config.json + model.safetensors + tokenizer to `out_dir`; `rope_scaling` None: plain RoPE."""
+                                       max_position_embeddings: int = 256, mtp_layers: int = 0) -> Path:
+    """Write config.json + model.safetensors + tokenizer to `out_dir`; `rope_scaling` None: plain RoPE. `mtp_layers`:
+    that many multi-token-prediction layers after the model's, named and shaped as DeepSeek-V3's checkpoint has them
+    (transformers builds none; random values)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     rope = {"rope_type": "default", "rope_theta": 10000.0} if rope_scaling is None else {"rope_theta": 10000.0, **rope_scaling}
@@ -58,7 +60,30 @@ def create_tiny_deepseek_v3_checkpoint(out_dir: str | os.PathLike[str], *, vocab
     model = DeepseekV3ForCausalLM(config).float()
     randomize_parameters(model, seed, init_std)
     _randomize_score_bias(model, seed)
-    return save_tiny_checkpoint(model, train_arith_tokenizer(vocab_size, seed), out_dir)
+    return save_tiny_checkpoint(model, train_arith_tokenizer(vocab_size, seed), out_dir,
+                                extra_tensors=_mtp_tensors(model, mtp_layers, seed),
+                                config_updates={"num_nextn_predict_layers": mtp_layers} if mtp_layers else None)
+
+
+def _mtp_tensors(model: torch.nn.Module, mtp_layers: int, seed: int) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's MTP layer i (index num_hidden_layers + i): a decoder layer shaped as the last one, plus its
+    enorm, hnorm, eh_proj [h, 2h] and shared head (embed_tokens, shared_head.norm, shared_head.head)."""
+    generator = torch.Generator().manual_seed(seed + 2)
+    state = model.state_dict()
+    last = model.config.num_hidden_layers - 1
+    h = model.config.hidden_size
+    out = {}
+    for i in range(mtp_layers):
+        prefix = f"model.layers.{model.config.num_hidden_layers + i}."
+        for name, tensor in state.items():
+            if name.startswith(f"model.layers.{last}."):
+                out[prefix + name.removeprefix(f"model.layers.{last}.")] = torch.randn(tensor.shape, generator=generator)
+        out |= {prefix + "enorm.weight": torch.ones(h), prefix + "hnorm.weight": torch.ones(h),
+                prefix + "eh_proj.weight": torch.randn(h, 2 * h, generator=generator),
+                prefix + "embed_tokens.weight": torch.randn(state["model.embed_tokens.weight"].shape, generator=generator),
+                prefix + "shared_head.norm.weight": torch.ones(h),
+                prefix + "shared_head.head.weight": torch.randn(state["lm_head.weight"].shape, generator=generator)}
+    return out
 
 
 def _randomize_score_bias(model: torch.nn.Module, seed: int) -> None:

@@ -63,18 +63,35 @@ def create_tiny_qwen2_checkpoint(
     return save_tiny_checkpoint(_build_model(config, seed, init_std), tokenizer, out_dir)
 
 
-def save_tiny_checkpoint(model: torch.nn.Module, tokenizer: Tokenizer, out_dir: str | os.PathLike[str]) -> Path:
-    """Write the model and its tokenizer as an HF directory, whole or not at all (staged beside, then swapped in)."""
+def save_tiny_checkpoint(model: torch.nn.Module, tokenizer: Tokenizer, out_dir: str | os.PathLike[str], *,
+                         extra_tensors: dict[str, torch.Tensor] | None = None,
+                         config_updates: dict | None = None) -> Path:
+    """Write the model and its tokenizer as an HF directory, whole or not at all (staged beside, then swapped in);
+    `extra_tensors` and `config_updates` describe what the HF class does not build (DeepSeek-V3's MTP module)."""
     out_path = Path(out_dir)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
     try:
         model.save_pretrained(str(staging))
+        if extra_tensors or config_updates:
+            _add_to_saved(staging, extra_tensors or {}, config_updates or {})
         save_hf_tokenizer(tokenizer, staging)
         replace_dir(staging, out_path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_path
+
+
+def _add_to_saved(directory: Path, tensors: dict[str, torch.Tensor], config_updates: dict) -> None:
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    weights = directory / "model.safetensors"
+    save_file(load_file(str(weights)) | {name: t.contiguous() for name, t in tensors.items()}, str(weights),
+              metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | config_updates, indent=2) + "\n")
 
 
 def _check_sizes(hidden_size: int, num_attention_heads: int, num_query_groups: int) -> None:

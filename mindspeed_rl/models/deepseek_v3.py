@@ -80,8 +80,6 @@ def spec_fields_from_hf_config(hf_config) -> dict:
 
 
 def _refuse_unsupported(hf_config) -> None:
-    if getattr(hf_config, "num_nextn_predict_layers", 0):
-        raise ValueError("DeepSeek-V3: multi-token prediction layers (num_nextn_predict_layers > 0) are not built")
     if not getattr(hf_config, "rope_interleave", True):
         raise ValueError("DeepSeek-V3: rope_interleave=false is not supported (Megatron's MLA RoPE is interleaved)")
     if getattr(hf_config, "attention_bias", False):

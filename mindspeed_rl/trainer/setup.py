@@ -186,6 +186,10 @@ def check_against_checkpoint(config: GRPOConfig, hf_config: dict, model_dir: str
         except ConfigError as mismatch:
             print(f"[model] warning: {mismatch} (from {model_dir}/config.json); the checkpoint's architecture "
                   "is built and the parallel layout is checked against it", flush=True)
+    if hf_config.get("num_nextn_predict_layers"):
+        print(f"[model] DeepSeek-V3's multi-token prediction module ({hf_config['num_nextn_predict_layers']} layer(s) "
+              "in config.json) is not trained, pushed or exported: RL trains the main model, as MindSpeed-RL does; "
+              "its weights are not read and an export writes num_nextn_predict_layers: 0", flush=True)
     checkpoint_arch = ModelArchConfig(
         num_layers=hf_config["num_hidden_layers"], hidden_size=hf_config["hidden_size"],
         ffn_hidden_size=hf_config["intermediate_size"], num_attention_heads=hf_config["num_attention_heads"],
