@@ -18,24 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from resharding_oracle import (fill_layout, free_port, hf_adapters, merged_hf, random_hf_state, tiny_spec,
-                               vllm_shard_oracle)
+from resharding_oracle import (PlainDestination, fill_layout, free_port, hf_adapters, merged_hf, random_hf_state,
+                               tiny_spec, vllm_shard_oracle)
 
 TRAIN_WORLD, INFER_WORLD = 2, 1
 LORA = SimpleNamespace(rank=4, scale=2.0, target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
-
-
-class _PlainInference:
-    """vLLM's weights of the inference rank as plain tensors."""
-
-    def __init__(self, weights: dict):
-        self.weights = weights
-
-    def named_weights(self):
-        return self.weights
-
-    def mark_weights_loaded(self):
-        pass
 
 
 def _adapter_pushes(rank: int, bridge, spec, hf: dict, dtypes: dict) -> dict:
@@ -43,7 +30,7 @@ def _adapter_pushes(rank: int, bridge, spec, hf: dict, dtypes: dict) -> dict:
     and its received / planned bytes."""
     from mindspeed_rl.resharding.adapter_plan import adapter_layouts
     from mindspeed_rl.resharding.adapter_push import AdapterPush
-    from mindspeed_rl.resharding.layouts import megatron_shard_from_hf, vllm_layout
+    from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, train_layouts
 
     train = TrainLayout(tp=2)
@@ -52,7 +39,7 @@ def _adapter_pushes(rank: int, bridge, spec, hf: dict, dtypes: dict) -> dict:
     adapters = hf_adapters(shapes)
     is_train = rank < TRAIN_WORLD
     mine = fill_layout(layouts[rank], adapters) if is_train else None
-    inference = None if is_train else _PlainInference({t.name: torch.zeros(t.shape) for t in vllm_layout(spec, tp=1, tp_rank=0)})
+    inference = None if is_train else PlainDestination(spec, InferLayout(tp=1), 0, INFER_WORLD)
     push = AdapterPush(spec=spec, lora=LORA, train=train, infer=InferLayout(tp=1), rank=rank, world_size=TRAIN_WORLD,
                        infer_world_size=INFER_WORLD, group=bridge, dtypes=dtypes, adapter_dtype=torch.float32,
                        read_backbone=(lambda: megatron_shard_from_hf(hf, spec, tp_rank=rank, tp=2, pp_rank=0, pp=1))

@@ -39,5 +39,11 @@ def load_hf_checkpoint(model_dir: str) -> tuple[Qwen2Spec, dict[str, torch.Tenso
 
 def is_mtp_tensor(name: str, num_layers: int) -> bool:
     """A tensor of a layer past the model's `num_layers`: DeepSeek-V3's MTP module (`model.layers.61.*` of V3)."""
+    layer = hf_layer_index(name)
+    return layer is not None and layer >= num_layers
+
+
+def hf_layer_index(name: str) -> int | None:
+    """`model.layers.<i>.…` -> i; None for a tensor outside the decoder layers."""
     match = _LAYER_INDEX.match(name)
-    return match is not None and int(match.group(1)) >= num_layers
+    return int(match.group(1)) if match else None

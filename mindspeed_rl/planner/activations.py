@@ -15,14 +15,14 @@ flash attention its output and a logsumexp)
                 attention output eq; fc1's gate and up 2ef, fc2's input ef)
 both
     first stage + 8 (the token ids the embedding keeps)
+    last stage  + (8 + e) h, and per response token + e V/t + 24 (the response rows of the logits, in their own
+                dtype and vocabulary-sharded, and four numbers per token: engines/vocab_parallel.py)
 LoRA (actor_config.lora_*; models/lora.py): a frozen linear keeps no input (Megatron's LinearWithFrozenWeight), an
 adapted one keeps it for A (column-parallel: gathered over sequence parallel, e h per token) and A's output for B
 (e r); and nothing upstream of the first adapter needs a gradient, so the first stage keeps neither the token ids
 nor the first layer's input norm (cpu: 7 e h, measured; accelerator: its input e h) [/t with sequence parallel].
 Measured on CPU in fp32 (h 128/256, f 256/512, r 16, adapters on all four linears or on one): within 1% of the
 ledger with linear_qkv among the targets; without it the first layer keeps less than this (an upper bound).
-    last stage  + (8 + e) h, and per response token + e V/t + 24 (the response rows of the logits, in their own
-                dtype and vocabulary-sharded, and four numbers per token: engines/vocab_parallel.py)
 with q = heads x head_dim, kv = KV heads x head_dim, f the MLP width (MoE layers: top-k x the expert width +
 the shared experts' width, + 8 E for the router's fp32 logits and probabilities + 2e k h for the dispatched
 tokens), c = 4 in fp32 and 4 + e otherwise (the attention probabilities in fp32; 0 with flash attention on

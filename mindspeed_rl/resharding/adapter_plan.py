@@ -14,15 +14,14 @@ their own rows of the fused B); A of a row piece is the fused linear's one A, `m
 """
 from __future__ import annotations
 
-import re
-
+from mindspeed_rl.models.checkpoint import hf_layer_index
 from mindspeed_rl.models.lora_peft import HF_MODULES
 from mindspeed_rl.models.qwen2 import Qwen2Spec
 from mindspeed_rl.resharding.layouts import LocalTensor, Segment, hf_shapes
-from mindspeed_rl.resharding.plan import InferLayout, Plan, TrainLayout, infer_layouts, plan_between, train_layouts
+from mindspeed_rl.resharding.plan import (InferLayout, Plan, TrainLayout, infer_layouts, plan_between, plan_ranks,
+                                          train_layouts)
 
 _TARGET_OF = {module: target for target, modules in HF_MODULES.items() for module in modules}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def build_adapter_plan(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_size: int, *, rank: int,
@@ -30,8 +29,7 @@ def build_adapter_plan(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, 
     """The plan of the adapters of rank `rank` on `target_modules`: between the same ranks (colocated), or, with
     `infer_world_size` (disaggregated), from the `world_size` training ranks to that many inference ranks numbered
     after them (as plan.build_plan numbers them)."""
-    train_ranks = range(world_size)
-    infer_ranks = train_ranks if infer_world_size is None else range(world_size, world_size + infer_world_size)
+    train_ranks, infer_ranks = plan_ranks(world_size, infer_world_size)
     train_side, shapes = adapter_layouts(train_layouts(spec, train, world_size), spec, rank=rank,
                                          target_modules=target_modules)
     infer_side, infer_shapes = adapter_layouts(infer_layouts(spec, infer, infer_ranks), spec, rank=rank,
@@ -71,7 +69,7 @@ def _adapter_tensors(weight: LocalTensor, rank: int, targets: tuple[str, ...], w
             name = seg.hf_name.replace(".weight", ".lora_B")
             shapes[name] = (weights[seg.hf_name][0], rank)
             b_segments.append(Segment(name, seg.hf_start, seg.length, seg.local_start))
-        fused_a = f"model.layers.{_LAYER.match(weight.segments[0].hf_name).group(1)}.{target}.lora_A"
+        fused_a = f"model.layers.{hf_layer_index(weight.segments[0].hf_name)}.{target}.lora_A"
         shapes[fused_a] = (rank, columns)
         return [LocalTensor(f"{base}.lora_B", (rows, rank), 0, tuple(b_segments)),
                 LocalTensor(f"{base}.lora_A", (rank, columns), 0, (Segment(fused_a, 0, rank, 0),))]

@@ -49,16 +49,17 @@ class AdapterPush:
         self.slice_dtypes = {parameter_name(key): adapter_dtype for slices in self.plan.infer_tensors.values()
                              for key in slices}
         self.backbone_pushed = False
-        self.base_on_host: dict[str, torch.Tensor] | None = None
+        self.base_on_host: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
     def push(self) -> dict[str, float]:
         metrics = {"resharding/full_push_planned_bytes_received": float(self.base_push.planned_bytes_received)}
+        weights = self.inference_model.named_weights() if self.inference_model is not None else {}
         started = time.perf_counter()
-        self._backbone_into_place(metrics)
+        self._backbone_into_place(weights, metrics)
         metrics["timing/resharding_restore_backbone"] = time.perf_counter() - started
         sources = self.read_adapters() if self.read_adapters is not None else {}
-        device = next(iter(sources.values() if sources else self.inference_model.named_weights().values())).device
+        device = next(iter((sources or weights).values())).device
         slices = {key: torch.empty(local.shape, dtype=self.dtype, device=device)
                   for key, local in self.plan.infer_tensors.get(self.rank, {}).items()}
         metrics |= self.transfer.run(sources, slices).as_metrics()
@@ -69,24 +70,21 @@ class AdapterPush:
                 self.plan, self.rank, sources, slices, group=self.group, dtypes=self.slice_dtypes))
             metrics["timing/resharding_fingerprint"] = time.perf_counter() - started
         if self.inference_model is not None:
-            self._add_deltas(slices)
+            self._add_deltas(weights, slices)
         return metrics
 
-    def _backbone_into_place(self, metrics: dict[str, float]) -> None:
-        """Once, the backbone through the full plan (an inference rank then keeps its weights on the host); after,
-        an inference rank restores them from there."""
+    def _backbone_into_place(self, weights: dict[str, torch.Tensor], metrics: dict[str, float]) -> None:
+        """Once, the backbone through the full plan (an inference rank then keeps its `weights` on the host); after,
+        an inference rank restores them from there (a training rank has no `weights`)."""
         if not self.backbone_pushed:
             metrics["resharding/backbone_bytes_received"] = self.base_push.push()["resharding/bytes_received"]
             self.backbone_pushed = True
-            if self.inference_model is not None:
-                self.base_on_host = {name: tensor.to("cpu", copy=True)
-                                     for name, tensor in self.inference_model.named_weights().items()}
-        elif self.inference_model is not None:
-            for name, tensor in self.inference_model.named_weights().items():
+            self.base_on_host = {name: tensor.to("cpu", copy=True) for name, tensor in weights.items()}
+        else:
+            for name, tensor in weights.items():
                 tensor.copy_(self.base_on_host[name])
 
-    def _add_deltas(self, slices: dict[str, torch.Tensor]) -> None:
-        weights = self.inference_model.named_weights()
+    def _add_deltas(self, weights: dict[str, torch.Tensor], slices: dict[str, torch.Tensor]) -> None:
         for key, b in slices.items():
             if key.endswith(".lora_B"):
                 weight = weights[adapted_weight(key)]

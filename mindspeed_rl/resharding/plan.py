@@ -94,11 +94,18 @@ def build_plan(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_si
     """`world_size` training ranks; with `infer_world_size` (disaggregated) that many inference ranks
     numbered after them, which hold nothing of the training layout, so every copy crosses the wire and
     each inference rank receives exactly its shard. Without it, the same ranks play both parts."""
-    train_ranks = range(world_size)
-    infer_ranks = range(world_size) if infer_world_size is None else range(world_size, world_size + infer_world_size)
+    train_ranks, infer_ranks = plan_ranks(world_size, infer_world_size)
     _check_sizes(spec, train, infer, world_size, len(infer_ranks))
     return plan_between(train_layouts(spec, train, world_size), infer_layouts(spec, infer, infer_ranks),
                         hf_shapes(spec), train_ranks=train_ranks, infer_ranks=infer_ranks)
+
+
+def plan_ranks(world_size: int, infer_world_size: int | None) -> tuple[range, range]:
+    """(training ranks, inference ranks) of a plan: the same ranks, or (disaggregated, `infer_world_size`) that many
+    inference ranks numbered after the training ranks."""
+    train_ranks = range(world_size)
+    return train_ranks, (train_ranks if infer_world_size is None
+                         else range(world_size, world_size + infer_world_size))
 
 
 def train_layouts(spec: Qwen2Spec, train: TrainLayout, world_size: int) -> dict[int, list[LocalTensor]]:
