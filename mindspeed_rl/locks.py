@@ -47,8 +47,8 @@ def hold_directory(directory: Path, *, key: str) -> Iterator[None]:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # EAGAIN or EACCES: another process holds it
-            raise ConfigError(key, f"{directory} is in use by another run ({_describe(_read(fd))}); wait for it to "
-                                   "end or choose another directory") from None
+            raise ConfigError(key, f"{directory} is in use by another run ({_describe(_holder(fd))}); wait for it "
+                                   "to end or choose another directory") from None
         left = _read(fd)
         if left:
             print(f"[lock] {directory}: taking over from a run that ended without letting go ({_describe(left)})",
@@ -60,6 +60,15 @@ def hold_directory(directory: Path, *, key: str) -> Iterator[None]:
             _write(fd, "")  # before the lock goes: nobody reads a stale line after a clean release
     finally:
         os.close(fd)  # releases the lock
+
+
+def _holder(fd: int, *, seconds: float = 2.0) -> dict:
+    """The holder's line; a holder that has just taken the lock writes it right after, so an empty file is read
+    again for up to `seconds` before the holder is called unrecorded."""
+    deadline = time.monotonic() + seconds
+    while not (holder := _read(fd)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return holder
 
 
 def _read(fd: int) -> dict:
