@@ -1,6 +1,7 @@
 """A long run of the demo: does memory or iteration time grow with the number of iterations?
 
-    python benchmarks/bench_soak.py --json FILE [--iterations 2000] [--warmup 100] [--keep-free-heap-too]
+    python benchmarks/bench_soak.py --json FILE [--iterations 2000] [--warmup 100] [--policy fixed|learning]
+                                    [--keep-free-heap-too]
 
 Runs `cli/train_grpo.py --config-name grpo_tiny_cpu` (one rank, in the CLI's process, so the process's RSS is the
 whole run's) for `--iterations` iterations, reads the process's RSS at every `[iter` line, and prints:
@@ -10,6 +11,12 @@ whole run's) for `--iterations` iterations, reads the process's RSS at every `[i
 - the same for the CPU seconds the process itself spent per iteration (user + system, all its threads), which
   other load on a shared machine moves far less than the wall time: more work per iteration shows there.
 The machine's load average is printed beside the figures: a busy machine moves the times, not the RSS.
+
+`--policy fixed` (the default) runs every step of the update at a learning rate of 1e-30, which moves no fp32 weight
+(Adam's step is about the learning rate; a weight's spacing is ~1e-9): each iteration then does the same work in
+distribution (the same policy samples responses of the same lengths), so a change of time or memory is the engine's.
+`--policy learning` runs the demo as it learns: its responses change length as the policy learns, and its time with
+them.
 
 `--keep-free-heap-too` runs a second demo at the same time, side by side, with the heap trim off
 (MINDSPEED_RL_KEEP_FREE_HEAP=1: glibc keeps the freed chunks, accelerator/host_memory.return_free_heap), and
@@ -46,13 +53,16 @@ def rss_kinds(pid: int) -> dict[str, int]:
     return {kind: int(fields[kind].split()[0]) * 1024 for kind in RSS_KINDS if kind in fields}
 
 
-def soak(iterations: int, run_dir: Path, *, keep_free_heap: bool = False,
-         threads: int = 0) -> tuple[list[tuple[int, int, float]], list[dict], list[dict[str, int]]]:
+FIXED_POLICY_LR = "1e-30"
+
+
+def soak(iterations: int, run_dir: Path, *, keep_free_heap: bool = False, threads: int = 0,
+         fixed_policy: bool = True) -> tuple[list[tuple[int, int, float]], list[dict], list[dict[str, int]]]:
     """(iteration, RSS bytes, CPU seconds so far) at each iteration's line, the run's metrics records, and the RSS
     split (`rss_kinds`) at each line."""
     argv = [sys.executable, "cli/train_grpo.py", "--config-name", "grpo_tiny_cpu",
             f"megatron_training.train_iters={iterations}", "runtime.memory_timeline=false", f"hydra.run.dir={run_dir}",
-            f"runtime.num_threads_per_rank={threads}"]
+            f"runtime.num_threads_per_rank={threads}"] + ([f"actor_config.lr={FIXED_POLICY_LR}"] if fixed_policy else [])
     env = os.environ | ({"MINDSPEED_RL_KEEP_FREE_HEAP": "1"} if keep_free_heap else {})
     process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     rss, kinds = [], []
@@ -112,6 +122,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--iterations", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--policy", choices=("fixed", "learning"), default="fixed",
+                        help="fixed: the same work every iteration (learning rate 1e-30); learning: the demo as it learns")
     parser.add_argument("--keep-free-heap-too", action="store_true",
                         help="a second run beside the first with the heap trim off")
     args = parser.parse_args(argv)
@@ -127,7 +139,7 @@ def main(argv=None) -> int:
         # Side by side, each run gets its share of the cores: oversubscribed threads spin and slow both 5x.
         threads = max(1, (os.cpu_count() or 2) // len(sides)) if len(sides) > 1 else 0
         outcomes[label] = soak(args.iterations, root / label.replace(" ", "_") / "run", keep_free_heap=keep,
-                               threads=threads)
+                               threads=threads, fixed_policy=args.policy == "fixed")
 
     threads = [threading.Thread(target=run, args=side) for side in sides.items()]
     for thread in threads:
@@ -136,7 +148,7 @@ def main(argv=None) -> int:
         thread.join()
     if len(outcomes) != len(sides):
         raise SystemExit("a soak run failed")
-    result = {"iterations": args.iterations, "warmup": args.warmup,
+    result = {"iterations": args.iterations, "warmup": args.warmup, "policy": args.policy,
               "wall_seconds": time.perf_counter() - started, "load_average": (load_before, os.getloadavg()[0]),
               **{label: figures(*outcomes[label], args.warmup) for label in sides}}
     for label in sides:

@@ -30,6 +30,8 @@ class MicroBatch:
     sample_indices: list[int] = field(default_factory=list)  # the samples' rows in the batch it was cut from
     cu_seqlens: torch.Tensor | None = None  # int32; None: padded
     max_seqlen: int = 0
+    # Context parallelism: the padded length whose chunks the CP ranks hold (models/context_parallel.py); 0: none.
+    context_parallel_length: int = 0
 
     @property
     def response_width(self) -> int:

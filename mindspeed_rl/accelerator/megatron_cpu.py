@@ -83,6 +83,10 @@ def _on_cpu(factory):
     def factory_on_cpu(*args, **kwargs):
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        # P7: RoPE under context parallelism builds its chunk indices in pinned memory for a non-blocking copy to
+        # the GPU; a CPU-only torch has no pinned allocator, and the tensor stays where it is anyway.
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         return factory(*args, **kwargs)
 
     factory_on_cpu.__wrapped__ = factory

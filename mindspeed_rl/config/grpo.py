@@ -24,7 +24,7 @@ from mindspeed_rl.config.resources import (
 )
 from mindspeed_rl.config.algorithm_checks import (check_critic, check_dynamic_sampling, check_evaluation, check_packing,
                                                   check_num_layer_list, check_recompute_layers)
-from mindspeed_rl.config.layout_checks import (check_infer_layout, check_model_sharding,
+from mindspeed_rl.config.layout_checks import (check_context_parallel, check_infer_layout, check_model_sharding,
                                                check_sequence_parallel, check_train_layout)
 from mindspeed_rl.config.lora import check_lora_run
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
@@ -88,7 +88,8 @@ class GRPOConfig:
     def train_data_parallel_size(self) -> int:
         # Megatron carves expert parallelism out of the data-parallel ranks, so EP does not divide DP.
         actor = self.actor_config
-        return self.world_size // (actor.tensor_model_parallel_size * actor.pipeline_model_parallel_size)
+        return self.world_size // (actor.tensor_model_parallel_size * actor.pipeline_model_parallel_size
+                                   * actor.context_parallel_size)
 
     @property
     def disaggregated(self) -> bool:
@@ -206,6 +207,7 @@ class GRPOConfig:
         again with the block the checkpoint's config.json describes (setup.check_against_checkpoint)."""
         run_checks(
             partial(check_train_layout, self), partial(check_sequence_parallel, self),
+            partial(check_context_parallel, self),
             partial(check_infer_layout, self), partial(check_model_sharding, self), self._check_batch_sizes, self._check_lengths, partial(check_packing, self),
             partial(check_recompute_layers, self), partial(check_num_layer_list, self),
         )

@@ -24,6 +24,13 @@ def check_train_layout(config) -> None:
             f"tensor_model_parallel_size * pipeline_model_parallel_size = {tp} * {pp} = {tp * pp} "
             f"must divide {world_desc}, got pipeline_model_parallel_size={pp}",
         )
+    cp = actor.context_parallel_size
+    if world % (tp * pp * cp) != 0:
+        raise ConfigError(
+            "actor_config.context_parallel_size",
+            f"tensor * pipeline * context parallel size = {tp} * {pp} * {cp} = {tp * pp * cp} "
+            f"must divide {world_desc}, got context_parallel_size={cp}",
+        )
     if world % (tp * pp * ep) != 0:
         raise ConfigError(
             "actor_config.expert_model_parallel_size",
@@ -40,6 +47,25 @@ def check_sequence_parallel(config) -> None:
             "has no effect with actor_config.tensor_model_parallel_size=1 (it splits activations over the "
             "tensor-parallel ranks); set false",
         )
+
+
+def check_context_parallel(config) -> None:
+    """What context parallelism here covers: the actor and reference of padded batches, Qwen-architecture models."""
+    if config.actor_config.context_parallel_size == 1:
+        return
+    key = "actor_config.context_parallel_size"
+    arch = config.selected_model
+    unsupported = [
+        (config.rl_config.use_remove_padding, "packed sequences (rl_config.use_remove_padding: false)"),
+        (arch is not None and arch.kv_lora_rank is not None, "DeepSeek-V3's MLA layers (a Qwen-architecture model)"),
+        (config.critic_config is not None, "a critic (GRPO/DAPO, no critic_config)"),
+        (config.reward_model is not None, "a reward model (rule rewards)"),
+        (config.megatron_training.attention_dropout > 0, "attention dropout (megatron_training.attention_dropout: 0)"),
+    ]
+    missing = [need for on, need in unsupported if on]
+    if missing:
+        raise ConfigError(key, f"> 1 is supported with padded batches of the actor and reference only; it needs "
+                               f"{'; '.join(missing)}")
 
 
 def check_infer_layout(config) -> None:

@@ -60,8 +60,9 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
         "MindSpeed's TP-extended expert layout; experts are split by expert_model_parallel_size here"),
     "actor_config.gemm_gradient_accumulation_fusion": NoEffect(_NPU_KERNEL),
     "actor_config.initial_loss_scale": NoEffect("fp16's loss scale; bf16 and fp32 runs have none"),
-    "actor_config.context_parallel_size": NoEffect("context parallelism is not implemented", (1,)),
-    "actor_config.context_parallel_algo": NoEffect("read only with context_parallel_size > 1"),
+    "actor_config.context_parallel_algo": NoEffect(
+        "MindSpeed's CP exchange pattern (ring, Ulysses, hybrid); every one computes the same attention, which CP "
+        "here computes by gathering each layer's keys and values over the CP ranks (models/context_parallel.py)"),
     "actor_config.attention_mask_type": NoEffect("the actor's attention is causal", ("causal",)),
     "rl_config.guarantee_order": NoEffect("rollouts run in the driver's order; there is no asynchronous dispatch"),
     "rl_config.blocking": NoEffect("every phase is a blocking call of the integrated worker"),

@@ -87,6 +87,9 @@ class MegatronEngine:
     # No adapters unless the constructor adds them (the critic and the reward model build themselves).
     lora: "LoRASettings | None" = None
     lora_filter = False
+    # Context parallelism is the actor's and the reference's (config/layout_checks.check_context_parallel): the
+    # critic and the reward model build themselves without it.
+    cp = 1
 
     def __init__(self, *, spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], params_dtype: torch.dtype,
                  accelerator: Accelerator, optimizer: OptimizerSettings | None,
@@ -101,6 +104,7 @@ class MegatronEngine:
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.ep = ps.get_expert_model_parallel_world_size()
+        self.cp = ps.get_context_parallel_world_size()
         self.logprob_chunk_tokens = options.logprob_chunk_tokens
         self.packed_sequences = options.packed_sequences
         self.lora, self.lora_filter = lora, lora_filter
@@ -167,10 +171,12 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         packed = micro_batches[0].packed
-        # Padded: sequence parallel (MoE with TP > 1) splits the sequence over TP ranks; tokens appended after
-        # the last one change no earlier logit (causal), so pad and cut the logits back. Packed rows come
-        # padded to the multiple already, and the stages exchange each one's shape (variable_seq_lengths).
-        multiple = self.tp if self.module.config.sequence_parallel and not packed else 1
+        # Padded: sequence parallel (MoE with TP > 1) splits the sequence over TP ranks and context parallelism
+        # into 2 CP chunks; tokens appended after the last one change no earlier logit (causal), so pad and cut
+        # the logits back. Packed rows come padded to the multiple already, and the stages exchange each one's
+        # shape (variable_seq_lengths).
+        multiple = (self.tp if self.module.config.sequence_parallel and not packed else 1) * (
+            2 * self.cp if self.cp > 1 else 1)
         width = max(mb.input_ids.shape[1] for mb in micro_batches)
         seq_length = -(-width // multiple) * multiple
 
@@ -180,6 +186,13 @@ class MegatronEngine:
                 return model(mb.input_ids, mb.position_ids, None,
                              packed_seq_params=self._packed_seq_params(mb)), partial(loss_func, mb)
             ids, positions = _pad_sequence(mb.input_ids, mb.position_ids, seq_length)
+            if self.cp > 1:  # this rank's chunks; its logits stay local (models/context_parallel.py)
+                from mindspeed_rl.models.context_parallel import split_sequence
+
+                cp_rank = ps.get_context_parallel_rank()
+                ids, positions = (split_sequence(x, dim=1, cp_rank=cp_rank, cp=self.cp) for x in (ids, positions))
+                mb.context_parallel_length = seq_length
+                return model(ids, positions, None), partial(loss_func, mb)
             output = model(ids, positions, None)
             if ps.is_pipeline_last_stage() and seq_length != width:
                 output = output[:, :width]

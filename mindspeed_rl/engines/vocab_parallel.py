@@ -33,12 +33,22 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
     from megatron.core import parallel_state as ps
 
     vocab_local = logits.shape[-1]
-    rows = mb.scored_rows()
-    targets = mb.input_ids.reshape(-1)[rows + 1]
+    if mb.context_parallel_length:  # this CP rank's positions; every entry then comes from one rank
+        from mindspeed_rl.models.context_parallel import scored_rows_of_this_rank, sum_over_context_parallel
+
+        rows, targets, held = scored_rows_of_this_rank(mb)
+    else:
+        rows = mb.scored_rows()
+        targets = mb.input_ids.reshape(-1)[rows + 1]
     group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
     token_logprobs, token_entropy = vocab_parallel_logprobs(
         logits.reshape(-1, vocab_local)[rows], targets, temperature=temperature, chunk_tokens=chunk_tokens,
         group=group, with_entropy=with_entropy)
+    if mb.context_parallel_length:
+        token_logprobs, token_entropy = (
+            None if values is None else sum_over_context_parallel(
+                torch.zeros(held.shape, dtype=values.dtype, device=values.device).masked_scatter(held, values))
+            for values in (token_logprobs, token_entropy))
     selected = mb.response_mask.bool()
 
     def place(values: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,12 @@ def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: 
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp, ep=ep, options=options)
+    cp = parallel_state.get_context_parallel_world_size()
+    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp, ep=ep, cp=cp, options=options)
     if spec.deepseek is not None:
+        if cp > 1:
+            raise ValueError("context parallelism is not supported for DeepSeek-V3 yet: its MLA layers have no "
+                             "context-parallel core attention here")
         layer_spec = _deepseek_block_spec(config, options)
     else:
         layer_spec = _qwen_layer_spec(spec, config, options, pp)
@@ -41,10 +45,17 @@ def _qwen_layer_spec(spec: Qwen2Spec, config, options: ModelOptions, pp: int):
 
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
                                           qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    if options.packed_sequences and config.context_parallel_size > 1:
+        raise ValueError("context parallelism takes padded micro-batches: packed sequences "
+                         "(rl_config.use_remove_padding) with context_parallel_size > 1 are not supported")
     if options.packed_sequences:
         from mindspeed_rl.models.packed_attention import with_packed_attention
 
         layer_spec = with_packed_attention(layer_spec)
+    if config.context_parallel_size > 1:
+        from mindspeed_rl.models.context_parallel import with_context_parallel_attention
+
+        layer_spec = with_context_parallel_attention(layer_spec)
     if config.sequence_parallel:
         from mindspeed_rl.accelerator.megatron_cpu import with_sequence_parallel_norms
 

@@ -139,7 +139,7 @@ _FUSION_FIELDS = ("bias_activation_fusion", "masked_softmax_fusion", "apply_rope
                   "gradient_accumulation_fusion")
 
 
-def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, ep: int = 1,
+def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, ep: int = 1, cp: int = 1,
                        options: ModelOptions = ModelOptions()):
     from megatron.core.transformer import TransformerConfig
 
@@ -178,6 +178,7 @@ def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, p
         layernorm_epsilon=spec.rms_norm_eps,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         sequence_parallel=seq_parallel,
         use_cpu_initialization=True,
         params_dtype=params_dtype,

@@ -61,9 +61,13 @@ def activation_terms(inputs: PlanInputs) -> ActivationTerms:
     e = 2 if inputs.bf16 else 4
     h, s = arch.hidden_size, inputs.padded_seq_length
     h_split = t if inputs.sequence_parallel_effective else 1
-    # Flash attention, the packed path's per-sample attention and selective recompute keep no score matrix.
-    no_scores = inputs.flash_attention or inputs.packed or inputs.recompute_granularity == "selective"
+    # Flash attention, the packed path's per-sample attention, selective recompute and the context-parallel
+    # attention (torch's fused kernel) keep no score matrix.
+    no_scores = (inputs.flash_attention or inputs.packed or inputs.recompute_granularity == "selective"
+                 or inputs.cp > 1)
     scores = 0.0 if no_scores else (4 if e == 4 else 4 + e) * arch.num_attention_heads / t * s
+    # Context parallelism keeps each layer's K and V gathered over the whole sequence, cp times a rank's own.
+    scores += 2 * e * arch.kv_width / t * (inputs.cp - 1)
     if inputs.activation_profile == "cpu":
         attention = (16 + 2 * e) * h / h_split + 4 * e * arch.q_width / t + scores
         mlp_per_width = 5 * e

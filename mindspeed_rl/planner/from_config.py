@@ -108,7 +108,7 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
     cpu = on_cpu(config, device_memory, device)
     return PlanInputs(
         arch=replace(arch, pipeline_stage_layers=ac.pipeline_stage_layers), world_size=config.world_size, tp=ac.tensor_model_parallel_size,
-        pp=ac.pipeline_model_parallel_size, ep=ac.expert_model_parallel_size,
+        pp=ac.pipeline_model_parallel_size, ep=ac.expert_model_parallel_size, cp=ac.context_parallel_size,
         infer_tp=gen.infer_tensor_parallel_size, infer_pp=gen.infer_pipeline_parallel_size,
         infer_expert_parallel=gen.infer_expert_parallel_size > 1,
         bf16=mt.bf16, infer_dtype=gen.dtype, distributed_optimizer=mt.use_distributed_optimizer,

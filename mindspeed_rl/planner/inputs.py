@@ -36,6 +36,7 @@ class PlanInputs:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1  # context parallelism: each sequence over cp ranks (replicas of the weights, like DP)
     infer_tp: int = 1
     infer_pp: int = 1  # vLLM pipeline stages (generate_config.infer_pipeline_parallel_size)
     infer_expert_parallel: bool = False
@@ -90,8 +91,8 @@ class PlanInputs:
     def __post_init__(self) -> None:
         if self.activation_profile not in ACTIVATION_PROFILES:
             raise ValueError(f"activation_profile must be one of {ACTIVATION_PROFILES}, got {self.activation_profile!r}")
-        if self.world_size % (self.tp * self.pp):
-            raise ValueError(f"train TP*PP={self.tp * self.pp} must divide the world size {self.world_size}")
+        if self.world_size % (self.tp * self.pp * self.cp):
+            raise ValueError(f"train TP*PP*CP={self.tp * self.pp * self.cp} must divide the world size {self.world_size}")
         if self.world_size % (self.infer_tp * self.infer_pp):
             raise ValueError(f"infer TP*PP={self.infer_tp}*{self.infer_pp}={self.infer_tp * self.infer_pp} must "
                              f"divide the world size {self.world_size}")
@@ -100,7 +101,13 @@ class PlanInputs:
 
     @property
     def dp(self) -> int:
+        """Ranks that hold the same weights (Megatron's DP x CP: the distributed optimizer shards over them)."""
         return self.world_size // (self.tp * self.pp)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that take different samples (CP ranks share theirs)."""
+        return self.dp // self.cp
 
     @property
     def infer_dp(self) -> int:
@@ -120,21 +127,21 @@ class PlanInputs:
     @property
     def micro_batches_per_step(self) -> int:
         if self.packing_token_budget is not None:  # at the worst case every sample is seq_length long
-            tokens = self.mini_batch_samples // self.dp * self.seq_length
+            tokens = self.mini_batch_samples // self.data_parallel_size * self.seq_length
             return max(1, -(-tokens // self.packing_token_budget))
-        return max(1, self.mini_batch_samples // (self.dp * self.micro_batch_size))
+        return max(1, self.mini_batch_samples // (self.data_parallel_size * self.micro_batch_size))
 
     @property
     def tokens_per_micro_batch(self) -> int:
-        """The update micro-batch's tokens at the worst case: micro_batch_size rows of padded_seq_length, or the
-        token budget of a token-budget micro-batch."""
+        """The update micro-batch's tokens on one rank at the worst case: micro_batch_size rows of
+        padded_seq_length (its 1 / cp under context parallelism), or the token budget of a token-budget micro-batch."""
         if self.packing_token_budget is not None:
             return self.packing_token_budget
-        return self.micro_batch_size * self.padded_seq_length
+        return self.micro_batch_size * self.padded_seq_length // self.cp
 
     @property
     def padded_seq_length(self) -> int:
-        multiple = self.tp if self.sequence_parallel_effective else 1
+        multiple = (self.tp if self.sequence_parallel_effective else 1) * (2 * self.cp if self.cp > 1 else 1)
         return -(-self.seq_length // multiple) * multiple
 
     def rank_coordinates(self, rank: int) -> dict[str, int]:

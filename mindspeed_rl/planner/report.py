@@ -34,7 +34,8 @@ def count_text(count: int) -> str:
 
 def _layout_line(plan: MemoryPlan) -> list[str]:
     i = plan.inputs
-    train = f"train TP{i.tp} x PP{i.pp} x DP{i.dp}" + (f" (EP{i.ep})" if i.arch.is_moe else "")
+    train = (f"train TP{i.tp} x PP{i.pp}" + (f" x CP{i.cp}" if i.cp > 1 else "") + f" x DP{i.data_parallel_size}"
+             + (f" (EP{i.ep})" if i.arch.is_moe else ""))
     extras = ["bf16" if i.bf16 else "fp32"]
     if i.distributed_optimizer:
         extras.append("distributed optimizer")
@@ -217,7 +218,7 @@ def json_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
         "model": {"name": model_name, "architecture": arch.name, "model_type": arch.model_type, "source": source,
                   "parameters": arch.parameter_count(), "active_parameters": arch.active_parameter_count(),
                   "mtp_layers_excluded": arch.mtp_layers, "trainable": arch.trainable, "support": arch.support},
-        "layout": {"world_size": i.world_size, "critic_world_size": i.critic_world_size, "tp": i.tp, "pp": i.pp, "dp": i.dp, "ep": i.ep,
+        "layout": {"world_size": i.world_size, "critic_world_size": i.critic_world_size, "tp": i.tp, "pp": i.pp, "cp": i.cp, "dp": i.data_parallel_size, "ep": i.ep,
                    "infer_tp": i.infer_tp, "infer_pp": i.infer_pp, "infer_dp": i.infer_dp,
                    "infer_expert_parallel": i.infer_expert_parallel,
                    "bf16": i.bf16, "infer_dtype": i.infer_dtype, "distributed_optimizer": i.distributed_optimizer,

@@ -27,6 +27,7 @@ def init_distributed(accelerator, *, rank: int, world_size: int, config: GRPOCon
         tensor_model_parallel_size=actor_config.tensor_model_parallel_size,
         pipeline_model_parallel_size=actor_config.pipeline_model_parallel_size,
         expert_model_parallel_size=actor_config.expert_model_parallel_size,
+        context_parallel_size=actor_config.context_parallel_size,
     )
     accelerator.seed_model_parallel_rng(config.megatron_training.seed)
 

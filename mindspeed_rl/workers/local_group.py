@@ -44,7 +44,7 @@ from mindspeed_rl.workers.supervision import (Deadlines, WorkerAddress, WorkerFa
 HUNG_EXIT_CODE = 1  # trainer/stopping.py WORKER_FAILURE_EXIT_CODE
 _WATCH_INTERVAL_SECONDS = 0.5
 # rank_env_vars' keys where a value the user set wins (the rest are set, as a Ray rank's runtime_env does).
-_USER_WINS = ("VLLM_LOGGING_LEVEL", "THP_MEM_ALLOC_ENABLE", "PYTHONWARNINGS")
+_USER_WINS = ("VLLM_LOGGING_LEVEL", "THP_MEM_ALLOC_ENABLE", "PYTHONWARNINGS", "TORCH_FR_BUFFER_SIZE")
 
 
 def reason_for_ray(config) -> str | None:

@@ -35,6 +35,10 @@ def rank_env_vars(threads_per_rank: int) -> dict[str, str]:
         # memory: with 2 MiB pages torch's allocator takes 512x fewer page faults to map it
         # (measured in benchmarks/bench_offload.py). It only changes host allocations >= 2 MiB.
         "THP_MEM_ALLOC_ENABLE": "1",
+        # torch records every collective with its Python and C++ traceback (~3.2 KB) in a ring of 2000 by default:
+        # ~6.4 MB per process that fills for the first ~1000 demo iterations (benchmarks/bench_soak.py). The last
+        # 256 still say which collective a hung rank is in.
+        "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", "256"),
     }
 
 

@@ -1,0 +1,51 @@
+"""Context parallelism's pieces that need no process group: the chunks a rank holds, the config's checks and the
+planner's layout (the engine itself: tests/test_context_parallel_multiprocess.py, tests/test_context_parallel_e2e.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mindspeed_rl.config import ConfigError
+from mindspeed_rl.models.context_parallel import local_positions, split_sequence
+from tests.test_config import load
+
+
+def test_a_rank_holds_chunks_r_and_2cp_minus_1_minus_r():
+    assert local_positions(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert local_positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_split_sequence_takes_the_positions_local_positions_names():
+    sequence = torch.arange(24).reshape(2, 12)
+    for cp_rank in range(3):
+        expected = sequence[:, local_positions(12, cp_rank, 3)]
+        assert torch.equal(split_sequence(sequence, dim=1, cp_rank=cp_rank, cp=3), expected)
+
+
+def test_the_cp2_demo_has_one_data_parallel_rank_on_two_ranks():
+    config = load("grpo_tiny_cpu_cp2")
+    assert (config.world_size, config.actor_config.context_parallel_size, config.train_data_parallel_size) == (2, 2, 1)
+
+
+def test_context_parallel_that_does_not_divide_the_ranks_is_a_config_error():
+    with pytest.raises(ConfigError, match="actor_config.context_parallel_size: tensor . pipeline . context parallel size"):
+        load("grpo_tiny_cpu_cp2", "actor_config.context_parallel_size=3")
+
+
+@pytest.mark.parametrize("override, named", [
+    ("rl_config.use_remove_padding=true", "packed sequences"),
+    ("megatron_training.attention_dropout=0.1", "attention dropout"),
+])
+def test_what_context_parallelism_does_not_cover_is_refused_by_name(override, named):
+    with pytest.raises(ConfigError, match=f"actor_config.context_parallel_size: .*{named}"):
+        load("grpo_tiny_cpu_cp2", override)
+
+
+def test_the_planner_gives_each_cp_rank_half_of_a_micro_batchs_tokens():
+    from mindspeed_rl.planner.from_config import plan_inputs, resolve_hf_config, architecture
+
+    config = load("grpo_tiny_cpu_cp2")
+    inputs = plan_inputs(config, architecture(resolve_hf_config(config)), device="cpu")
+    assert inputs.data_parallel_size == 1 and inputs.dp == 2
+    assert inputs.tokens_per_micro_batch == inputs.micro_batch_size * inputs.padded_seq_length // 2
+    assert inputs.padded_seq_length % 4 == 0
