@@ -14,7 +14,9 @@ class Packing:
 
     max_tokens: int | None = None
     max_samples: int | None = None
-    multiple: int = 1  # a packed row's length is rounded up to this (TP with sequence parallel)
+    multiple: int = 1  # a packed row's length is rounded up to this (TP with sequence parallel, CP)
+    # Each sample's length is rounded up to this (context parallelism cuts every sample into 2 CP chunks).
+    sample_multiple: int = 1
 
 
 @dataclass(kw_only=True)
@@ -134,7 +136,7 @@ class RolloutBatch:
                       for start in range(0, len(self), micro_batch_size)]
         if packing is None:
             return [self._padded(group, device) for group in groups]
-        return [self._packed(group, device, packing.multiple) for group in groups]
+        return [self._packed(group, device, packing.multiple, packing.sample_multiple) for group in groups]
 
     def _padded(self, group: list[int], device: torch.device) -> MicroBatch:
         part = self.select(torch.tensor(group, dtype=torch.long))
@@ -148,10 +150,12 @@ class RolloutBatch:
             sample_indices=group,
         )
 
-    def _packed(self, group: list[int], device: torch.device, multiple: int) -> MicroBatch:
+    def _packed(self, group: list[int], device: torch.device, multiple: int, sample_multiple: int = 1) -> MicroBatch:
         part = self.select(torch.tensor(group, dtype=torch.long))
-        lengths = part.sample_lengths().tolist()
+        # Tokens appended to a sample change none of its own logits (causal): a padded sample scores the same.
+        lengths = [-(-n // sample_multiple) * sample_multiple for n in part.sample_lengths().tolist()]
         ids = [part.input_ids[i, :n] for i, n in enumerate(lengths)]
+        ids = [torch.nn.functional.pad(row, (0, n - len(row))) for row, n in zip(ids, lengths)]
         positions = [torch.arange(n) for n in lengths]
         total = sum(lengths)
         padding = -total % multiple

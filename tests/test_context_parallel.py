@@ -32,13 +32,14 @@ def test_context_parallel_that_does_not_divide_the_ranks_is_a_config_error():
         load("grpo_tiny_cpu_cp2", "actor_config.context_parallel_size=3")
 
 
-@pytest.mark.parametrize("override, named", [
-    ("rl_config.use_remove_padding=true", "packed sequences"),
-    ("megatron_training.attention_dropout=0.1", "attention dropout"),
+@pytest.mark.parametrize("config_name, overrides, named", [
+    ("grpo_tiny_cpu_cp2", ("megatron_training.attention_dropout=0.1",), "attention dropout"),
+    ("grpo_tiny_cpu_reward_model", ("actor_config.context_parallel_size=2", "+rl_config.actor_resource.num_npus=2"),
+     "a reward model"),
 ])
-def test_what_context_parallelism_does_not_cover_is_refused_by_name(override, named):
+def test_what_context_parallelism_does_not_cover_is_refused_by_name(config_name, overrides, named):
     with pytest.raises(ConfigError, match=f"actor_config.context_parallel_size: .*{named}"):
-        load("grpo_tiny_cpu_cp2", override)
+        load(config_name, *overrides)
 
 
 def test_the_planner_gives_each_cp_rank_half_of_a_micro_batchs_tokens():

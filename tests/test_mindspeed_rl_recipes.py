@@ -218,3 +218,22 @@ def test_their_uneven_pipeline_recipe_keeps_its_stages_and_the_planner_reads_the
     layers = [{p.name.split(".")[2] for p in megatron_params(inputs.arch, tp=4, tp_rank=0, pp=4, pp_rank=rank)
                if p.name.startswith("decoder.layers.")} for rank in range(4)]
     assert [len(stage) for stage in layers] == [16, 17, 16, 15]
+
+
+def test_their_dapo_recipes_have_no_reference_as_their_dapo_trainer() -> None:
+    """MindSpeed-RL's DAPO trainer computes no reference log-probs: init_kl_coef unset means 0 under ray_dapo."""
+    config = load_recipe("dapo_qwen25_32b_A3", "runtime.device=npu")
+    assert (config.rl_config.init_kl_coef, config.uses_reference) == (0.0, False)
+    assert load_recipe("dapo_qwen25_32b_A3", "runtime.device=npu", "rl_config.init_kl_coef=0.02").uses_reference
+
+
+def test_their_long_context_recipes_keep_context_parallelism_and_the_planner_splits_the_budget() -> None:
+    """dapo_qwen25_32b_A3_32k: TP8 x PP2 x CP2 on 64 devices, packed micro-batches of 32768 update tokens."""
+    from mindspeed_rl.planner.arch import from_hf_config, hf_config_from_model_block
+    from mindspeed_rl.planner.from_config import plan_inputs
+
+    config = load_recipe("dapo_qwen25_32b_A3_32k", "runtime.device=npu")
+    assert (config.actor_config.context_parallel_size, config.train_data_parallel_size) == (2, 2)
+    inputs = plan_inputs(config, from_hf_config(hf_config_from_model_block(config.selected_model, "qwen25_32b")),
+                         device="npu")
+    assert (inputs.cp, inputs.data_parallel_size, inputs.tokens_per_micro_batch) == (2, 2, 32768 // 2)

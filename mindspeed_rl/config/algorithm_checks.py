@@ -13,7 +13,8 @@ def check_packing(config) -> None:
         return
     longest = rl.max_prompt_length + config.generate_config.sampling_config.max_tokens
     for phase, (budget, _) in rl.packing_budgets.items() if rl.use_dynamic_bsz else ():
-        if budget < longest:
+        # Without a reference (init_kl_coef 0: DAPO) nothing reads the reference's budget, there either.
+        if budget < longest and (phase != "ref" or config.uses_reference):
             own = f"{phase}_max_packing_token_size"
             key = own if getattr(rl, own) is not None else "max_packing_token_size"
             raise ConfigError(f"rl_config.{key}", f"must be >= rl_config.max_prompt_length + generate_config."

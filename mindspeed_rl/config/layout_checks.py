@@ -50,13 +50,12 @@ def check_sequence_parallel(config) -> None:
 
 
 def check_context_parallel(config) -> None:
-    """What context parallelism here covers: the actor and reference of padded batches, Qwen-architecture models."""
+    """What context parallelism here covers: the actor and the reference of Qwen-architecture models."""
     if config.actor_config.context_parallel_size == 1:
         return
     key = "actor_config.context_parallel_size"
     arch = config.selected_model
     unsupported = [
-        (config.rl_config.use_remove_padding, "packed sequences (rl_config.use_remove_padding: false)"),
         (arch is not None and arch.kv_lora_rank is not None, "DeepSeek-V3's MLA layers (a Qwen-architecture model)"),
         (config.critic_config is not None, "a critic (GRPO/DAPO, no critic_config)"),
         (config.reward_model is not None, "a reward model (rule rewards)"),
@@ -64,7 +63,7 @@ def check_context_parallel(config) -> None:
     ]
     missing = [need for on, need in unsupported if on]
     if missing:
-        raise ConfigError(key, f"> 1 is supported with padded batches of the actor and reference only; it needs "
+        raise ConfigError(key, f"> 1 is supported for the actor and the reference only; it needs "
                                f"{'; '.join(missing)}")
 
 

@@ -46,6 +46,7 @@ def load_config(
     the checks across sections.
     """
     tree = _plain_tree(cfg)
+    _dapo_without_reference(tree)
     errors = lift_megatron_keys(tree) + lift_lora_keys(tree) + lift_noop_layers(tree)
     dropped, no_effect_errors = drop_no_effect_keys(tree, strict=_strict_keys(tree))
     errors += no_effect_errors
@@ -68,6 +69,14 @@ def load_config(
         raise _as_config_error(error, cfg) from None
     assert isinstance(config, GRPOConfig)
     return config
+
+
+def _dapo_without_reference(tree: dict[str, Any]) -> None:
+    """MindSpeed-RL's DAPO (stage ray_dapo) builds no reference and has no KL term whatever init_kl_coef's default
+    (0.01, GRPO's) says: a ray_dapo recipe that does not set init_kl_coef gets 0 here, i.e. no reference."""
+    training, rl = tree.get("megatron_training"), tree.get("rl_config")
+    if isinstance(training, dict) and training.get("stage") == "ray_dapo" and (rl is None or isinstance(rl, dict)):
+        tree.setdefault("rl_config", {}).setdefault("init_kl_coef", 0.0)
 
 
 def _strict_keys(tree: dict[str, Any]) -> bool:

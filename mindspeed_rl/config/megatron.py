@@ -168,7 +168,7 @@ class ActorConfig:
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     # Megatron's context parallelism: each sequence split over this many ranks (models/context_parallel.py);
-    # padded micro-batches, dense Qwen2/Qwen3 and Qwen3-MoE.
+    # padded and packed micro-batches, Qwen2/Qwen3 and Qwen3-MoE.
     context_parallel_size: int = 1
     lr: float
     # Megatron's OptimizerParamScheduler: warmup over lr_warmup_fraction of all optimizer steps, then

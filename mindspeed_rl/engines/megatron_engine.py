@@ -183,7 +183,14 @@ class MegatronEngine:
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             mb = next(data_iterator)
             if mb.packed:
-                return model(mb.input_ids, mb.position_ids, None,
+                ids, positions = mb.input_ids, mb.position_ids
+                if self.cp > 1:  # every sample's chunks of this rank; its logits stay local
+                    from mindspeed_rl.models.context_parallel import split_packed
+
+                    ids, positions = (split_packed(x, mb.cu_seqlens, cp_rank=ps.get_context_parallel_rank(),
+                                                   cp=self.cp) for x in (ids, positions))
+                    mb.context_parallel_length = mb.input_ids.shape[1]
+                return model(ids, positions, None,
                              packed_seq_params=self._packed_seq_params(mb)), partial(loss_func, mb)
             ids, positions = _pad_sequence(mb.input_ids, mb.position_ids, seq_length)
             if self.cp > 1:  # this rank's chunks; its logits stay local (models/context_parallel.py)
@@ -299,8 +306,11 @@ class MegatronEngine:
         if packing is not None:
             if not self.packed_sequences:
                 raise ValueError("packed micro-batches need the model built with ModelOptions(packed_sequences=True)")
-            # With sequence parallel every packed row splits evenly over the TP ranks.
-            packing = replace(packing, multiple=self.tp if self.module.config.sequence_parallel else 1)
+            # With sequence parallel every packed row splits evenly over the TP ranks; with context parallelism
+            # every sample into 2 CP chunks, and a rank's part of the row again over its TP ranks.
+            tp_multiple = self.tp if self.module.config.sequence_parallel else 1
+            sample_multiple = 2 * self.cp if self.cp > 1 else 1
+            packing = replace(packing, multiple=tp_multiple * sample_multiple, sample_multiple=sample_multiple)
         return batch.micro_batches(micro_batch_size, self.accelerator.device, packing)
 
     # -- pipeline helpers ----------------------------------------------------------------------

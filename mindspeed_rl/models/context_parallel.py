@@ -39,6 +39,24 @@ def split_sequence(tensor: torch.Tensor, *, dim: int, cp_rank: int, cp: int) -> 
     return torch.cat([chunks[i] for i in local_chunk_indices(cp_rank, cp)], dim=dim)
 
 
+def split_packed(tensor: torch.Tensor, cu_seqlens: torch.Tensor, *, cp_rank: int, cp: int) -> torch.Tensor:
+    """[1, t] packed -> [1, t / CP]: every sample's (and the padding segment's) two chunks of this rank, sample after
+    sample, as Megatron's THD RoPE reads them (each segment's length a multiple of 2 CP)."""
+    bounds = cu_seqlens.tolist()
+    return torch.cat([split_sequence(tensor[:, start:stop], dim=1, cp_rank=cp_rank, cp=cp)
+                      for start, stop in zip(bounds[:-1], bounds[1:]) if stop > start], dim=1)
+
+
+def _local_offsets(positions: torch.Tensor, lengths: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+    """Where position p of a segment of length L sits in this rank's part of it (L / CP long), -1 where another
+    rank holds it."""
+    chunk = lengths // (2 * cp)
+    index = positions // chunk
+    first, second = local_chunk_indices(cp_rank, cp)
+    return torch.where(index == first, positions - first * chunk,
+                       torch.where(index == second, chunk + positions - second * chunk, -1))
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather along dim 0 over the CP group, back in global order; the backward sums every rank's gradient for
     this rank's chunks (other ranks' queries attend to them)."""
@@ -60,6 +78,32 @@ class _GatherSequence(torch.autograd.Function):
         total = grad.contiguous().clone()
         dist.all_reduce(total, group=ctx.group)  # gloo has no reduce_scatter; the sum, then this rank's slice
         return split_sequence(total, dim=0, cp_rank=ctx.cp_rank, cp=ctx.cp), None
+
+
+class _GatherPacks(torch.autograd.Function):
+    """All-gather of the ranks' packs [t / CP, ...] -> [CP, t / CP, ...] (rank order); the backward sums every
+    rank's gradient for this rank's pack."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        ctx.group, ctx.cp_rank = group, dist.get_rank(group)
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total[ctx.cp_rank], None
+
+
+def _in_global_order(parts: torch.Tensor, cp: int) -> torch.Tensor:
+    """[CP, L / CP, ...] each rank's two chunks of one segment -> [L, ...] the segment."""
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank in range(cp):
+        chunks[rank], chunks[2 * cp - 1 - rank] = parts[rank].chunk(2, dim=0)
+    return torch.cat(chunks, dim=0)
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -100,13 +144,31 @@ class ContextParallelAttention(MegatronModule):
                 packed_seq_params=None):
         from megatron.core import parallel_state as ps
 
-        if packed_seq_params is not None:
-            raise ValueError("context parallelism takes padded micro-batches (not rl_config.use_remove_padding)")
         group = ps.get_context_parallel_group()
         cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        keys, values = _GatherSequence.apply(key, group), _GatherSequence.apply(value, group)
-        local_len = query.shape[0]
-        chunk = local_len // 2
+        if packed_seq_params is None:  # [s / CP, b, h, d]: one segment per row
+            out = self._segment(query, _GatherSequence.apply(key, group), _GatherSequence.apply(value, group), cp_rank, cp)
+            return out.reshape(out.shape[0], out.shape[1], -1)
+        # Packed [t / CP, h, d]: gather the packs, then each sample's keys in its own order. Every rank holds
+        # L / CP of each sample of global length L, so the gathered packs line up sample by sample.
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"packed attention takes the thd format, got {packed_seq_params.qkv_format!r}")
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        keys, values = (_GatherPacks.apply(x, group) for x in (key, value))
+        outputs = []
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            if stop == start:
+                continue
+            local = slice(start // cp, stop // cp)
+            segment_keys, segment_values = (_in_global_order(x[:, local], cp) for x in (keys, values))
+            outputs.append(self._segment(query[local].unsqueeze(1), segment_keys.unsqueeze(1),
+                                         segment_values.unsqueeze(1), cp_rank, cp).squeeze(1))
+        out = torch.cat(outputs)
+        return out.reshape(out.shape[0], -1)
+
+    def _segment(self, query, keys, values, cp_rank: int, cp: int) -> torch.Tensor:
+        """query [L / CP, b, h, d] this rank's two chunks of a segment, keys/values [L, b, g, d] all of it."""
+        chunk = query.shape[0] // 2
         outputs = []
         for half, index in enumerate(local_chunk_indices(cp_rank, cp)):
             end = (index + 1) * chunk  # this chunk's queries see the keys before its end, causally
@@ -118,8 +180,7 @@ class ContextParallelAttention(MegatronModule):
             attended = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=allowed, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
             outputs.append(attended.permute(2, 0, 1, 3))  # [L, b, h, d]
-        out = torch.cat(outputs, dim=0)
-        return out.reshape(out.shape[0], out.shape[1], -1)
+        return torch.cat(outputs, dim=0)
 
 
 def with_context_parallel_attention(layer_spec):
@@ -133,17 +194,23 @@ def scored_rows_of_this_rank(mb) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     [b x s / CP, vocab] logits that score those it holds, their target ids, and which ones it holds ([n] bool)."""
     from megatron.core import parallel_state as ps
 
-    seq_length, device = mb.context_parallel_length, mb.input_ids.device
+    device = mb.input_ids.device
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    positions = local_positions(seq_length, cp_rank, cp, device)
-    local_index = torch.full((seq_length,), -1, dtype=torch.long, device=device)
-    local_index[positions] = torch.arange(len(positions), device=device)
     # Response token j of a sample is scored at position prompt length - 1 + j (position t predicts t + 1).
     scoring = (mb.prompt_lengths.unsqueeze(1) - 1 + torch.arange(mb.response_width, device=device))
     samples = torch.arange(len(mb.prompt_lengths), device=device).unsqueeze(1).expand_as(scoring)
     selected = mb.response_mask.bool()
     scoring, samples = scoring[selected], samples[selected]
-    held = local_index[scoring] >= 0
-    rows = samples[held] * len(positions) + local_index[scoring[held]]
+    if mb.packed:  # segment j holds cu[j + 1] - cu[j] tokens, of which this rank's part starts at cu[j] / CP
+        starts = mb.cu_seqlens.long()[samples]
+        offsets = _local_offsets(scoring, mb.cu_seqlens.long()[samples + 1] - starts, cp_rank, cp)
+        held = offsets >= 0
+        rows = starts[held] // cp + offsets[held]
+        targets = mb.input_ids[0, starts[held] + scoring[held] + 1]
+        return rows, targets, held
+    length = mb.context_parallel_length
+    offsets = _local_offsets(scoring, torch.full_like(scoring, length), cp_rank, cp)
+    held = offsets >= 0
+    rows = samples[held] * (length // cp) + offsets[held]
     targets = mb.input_ids[samples[held], scoring[held] + 1]
     return rows, targets, held

@@ -45,14 +45,11 @@ def _qwen_layer_spec(spec: Qwen2Spec, config, options: ModelOptions, pp: int):
 
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
                                           qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
-    if options.packed_sequences and config.context_parallel_size > 1:
-        raise ValueError("context parallelism takes padded micro-batches: packed sequences "
-                         "(rl_config.use_remove_padding) with context_parallel_size > 1 are not supported")
     if options.packed_sequences:
         from mindspeed_rl.models.packed_attention import with_packed_attention
 
         layer_spec = with_packed_attention(layer_spec)
-    if config.context_parallel_size > 1:
+    if config.context_parallel_size > 1:  # padded and packed
         from mindspeed_rl.models.context_parallel import with_context_parallel_attention
 
         layer_spec = with_context_parallel_attention(layer_spec)

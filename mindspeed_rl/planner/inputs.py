@@ -136,7 +136,7 @@ class PlanInputs:
         """The update micro-batch's tokens on one rank at the worst case: micro_batch_size rows of
         padded_seq_length (its 1 / cp under context parallelism), or the token budget of a token-budget micro-batch."""
         if self.packing_token_budget is not None:
-            return self.packing_token_budget
+            return self.packing_token_budget // self.cp
         return self.micro_batch_size * self.padded_seq_length // self.cp
 
     @property
