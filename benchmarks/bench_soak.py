@@ -7,7 +7,9 @@ Runs `cli/train_grpo.py --config-name grpo_tiny_cpu` (one rank, in the CLI's pro
 whole run's) for `--iterations` iterations, reads the process's RSS at every `[iter` line, and prints:
 - the RSS slope, MB per 100 iterations, by least squares over the iterations after `--warmup` (target <= 0.2);
 - the median seconds per iteration (`timing/all` in metrics.jsonl) of the first and the last 100 iterations after
-  the warm-up, and their drift in percent (target <= 2%);
+  the warm-up, and their drift in percent (target <= 2%: a positive drift is a slowdown); and the drift of a
+  least-squares line through every iteration's seconds, from its value at the first to its value at the last
+  (a shared machine moves 100-iteration medians by +-10% either way; the line weighs the whole run);
 - the same for the CPU seconds the process itself spent per iteration (user + system, all its threads), which
   other load on a shared machine moves far less than the wall time: more work per iteration shows there.
 The machine's load average is printed beside the figures: a busy machine moves the times, not the RSS.
@@ -86,6 +88,15 @@ def slope_mb_per_100(points: list[tuple[int, int, float]]) -> float:
     return 100 * covariance / sum((x - mean_x) ** 2 for x in xs)
 
 
+def fitted_drift_percent(points: list[tuple[int, float]]) -> float:
+    """The least-squares line's change from the first to the last iteration, in percent of its first value."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x in xs)
+    first = mean_y + slope * (xs[0] - mean_x)
+    return 100 * slope * (xs[-1] - xs[0]) / first
+
+
 def figures(rss: list[tuple[int, int, float]], records: list[dict], kinds: list[dict[str, int]],
             warmup: int) -> dict:
     by_kind = {kind: slope_mb_per_100([(i, split.get(kind, 0), 0.0) for (i, _, _), split in zip(rss, kinds)
@@ -99,6 +110,7 @@ def figures(rss: list[tuple[int, int, float]], records: list[dict], kinds: list[
         "rss_slope_mb_per_100_iterations": slope_mb_per_100([p for p in rss if p[0] > warmup]),
         "seconds_per_iteration_first": first, "seconds_per_iteration_last": last,
         "drift_percent": 100 * (last - first) / first,
+        "fitted_drift_percent": fitted_drift_percent([(r["iteration"], r["timing/all"]) for r in measured]),
         "cpu_seconds_per_iteration_first": cpu_first, "cpu_seconds_per_iteration_last": cpu_last,
         "cpu_drift_percent": 100 * (cpu_last - cpu_first) / cpu_first,
         "rss_slope_mb_per_100_iterations_by_kind": by_kind,
@@ -111,7 +123,8 @@ def print_figures(label: str, result: dict) -> None:
           + ", ".join(f"{kind} {slope:.3f}" for kind, slope in result["rss_slope_mb_per_100_iterations_by_kind"].items()))
     print(f"{label}: seconds per iteration, median of the first / last {WINDOW} after the warm-up: "
           f"{result['seconds_per_iteration_first']:.3f} / {result['seconds_per_iteration_last']:.3f} "
-          f"({result['drift_percent']:+.1f}%, target <= 2%)")
+          f"({result['drift_percent']:+.1f}%, target <= 2%); least-squares drift over the run "
+          f"{result['fitted_drift_percent']:+.1f}%")
     print(f"{label}: CPU seconds per iteration (the process's own), first / last {WINDOW}: "
           f"{result['cpu_seconds_per_iteration_first']:.3f} / {result['cpu_seconds_per_iteration_last']:.3f} "
           f"({result['cpu_drift_percent']:+.1f}%)")

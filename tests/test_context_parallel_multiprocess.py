@@ -1,8 +1,10 @@
-"""Context parallelism (actor_config.context_parallel_size, models/context_parallel.py) on 2 real gloo ranks: CP2's
+"""Context parallelism (actor_config.context_parallel_size, models/context_parallel.py) on real gloo ranks: CP2's
 log-probs, entropies and gradients equal HF transformers' on the unsharded model, for padded and for packed
-micro-batches of samples of different lengths, and the activation bytes the ledger's meter counts are the planner's.
+micro-batches of samples of different lengths; alone on 2 ranks (where the activation bytes the ledger's meter
+counts are also the planner's), and beside TP2 with sequence parallelism and beside PP2 on 4 ranks (the layout of
+MindSpeed-RL's CP recipes: TP8 x PP2 x CP2 with sequence parallelism).
 
-Runs where: 2 spawned processes (torch.multiprocessing), gloo; one spawn covers the three.
+Runs where: spawned processes (torch.multiprocessing), gloo: one spawn of 2 ranks, one of 4 for both layouts.
 """
 from __future__ import annotations
 
@@ -53,17 +55,18 @@ def _planned_activation_bytes(checkpoint: str, samples: list[torch.Tensor]) -> i
     return activation_bytes(inputs, 0)
 
 
-def _worker(rank, port, checkpoint, samples, oracle_logprobs, oracle_grads, planned_bytes):
+def _worker(rank, world_size, port, layouts, checkpoint, samples, oracle_logprobs, oracle_grads, planned_bytes):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        _check_context_parallel(checkpoint, samples, oracle_logprobs, oracle_grads, planned_bytes)
+        for tp, pp in layouts:
+            _check_context_parallel(checkpoint, samples, oracle_logprobs, oracle_grads, planned_bytes, tp=tp, pp=pp)
     finally:
         dist.destroy_process_group()
 
 
-def _check_context_parallel(checkpoint, samples, oracle_logprobs, oracle_grads, planned_bytes):
+def _check_context_parallel(checkpoint, samples, oracle_logprobs, oracle_grads, planned_bytes, *, tp, pp):
     from megatron.core import parallel_state as ps
 
     from mindspeed_rl.accelerator import get_accelerator
@@ -74,14 +77,15 @@ def _check_context_parallel(checkpoint, samples, oracle_logprobs, oracle_grads, 
     from mindspeed_rl.protocol import Packing, RolloutBatch
     from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
 
-    ps.initialize_model_parallel(context_parallel_size=2)
+    ps.initialize_model_parallel(context_parallel_size=2, tensor_model_parallel_size=tp,
+                                 pipeline_model_parallel_size=pp)
     accelerator = get_accelerator("cpu")
     accelerator.seed_model_parallel_rng(1)
     spec, state = load_hf_checkpoint(checkpoint)
     settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
                                  adam_eps=1e-8, clip_grad=0.0)
     engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator,
-                            optimizer=settings, options=ModelOptions(packed_sequences=True))
+                            optimizer=settings, options=ModelOptions(packed_sequences=True, sequence_parallel=tp > 1))
     batch = RolloutBatch.from_token_lists([s[:PROMPT].tolist() for s in samples], [s[PROMPT:].tolist() for s in samples],
                                           pad_id=0, response_width=oracle_logprobs.shape[1])
     tokens = batch.response_mask.sum()
@@ -90,20 +94,21 @@ def _check_context_parallel(checkpoint, samples, oracle_logprobs, oracle_grads, 
         loss = ((-token_logprobs + ENTROPY_COEF * entropy) * mb.response_mask).sum() / tokens
         return loss, {"loss": loss.item()}
 
-    expected_grads = megatron_shard_from_hf(oracle_grads, spec, tp_rank=0, tp=1, pp_rank=0, pp=1, ep_rank=0, ep=1)
+    expected_grads = megatron_shard_from_hf(oracle_grads, spec, tp_rank=ps.get_tensor_model_parallel_rank(), tp=tp,
+                                            pp_rank=ps.get_pipeline_model_parallel_rank(), pp=pp, ep_rank=0, ep=1)
     exclude = {param.untyped_storage()._cdata for param in engine.module.parameters()}
     # Padded: rows of 11 tokens padded to 12 for the 4 chunks. Packed: each sample padded to a multiple of 4 and
     # cut into its own 4 chunks. Each rank holds 2 chunks.
     for packing in (None, Packing()):
         logprobs = engine.compute_logprobs(batch, micro_batch_size=2, temperature=1.0, packing=packing)
-        assert (logprobs - oracle_logprobs).abs().max().item() < 1e-5, packing
+        assert (logprobs - oracle_logprobs).abs().max().item() < 1e-5, (tp, pp, packing)
         with ActivationMeter(exclude) as meter:
             engine.train_step(batch, micro_batch_size=len(samples), temperature=1.0, loss_fn=loss_fn,
                               packing=packing)
         for name, param in engine.module.named_parameters():
             error = (param.main_grad - expected_grads[name]).abs().max().item()
-            assert error < 1e-5 * max(1.0, expected_grads[name].abs().max().item()), (packing, name, error)
-        if packing is None:  # the planner's cpu profile on this shape (its CP1 twin is off by -2.4%, measured)
+            assert error < 1e-5 * max(1.0, expected_grads[name].abs().max().item()), (tp, pp, packing, name, error)
+        if packing is None and planned_bytes is not None:  # the planner's cpu profile on this shape (its CP1 twin is off by -2.4%, measured)
             assert abs(meter.peak_bytes - planned_bytes) / meter.peak_bytes < 0.04, (meter.peak_bytes, planned_bytes)
         _restore(engine, state, spec)  # the step moved the weights: the next pass starts from the oracle's
     ps.destroy_model_parallel()
@@ -116,13 +121,24 @@ def _restore(engine, state, spec) -> None:
     engine.optimizer.reload_model_params()
 
 
-def test_context_parallel_2_matches_hf_log_probs_gradients_and_the_planned_activations(tmp_path):
+def _model_and_samples(tmp_path) -> tuple[str, list[torch.Tensor]]:
     checkpoint = str(tmp_path / "model")
     create_tiny_qwen2_checkpoint(checkpoint, vocab_size=64, hidden_size=128, ffn_hidden_size=256, num_layers=2,
                                  num_attention_heads=4, num_query_groups=2, seed=5)
     # Token 0 is HF's padding_idx (its embedding row gets no gradient there): ids from 1. Lengths 11, 9, 6, 10.
     ids = torch.randint(1, 64, (4, 11), generator=torch.Generator().manual_seed(1))
-    samples = [row[:length] for row, length in zip(ids, (11, 9, 6, 10))]
+    return checkpoint, [row[:length] for row, length in zip(ids, (11, 9, 6, 10))]
+
+
+def test_context_parallel_2_matches_hf_log_probs_gradients_and_the_planned_activations(tmp_path):
+    checkpoint, samples = _model_and_samples(tmp_path)
     oracle_logprobs, oracle_grads = _hf_oracle(checkpoint, samples)
-    mp.spawn(_worker, args=(free_port(), checkpoint, samples, oracle_logprobs, oracle_grads,
+    mp.spawn(_worker, args=(2, free_port(), [(1, 1)], checkpoint, samples, oracle_logprobs, oracle_grads,
                             _planned_activation_bytes(checkpoint, samples)), nprocs=2, join=True)
+
+
+def test_context_parallel_beside_tp2_with_sequence_parallel_and_beside_pp2_matches_hf(tmp_path):
+    checkpoint, samples = _model_and_samples(tmp_path)
+    oracle_logprobs, oracle_grads = _hf_oracle(checkpoint, samples)
+    mp.spawn(_worker, args=(4, free_port(), [(2, 1), (1, 2)], checkpoint, samples, oracle_logprobs, oracle_grads,
+                            None), nprocs=4, join=True)

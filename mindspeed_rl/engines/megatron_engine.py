@@ -168,8 +168,6 @@ class MegatronEngine:
                       collect_non_loss_data: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from megatron.core import parallel_state as ps
-
         packed = micro_batches[0].packed
         # Padded: sequence parallel (MoE with TP > 1) splits the sequence over TP ranks and context parallelism
         # into 2 CP chunks; tokens appended after the last one change no earlier logit (causal), so pad and cut
@@ -182,28 +180,7 @@ class MegatronEngine:
 
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             mb = next(data_iterator)
-            if mb.packed:
-                ids, positions = mb.input_ids, mb.position_ids
-                if self.cp > 1:  # every sample's chunks of this rank; its logits stay local
-                    from mindspeed_rl.models.context_parallel import split_packed
-
-                    ids, positions = (split_packed(x, mb.cu_seqlens, cp_rank=ps.get_context_parallel_rank(),
-                                                   cp=self.cp) for x in (ids, positions))
-                    mb.context_parallel_length = mb.input_ids.shape[1]
-                return model(ids, positions, None,
-                             packed_seq_params=self._packed_seq_params(mb)), partial(loss_func, mb)
-            ids, positions = _pad_sequence(mb.input_ids, mb.position_ids, seq_length)
-            if self.cp > 1:  # this rank's chunks; its logits stay local (models/context_parallel.py)
-                from mindspeed_rl.models.context_parallel import split_sequence
-
-                cp_rank = ps.get_context_parallel_rank()
-                ids, positions = (split_sequence(x, dim=1, cp_rank=cp_rank, cp=self.cp) for x in (ids, positions))
-                mb.context_parallel_length = seq_length
-                return model(ids, positions, None), partial(loss_func, mb)
-            output = model(ids, positions, None)
-            if ps.is_pipeline_last_stage() and seq_length != width:
-                output = output[:, :width]
-            return output, partial(loss_func, mb)
+            return self._forward(model, mb, seq_length, width), partial(loss_func, mb)
 
         assert packed or all(mb.input_ids.shape[1] == width for mb in micro_batches), "pipeline p2p needs one shape"
         # Stages receive every micro-batch in the first one's shape: a smaller last one would be read wrongly.
@@ -220,6 +197,23 @@ class MegatronEngine:
             forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data,
         )
+
+    def _forward(self, model, mb: MicroBatch, seq_length: int, width: int) -> torch.Tensor:
+        """The model's output for `mb` on this rank: padded rows padded to `seq_length` and the logits cut back to
+        `width`; under context parallelism this rank's chunks, whose logits stay local."""
+        from megatron.core import parallel_state as ps
+
+        packed_seq_params = self._packed_seq_params(mb) if mb.packed else None
+        ids, positions = ((mb.input_ids, mb.position_ids) if mb.packed
+                          else _pad_sequence(mb.input_ids, mb.position_ids, seq_length))
+        if self.cp > 1:
+            from mindspeed_rl.models.context_parallel import this_ranks_tokens
+
+            return model(*this_ranks_tokens(mb, ids, positions), None, packed_seq_params=packed_seq_params)
+        output = model(ids, positions, None, packed_seq_params=packed_seq_params)
+        if not mb.packed and ps.is_pipeline_last_stage() and seq_length != width:
+            output = output[:, :width]
+        return output
 
     @staticmethod
     def _packed_seq_params(mb: MicroBatch):

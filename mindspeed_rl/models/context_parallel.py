@@ -47,6 +47,19 @@ def split_packed(tensor: torch.Tensor, cu_seqlens: torch.Tensor, *, cp_rank: int
                       for start, stop in zip(bounds[:-1], bounds[1:]) if stop > start], dim=1)
 
 
+def this_ranks_tokens(mb, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token ids and positions of micro-batch `mb` this CP rank feeds the model: its two chunks of each padded row
+    (a multiple of 2 CP long) or of each sample of a pack. Records the whole length in `mb.context_parallel_length`,
+    which tells the log-prob step (engines/vocab_parallel.py) which positions this rank's logits hold."""
+    from megatron.core import parallel_state as ps
+
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    mb.context_parallel_length = ids.shape[1]
+    if mb.packed:
+        return tuple(split_packed(x, mb.cu_seqlens, cp_rank=cp_rank, cp=cp) for x in (ids, positions))
+    return tuple(split_sequence(x, dim=1, cp_rank=cp_rank, cp=cp) for x in (ids, positions))
+
+
 def _local_offsets(positions: torch.Tensor, lengths: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
     """Where position p of a segment of length L sits in this rank's part of it (L / CP long), -1 where another
     rank holds it."""
