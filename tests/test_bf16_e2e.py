@@ -16,7 +16,7 @@ from resharding_oracle import LOGPROB_TOLERANCE
 
 def test_bf16_tp2pp2_to_infer_dp4_runs(tmp_path):
     done = run_cli(tmp_path, "grpo_tiny_cpu_bf16_tp2pp2", "megatron_training.train_iters=1",
-                   f"synthetic_data.data_dir={tmp_path / 'assets'}", timeout=1200)
+                   timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1]

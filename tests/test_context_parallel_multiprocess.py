@@ -1,8 +1,9 @@
 """Context parallelism (actor_config.context_parallel_size, models/context_parallel.py) on real gloo ranks: CP2's
 log-probs, entropies and gradients equal HF transformers' on the unsharded model, for padded and for packed
 micro-batches of samples of different lengths; alone on 2 ranks (where the activation bytes the ledger's meter
-counts are also the planner's), and beside TP2 with sequence parallelism and beside PP2 on 4 ranks (the layout of
-MindSpeed-RL's CP recipes: TP8 x PP2 x CP2 with sequence parallelism).
+counts are also the planner's, and where a CP2 checkpoint loads at TP2 without CP with equal weights), and beside
+TP2 with sequence parallelism and beside PP2 on 4 ranks (the layout of MindSpeed-RL's CP recipes: TP8 x PP2 x CP2
+with sequence parallelism).
 
 Runs where: spawned processes (torch.multiprocessing), gloo: one spawn of 2 ranks, one of 4 for both layouts.
 """
@@ -55,37 +56,73 @@ def _planned_activation_bytes(checkpoint: str, samples: list[torch.Tensor]) -> i
     return activation_bytes(inputs, 0)
 
 
-def _worker(rank, world_size, port, layouts, checkpoint, samples, oracle_logprobs, oracle_grads, planned_bytes):
+def _worker(rank, world_size, port, layouts, checkpoint, samples, oracle_logprobs, oracle_grads, planned_bytes,
+            save_dir=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         for tp, pp in layouts:
             _check_context_parallel(checkpoint, samples, oracle_logprobs, oracle_grads, planned_bytes, tp=tp, pp=pp)
+        if save_dir is not None:
+            _check_checkpoint_loads_without_cp(checkpoint, samples, save_dir)
     finally:
         dist.destroy_process_group()
 
 
-def _check_context_parallel(checkpoint, samples, oracle_logprobs, oracle_grads, planned_bytes, *, tp, pp):
-    from megatron.core import parallel_state as ps
-
+def _engine(checkpoint, **options):
     from mindspeed_rl.accelerator import get_accelerator
     from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
-    from mindspeed_rl.memory.ledger import ActivationMeter
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
     from mindspeed_rl.models.qwen2 import ModelOptions
-    from mindspeed_rl.protocol import Packing, RolloutBatch
-    from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
 
-    ps.initialize_model_parallel(context_parallel_size=2, tensor_model_parallel_size=tp,
-                                 pipeline_model_parallel_size=pp)
     accelerator = get_accelerator("cpu")
     accelerator.seed_model_parallel_rng(1)
     spec, state = load_hf_checkpoint(checkpoint)
     settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
                                  adam_eps=1e-8, clip_grad=0.0)
     engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator,
-                            optimizer=settings, options=ModelOptions(packed_sequences=True, sequence_parallel=tp > 1))
+                            optimizer=settings, options=ModelOptions(**options))
+    return engine, spec, state
+
+
+def _check_checkpoint_loads_without_cp(checkpoint, samples, save_dir):
+    """One step at CP2 (the weights leave the HF ones), saved; a TP2 engine without CP loads the same weights."""
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_rl.checkpoint.hf_export import hf_weights_from_megatron
+    from mindspeed_rl.protocol import RolloutBatch
+
+    ps.initialize_model_parallel(context_parallel_size=2)
+    engine, spec, _ = _engine(checkpoint)
+    batch = RolloutBatch.from_token_lists([s[:PROMPT].tolist() for s in samples], [s[PROMPT:].tolist() for s in samples],
+                                          pad_id=0, response_width=max(len(s) for s in samples) - PROMPT)
+    engine.train_step(batch, micro_batch_size=2, temperature=1.0,
+                      loss_fn=lambda lp, entropy, mb: (-(lp * mb.response_mask).sum() / 30.0, {}))
+    engine.save_sharded(save_dir, with_optimizer=True)
+    saved = hf_weights_from_megatron(engine.named_weights(), spec)
+    ps.destroy_model_parallel()
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    loaded, _, state = _engine(checkpoint)
+    loaded.load_sharded(save_dir, load_optimizer=True, scheduler_state=None)
+    weights = hf_weights_from_megatron(loaded.named_weights(), spec)
+    assert any(not torch.equal(saved[name], state[name]) for name in state)
+    for name, tensor in saved.items():
+        assert torch.equal(weights[name], tensor), name
+    ps.destroy_model_parallel()
+
+
+def _check_context_parallel(checkpoint, samples, oracle_logprobs, oracle_grads, planned_bytes, *, tp, pp):
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_rl.memory.ledger import ActivationMeter
+    from mindspeed_rl.protocol import Packing, RolloutBatch
+    from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
+
+    ps.initialize_model_parallel(context_parallel_size=2, tensor_model_parallel_size=tp,
+                                 pipeline_model_parallel_size=pp)
+    engine, spec, state = _engine(checkpoint, packed_sequences=True, sequence_parallel=tp > 1)
     batch = RolloutBatch.from_token_lists([s[:PROMPT].tolist() for s in samples], [s[PROMPT:].tolist() for s in samples],
                                           pad_id=0, response_width=oracle_logprobs.shape[1])
     tokens = batch.response_mask.sum()
@@ -130,11 +167,11 @@ def _model_and_samples(tmp_path) -> tuple[str, list[torch.Tensor]]:
     return checkpoint, [row[:length] for row, length in zip(ids, (11, 9, 6, 10))]
 
 
-def test_context_parallel_2_matches_hf_log_probs_gradients_and_the_planned_activations(tmp_path):
+def test_context_parallel_2_matches_hf_log_probs_gradients_and_the_planned_activations_and_loads_at_tp2(tmp_path):
     checkpoint, samples = _model_and_samples(tmp_path)
     oracle_logprobs, oracle_grads = _hf_oracle(checkpoint, samples)
     mp.spawn(_worker, args=(2, free_port(), [(1, 1)], checkpoint, samples, oracle_logprobs, oracle_grads,
-                            _planned_activation_bytes(checkpoint, samples)), nprocs=2, join=True)
+                            _planned_activation_bytes(checkpoint, samples), str(tmp_path / "save")), nprocs=2, join=True)
 
 
 def test_context_parallel_beside_tp2_with_sequence_parallel_and_beside_pp2_matches_hf(tmp_path):

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _run(tmp_path, *overrides: str, fault: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "MINDSPEED_RL_INJECT_FAULT": fault} if fault else None
     argv = [sys.executable, "cli/train_grpo.py", "--config-name", "grpo_tiny_cpu",
-            f"synthetic_data.data_dir={tmp_path / 'assets'}", f"hydra.run.dir={tmp_path / 'run'}", *overrides]
+            f"hydra.run.dir={tmp_path / 'run'}", *overrides]
     return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
 
 

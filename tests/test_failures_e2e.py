@@ -28,7 +28,7 @@ def _start(tmp_path, config_name: str, *overrides: str, fault: str | None = None
     env = {"MINDSPEED_RL_INJECT_FAULT": fault, "MINDSPEED_RL_INJECT_FAULT_LOG": str(tmp_path / "faults.log")} \
         if fault else {}
     return launch(tmp_path, config_name, "megatron_training.train_iters=2",
-                  f"synthetic_data.data_dir={tmp_path / 'assets'}", *overrides, env=env)
+                  *overrides, env=env)
 
 
 def _run_into_fault(tmp_path, config_name: str, fault: str, marker: str, *overrides: str):

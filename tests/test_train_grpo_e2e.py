@@ -29,7 +29,6 @@ def test_two_iterations_write_metrics(tmp_path):
                    "rl_config.use_swanlab=true", "rl_config.swanlab_mode=local", "rl_config.swanlab_project=e2e",
                    "rl_config.swanlab_exp_name=two",
                    "rl_config.use_mlflow=true", "rl_config.mlflow_project=e2e", "rl_config.mlflow_exp_name=two",
-                   f"synthetic_data.data_dir={tmp_path / 'assets'}",
                    env={"RAY_TMPDIR": str(ray_tmp), "WANDB_MODE": "offline"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[init] one rank: running it in this process (no Ray; runtime.local_single_rank=false uses Ray)" \
@@ -167,7 +166,7 @@ def pp2_run(tmp_path_factory):
                                  for a in range(4) for b in range(3)))  # 12 prompts
     shm_before = shm_entries()
     run = launch(tmp_path, "grpo_tiny_cpu_pp2_infer_tp2", "megatron_training.train_iters=2",
-                 f"synthetic_data.data_dir={tmp_path / 'assets'}", "rl_config.use_remove_padding=true",
+                 "rl_config.use_remove_padding=true",
                  "rl_config.use_dynamic_bsz=true", "rl_config.max_packing_token_size=64",
                  "rl_config.eval_interval=2", "rl_config.eval_before_train=true",
                  f"megatron_training.eval_data_path={eval_path}", "rewards.rule.world_size=2")
