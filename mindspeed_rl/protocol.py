@@ -43,6 +43,15 @@ class MicroBatch:
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
+    def padded_to(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, position_ids) of padded rows extended to `length` tokens (positions continue)."""
+        ids, positions = self.input_ids, self.position_ids
+        extra = length - ids.shape[1]
+        if extra == 0:
+            return ids, positions
+        more = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
+        return torch.nn.functional.pad(ids, (0, extra)), torch.cat([positions, more], dim=1)
+
     def sample_starts(self) -> torch.Tensor:
         """[b] where each sample's first token is in the flattened `input_ids`."""
         if self.packed:

@@ -73,14 +73,6 @@ def _in_batch_order(outputs: list[torch.Tensor], micro_batches: list[MicroBatch]
     return torch.empty_like(rows).index_copy_(0, order, rows)
 
 
-def _pad_sequence(ids: torch.Tensor, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    extra = length - ids.shape[1]
-    if extra == 0:
-        return ids, positions
-    more = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
-    return torch.nn.functional.pad(ids, (0, extra)), torch.cat([positions, more], dim=1)
-
-
 class MegatronEngine:
     """One Megatron model (actor with optimizer, or reference without) on this rank's shard."""
 
@@ -205,7 +197,7 @@ class MegatronEngine:
 
         packed_seq_params = self._packed_seq_params(mb) if mb.packed else None
         ids, positions = ((mb.input_ids, mb.position_ids) if mb.packed
-                          else _pad_sequence(mb.input_ids, mb.position_ids, seq_length))
+                          else mb.padded_to(seq_length))
         if self.cp > 1:
             from mindspeed_rl.models.context_parallel import this_ranks_tokens
 
