@@ -81,20 +81,22 @@ def soak(iterations: int, run_dir: Path, *, keep_free_heap: bool = False, thread
     return rss, records, kinds
 
 
-def slope_mb_per_100(points: list[tuple[int, int, float]]) -> float:
-    xs, ys = [x for x, _, _ in points], [y / 1e6 for _, y, _ in points]
+def least_squares(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(slope, value at the first x) of the least-squares line through `points`."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    covariance = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
-    return 100 * covariance / sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x in xs)
+    return slope, mean_y + slope * (xs[0] - mean_x)
+
+
+def slope_mb_per_100(points: list[tuple[int, int, float]]) -> float:
+    return 100 * least_squares([(x, y / 1e6) for x, y, _ in points])[0]
 
 
 def fitted_drift_percent(points: list[tuple[int, float]]) -> float:
     """The least-squares line's change from the first to the last iteration, in percent of its first value."""
-    xs, ys = [x for x, _ in points], [y for _, y in points]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x in xs)
-    first = mean_y + slope * (xs[0] - mean_x)
-    return 100 * slope * (xs[-1] - xs[0]) / first
+    slope, first = least_squares(points)
+    return 100 * slope * (points[-1][0] - points[0][0]) / first
 
 
 def figures(rss: list[tuple[int, int, float]], records: list[dict], kinds: list[dict[str, int]],

@@ -59,12 +59,19 @@ class MicroBatch:
         width = self.input_ids.shape[1]
         return torch.arange(self.input_ids.shape[0], device=self.input_ids.device) * width
 
-    def scored_rows(self) -> torch.Tensor:
-        """Rows of the flattened [tokens, vocab] logits that score a response token, in `response_mask` order:
+    def scored_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sample, position in the sample) of each response token's scoring position, in `response_mask` order:
         position t predicts token t + 1, so response token j of a sample is scored at its prompt length - 1 + j."""
         offsets = torch.arange(self.response_width, device=self.input_ids.device)
-        rows = (self.sample_starts() + self.prompt_lengths - 1).unsqueeze(1) + offsets
-        return rows[self.response_mask.bool()]
+        positions = (self.prompt_lengths - 1).unsqueeze(1) + offsets
+        samples = torch.arange(len(self.prompt_lengths), device=positions.device).unsqueeze(1).expand_as(positions)
+        selected = self.response_mask.bool()
+        return samples[selected], positions[selected]
+
+    def scored_rows(self) -> torch.Tensor:
+        """Rows of the flattened [tokens, vocab] logits that score a response token, in `response_mask` order."""
+        samples, positions = self.scored_positions()
+        return self.sample_starts()[samples] + positions
 
 
 @dataclass(kw_only=True)

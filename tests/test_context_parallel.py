@@ -6,20 +6,27 @@ import pytest
 import torch
 
 from mindspeed_rl.config import ConfigError
-from mindspeed_rl.models.context_parallel import local_positions, split_sequence
+from mindspeed_rl.models.context_parallel import local_offsets, split_sequence
 from tests.test_config import load
 
 
 def test_a_rank_holds_chunks_r_and_2cp_minus_1_minus_r():
-    assert local_positions(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
-    assert local_positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    positions = torch.arange(16)
+    assert split_sequence(positions, dim=0, cp_rank=0, cp=2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert split_sequence(positions, dim=0, cp_rank=1, cp=2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
 
 
-def test_split_sequence_takes_the_positions_local_positions_names():
+def test_local_offsets_find_each_position_where_split_sequence_put_it():
+    """The log-prob step finds a scored position in a rank's logits by local_offsets; the model got the rank's tokens
+    from split_sequence: the two must agree, each of a rank's slots named once."""
     sequence = torch.arange(24).reshape(2, 12)
+    positions = torch.arange(12)
     for cp_rank in range(3):
-        expected = sequence[:, local_positions(12, cp_rank, 3)]
-        assert torch.equal(split_sequence(sequence, dim=1, cp_rank=cp_rank, cp=3), expected)
+        local = split_sequence(sequence, dim=1, cp_rank=cp_rank, cp=3)
+        offsets = local_offsets(positions, torch.full_like(positions, 12), cp_rank, 3)
+        held = offsets >= 0
+        assert sorted(offsets[held].tolist()) == list(range(4))
+        assert torch.equal(local[:, offsets[held]], sequence[:, positions[held]])
 
 
 def test_the_cp2_demo_has_one_data_parallel_rank_on_two_ranks():

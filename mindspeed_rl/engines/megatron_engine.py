@@ -196,8 +196,7 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         packed_seq_params = self._packed_seq_params(mb) if mb.packed else None
-        ids, positions = ((mb.input_ids, mb.position_ids) if mb.packed
-                          else mb.padded_to(seq_length))
+        ids, positions = (mb.input_ids, mb.position_ids) if mb.packed else mb.padded_to(seq_length)
         if self.cp > 1:
             from mindspeed_rl.models.context_parallel import this_ranks_tokens
 

@@ -1,4 +1,4 @@
-"""Context parallelism (MindSpeed-RL's `context_parallel_size`, Megatron's CP) for padded micro-batches.
+"""Context parallelism (MindSpeed-RL's `context_parallel_size`, Megatron's CP) for padded and packed micro-batches.
 
 The sequence is cut into 2 x CP chunks and CP rank r holds chunks r and 2 CP - 1 - r (Megatron's load-balanced
 split: under the causal mask every rank then has the same attention work; Megatron's RoPE slices its table the same
@@ -24,13 +24,6 @@ from megatron.core.transformer.module import MegatronModule
 
 def local_chunk_indices(cp_rank: int, cp: int) -> tuple[int, int]:
     return cp_rank, 2 * cp - 1 - cp_rank
-
-
-def local_positions(seq_length: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
-    """[seq_length / CP] the global positions this CP rank holds, in its order (`seq_length` a multiple of 2 CP)."""
-    chunk = seq_length // (2 * cp)
-    return torch.cat([torch.arange(i * chunk, (i + 1) * chunk, device=device)
-                      for i in local_chunk_indices(cp_rank, cp)])
 
 
 def split_sequence(tensor: torch.Tensor, *, dim: int, cp_rank: int, cp: int) -> torch.Tensor:
@@ -60,7 +53,7 @@ def this_ranks_tokens(mb, ids: torch.Tensor, positions: torch.Tensor) -> tuple[t
     return tuple(split_sequence(x, dim=1, cp_rank=cp_rank, cp=cp) for x in (ids, positions))
 
 
-def _local_offsets(positions: torch.Tensor, lengths: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+def local_offsets(positions: torch.Tensor, lengths: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
     """Where position p of a segment of length L sits in this rank's part of it (L / CP long), -1 where another
     rank holds it."""
     chunk = lengths // (2 * cp)
@@ -70,32 +63,10 @@ def _local_offsets(positions: torch.Tensor, lengths: torch.Tensor, cp_rank: int,
                        torch.where(index == second, chunk + positions - second * chunk, -1))
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 0 over the CP group, back in global order; the backward sums every rank's gradient for
-    this rank's chunks (other ranks' queries attend to them)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
-        cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        ctx.group, ctx.cp, ctx.cp_rank = group, cp, cp_rank
-        parts = [torch.empty_like(local) for _ in range(cp)]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        chunks: list[torch.Tensor | None] = [None] * (2 * cp)
-        for rank, part in enumerate(parts):
-            first, second = part.chunk(2, dim=0)
-            chunks[rank], chunks[2 * cp - 1 - rank] = first, second
-        return torch.cat(chunks, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        total = grad.contiguous().clone()
-        dist.all_reduce(total, group=ctx.group)  # gloo has no reduce_scatter; the sum, then this rank's slice
-        return split_sequence(total, dim=0, cp_rank=ctx.cp_rank, cp=ctx.cp), None
-
-
-class _GatherPacks(torch.autograd.Function):
-    """All-gather of the ranks' packs [t / CP, ...] -> [CP, t / CP, ...] (rank order); the backward sums every
-    rank's gradient for this rank's pack."""
+class _GatherParts(torch.autograd.Function):
+    """All-gather of the ranks' parts [n, ...] -> [CP, n, ...] (rank order); the backward sums every rank's gradient
+    for this rank's part (other ranks' queries attend to its keys). gloo has no reduce_scatter: the sum, then the
+    part."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
@@ -115,7 +86,8 @@ def _in_global_order(parts: torch.Tensor, cp: int) -> torch.Tensor:
     """[CP, L / CP, ...] each rank's two chunks of one segment -> [L, ...] the segment."""
     chunks: list[torch.Tensor | None] = [None] * (2 * cp)
     for rank in range(cp):
-        chunks[rank], chunks[2 * cp - 1 - rank] = parts[rank].chunk(2, dim=0)
+        first, second = local_chunk_indices(rank, cp)
+        chunks[first], chunks[second] = parts[rank].chunk(2, dim=0)
     return torch.cat(chunks, dim=0)
 
 
@@ -160,14 +132,15 @@ class ContextParallelAttention(MegatronModule):
         group = ps.get_context_parallel_group()
         cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         if packed_seq_params is None:  # [s / CP, b, h, d]: one segment per row
-            out = self._segment(query, _GatherSequence.apply(key, group), _GatherSequence.apply(value, group), cp_rank, cp)
+            keys, values = (_in_global_order(_GatherParts.apply(x, group), cp) for x in (key, value))
+            out = self._segment(query, keys, values, cp_rank, cp)
             return out.reshape(out.shape[0], out.shape[1], -1)
         # Packed [t / CP, h, d]: gather the packs, then each sample's keys in its own order. Every rank holds
         # L / CP of each sample of global length L, so the gathered packs line up sample by sample.
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed attention takes the thd format, got {packed_seq_params.qkv_format!r}")
         bounds = packed_seq_params.cu_seqlens_q.tolist()
-        keys, values = (_GatherPacks.apply(x, group) for x in (key, value))
+        keys, values = (_GatherParts.apply(x, group) for x in (key, value))
         outputs = []
         for start, stop in zip(bounds[:-1], bounds[1:]):
             if stop == start:
@@ -207,22 +180,17 @@ def scored_rows_of_this_rank(mb) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     [b x s / CP, vocab] logits that score those it holds, their target ids, and which ones it holds ([n] bool)."""
     from megatron.core import parallel_state as ps
 
-    device = mb.input_ids.device
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    # Response token j of a sample is scored at position prompt length - 1 + j (position t predicts t + 1).
-    scoring = (mb.prompt_lengths.unsqueeze(1) - 1 + torch.arange(mb.response_width, device=device))
-    samples = torch.arange(len(mb.prompt_lengths), device=device).unsqueeze(1).expand_as(scoring)
-    selected = mb.response_mask.bool()
-    scoring, samples = scoring[selected], samples[selected]
+    samples, scoring = mb.scored_positions()
     if mb.packed:  # segment j holds cu[j + 1] - cu[j] tokens, of which this rank's part starts at cu[j] / CP
         starts = mb.cu_seqlens.long()[samples]
-        offsets = _local_offsets(scoring, mb.cu_seqlens.long()[samples + 1] - starts, cp_rank, cp)
+        offsets = local_offsets(scoring, mb.cu_seqlens.long()[samples + 1] - starts, cp_rank, cp)
         held = offsets >= 0
         rows = starts[held] // cp + offsets[held]
         targets = mb.input_ids[0, starts[held] + scoring[held] + 1]
         return rows, targets, held
     length = mb.context_parallel_length
-    offsets = _local_offsets(scoring, torch.full_like(scoring, length), cp_rank, cp)
+    offsets = local_offsets(scoring, torch.full_like(scoring, length), cp_rank, cp)
     held = offsets >= 0
     rows = samples[held] * (length // cp) + offsets[held]
     targets = mb.input_ids[samples[held], scoring[held] + 1]
