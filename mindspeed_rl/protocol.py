@@ -5,6 +5,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+# A multi-turn rollout's [B, R] column: 0.0 on the tool outputs inside a response (trainer/multi_turn.py).
+LOSS_MASK = "loss_mask"
+
+
+def _without_tool_outputs(response_mask: torch.Tensor, columns: dict[str, torch.Tensor]) -> torch.Tensor:
+    tool_mask = columns.get(LOSS_MASK)
+    return response_mask if tool_mask is None else response_mask * tool_mask
+
 
 @dataclass(frozen=True, kw_only=True)
 class Packing:
@@ -38,6 +46,10 @@ class MicroBatch:
     @property
     def response_width(self) -> int:
         return self.response_mask.shape[1]
+
+    def loss_mask(self) -> torch.Tensor:
+        """[b, r] 1.0 on the response tokens the policy sampled: what losses, KL and entropy average over."""
+        return _without_tool_outputs(self.response_mask, self.extras)
 
     @property
     def packed(self) -> bool:
@@ -106,6 +118,11 @@ class RolloutBatch:
     @property
     def response_logprobs_shape(self) -> tuple[int, int]:
         return tuple(self.response_mask.shape)
+
+    def loss_mask(self) -> torch.Tensor:
+        """[B, R] 1.0 on the response tokens the policy sampled (`response_mask` less a multi-turn rollout's tool
+        outputs, which are in the response, scored as context, but not trained on)."""
+        return _without_tool_outputs(self.response_mask, self.columns)
 
     def response_tokens(self) -> torch.Tensor:
         """[B, R] the generated token ids (pad where masked)."""

@@ -424,10 +424,10 @@ def test_removed_key_is_an_error_naming_it_and_the_reason(key: str) -> None:
 def test_removed_key_in_a_yaml_mapping_is_found_without_hydra() -> None:
     container = OmegaConf.to_container(compose_cfg(TINY))
     assert isinstance(container, dict)
-    container["rl_config"]["multi_turn_enable"] = True
+    container["ref_config"] = {"micro_batch_size": 1}
     with pytest.raises(ConfigError) as info:
         load_config(container)
-    assert info.value.key == "rl_config.multi_turn_enable"
+    assert info.value.key == "ref_config"
 
 
 @pytest.mark.parametrize(
@@ -528,9 +528,9 @@ def test_sequence_parallel_needs_tensor_parallelism() -> None:
     assert load("grpo_tiny_cpu_tp2_infer_dp2", "megatron_training.sequence_parallel=true").megatron_training.sequence_parallel
 
 
-def test_synthetic_task_is_arith_or_math_word() -> None:
+def test_synthetic_task_is_one_of_the_demos() -> None:
     assert config_error(TINY, "synthetic_data.task=poetry") == (
-        "synthetic_data.task: must be one of arith, math_word, got 'poetry'"
+        "synthetic_data.task: must be one of arith, math_word, tool_call, got 'poetry'"
     )
 
 
@@ -797,7 +797,7 @@ def test_greedy_evaluation_takes_one_sample_per_prompt() -> None:
 
 
 def test_dynamic_sampling_metric_is_acc_reward_or_a_verifier() -> None:
-    assert config_error(TINY, "rl_config.filter_groups_metric=acc_for_dapo") == (
+    assert config_error(TINY, "rl_config.filter_groups_enable=true", "rl_config.filter_groups_metric=acc_for_dapo") == (
         "rl_config.filter_groups_metric: must be acc, reward or one of verifier_function (arith_acc), got "
         "'acc_for_dapo'")
 

@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # One bad key of each kind the loader finds: removed, unknown, mistyped, a value one section refuses, a value
 # another section refuses.
 FIVE_BAD_KEYS = {
-    "+rl_config.multi_turn_enable=true": "rl_config.multi_turn_enable: not supported:",
+    "+ref_config.micro_batch_size=1": "ref_config: not supported:",
     "+rl_config.learning_rate=1": "rl_config.learning_rate: unknown key",
     "actor_config.lr=fast": "actor_config.lr: expected float, got 'fast'",
     "rl_config.clip_ratio=-1": "rl_config.clip_ratio: must be > 0",

@@ -237,3 +237,20 @@ def test_their_long_context_recipes_keep_context_parallelism_and_the_planner_spl
     inputs = plan_inputs(config, from_hf_config(hf_config_from_model_block(config.selected_model, "qwen25_32b")),
                          device="npu")
     assert (inputs.cp, inputs.data_parallel_size, inputs.tokens_per_micro_batch) == (2, 2, 32768 // 2)
+
+
+def test_their_multi_turn_recipe_keeps_its_tool_use(monkeypatch) -> None:
+    """Their ReTool recipe names ./configs/tools/retool_config.yaml, relative to where a run starts (the repository
+    root for them and here: configs/tools/retool_config.yaml is theirs, unchanged)."""
+    from mindspeed_rl.tools.registry import load_tools
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    notices: list[str] = []
+    config = load_recipe("dapo_qwen25_7b_A2_multi_turn", "runtime.device=npu", notices=notices)
+    rl = config.rl_config
+    assert rl.multi_turn_enable and rl.verifier_function == ["retool_reward"] and not config.uses_reference
+    assert (rl.max_tool_calls, rl.max_parallel_calls, rl.max_total_response_length, rl.max_tool_response_length,
+            rl.tool_response_truncate_side, rl.tool_parser_format) == (1, 1, 2048, 256, "middle", "hermes")
+    assert config.response_length_limit == 2048
+    assert "rl_config.async_engine" in {notice.split(" ", 1)[0] for notice in notices}
+    assert type(load_tools(rl.tool_config_path)["code_interpreter"]).__name__ == "ReTool"

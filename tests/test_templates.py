@@ -60,7 +60,7 @@ def encode(tokenizer, text):
 
 
 def test_known_prompt_types_are_chat_and_the_yaml_templates():
-    assert known_prompt_types() == ["chat", "empty", "qwen_math_r1", "qwen_r1"]
+    assert known_prompt_types() == ["chat", "empty", "qwen_math_r1", "qwen_r1", "qwen_retool"]
 
 
 def test_empty_template_is_the_plain_text(tokenizer):

@@ -11,14 +11,14 @@ def check_packing(config) -> None:
     rl = config.rl_config
     if not rl.use_remove_padding:
         return
-    longest = rl.max_prompt_length + config.generate_config.sampling_config.max_tokens
+    longest = rl.max_prompt_length + config.response_length_limit
     for phase, (budget, _) in rl.packing_budgets.items() if rl.use_dynamic_bsz else ():
         # Without a reference (init_kl_coef 0: DAPO) nothing reads the reference's budget, there either.
         if budget < longest and (phase != "ref" or config.uses_reference):
             own = f"{phase}_max_packing_token_size"
             key = own if getattr(rl, own) is not None else "max_packing_token_size"
-            raise ConfigError(f"rl_config.{key}", f"must be >= rl_config.max_prompt_length + generate_config."
-                                                  f"sampling_config.max_tokens = {longest} (a sample is never "
+            raise ConfigError(f"rl_config.{key}", f"must be >= rl_config.max_prompt_length + "
+                                                  f"{config.response_length_key} = {longest} (a sample is never "
                                                   f"split), got {budget}")
     if config.megatron_training.attention_dropout > 0:
         raise ConfigError("megatron_training.attention_dropout", "must be 0 with rl_config.use_remove_padding: "

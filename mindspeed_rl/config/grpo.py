@@ -27,6 +27,7 @@ from mindspeed_rl.config.algorithm_checks import (check_critic, check_dynamic_sa
 from mindspeed_rl.config.layout_checks import (check_context_parallel, check_infer_layout, check_model_sharding,
                                                check_sequence_parallel, check_train_layout)
 from mindspeed_rl.config.lora import check_lora_run
+from mindspeed_rl.config.multi_turn import check_multi_turn
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 
@@ -147,7 +148,7 @@ class GRPOConfig:
             self.check_layout, self._check_synthetic_data, self._check_asset_paths,
             lambda: check_supported(self.resource_plan, self.rewards), self._check_reward_model,
             self._check_async_generation, partial(check_evaluation, self), partial(check_dynamic_sampling, self),
-            partial(check_critic, self), partial(check_lora_run, self),
+            partial(check_critic, self), partial(check_lora_run, self), partial(check_multi_turn, self),
         )
 
     @property
@@ -162,6 +163,19 @@ class GRPOConfig:
         """LoRA: each switch moves the adapters only (resharding/adapter_push.py), between the same ranks or over the
         bridge to actor_infer's own."""
         return self.actor_config.uses_lora
+
+    @property
+    def response_length_limit(self) -> int:
+        """The most tokens of one response: sampling_config.max_tokens, or with multi-turn tool use
+        rl_config.max_total_response_length (its turns and the tool outputs between them)."""
+        rl = self.rl_config
+        return rl.max_total_response_length if rl.multi_turn_enable else self.generate_config.sampling_config.max_tokens
+
+    @property
+    def response_length_key(self) -> str:
+        """The key that sets response_length_limit, for messages."""
+        return ("rl_config.max_total_response_length" if self.rl_config.multi_turn_enable
+                else "generate_config.sampling_config.max_tokens")
 
     @property
     def uses_reference(self) -> bool:
@@ -263,12 +277,12 @@ class GRPOConfig:
 
     def _check_lengths(self) -> None:
         max_prompt = self.rl_config.max_prompt_length
-        max_response = self.generate_config.sampling_config.max_tokens
+        max_response = self.response_length_limit
         max_model_len = self.generate_config.max_model_len
         if max_prompt + max_response > max_model_len:
             raise ConfigError(
                 "generate_config.max_model_len",
-                f"must be >= rl_config.max_prompt_length + generate_config.sampling_config.max_tokens = "
+                f"must be >= rl_config.max_prompt_length + {self.response_length_key} = "
                 f"{max_prompt} + {max_response} = {max_prompt + max_response}, got {max_model_len}",
             )
         arch = self.selected_model

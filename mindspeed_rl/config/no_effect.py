@@ -66,6 +66,9 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
     "actor_config.attention_mask_type": NoEffect("the actor's attention is causal", ("causal",)),
     "rl_config.guarantee_order": NoEffect("rollouts run in the driver's order; there is no asynchronous dispatch"),
     "rl_config.blocking": NoEffect("every phase is a blocking call of the integrated worker"),
+    "rl_config.async_engine": NoEffect(
+        "vLLM's engine API: MindSpeed-RL's multi-turn rollout needs its step-by-step engine; here every turn is one "
+        "batched generate of the samples still going (trainer/multi_turn.py)"),
     "rl_config.gamma": NoEffect(
         "a discount of token returns; group_norm (GRPO) and rloo do not read it, in MindSpeed-RL either",
         applies=lambda tree, value: _estimator(tree) in ("reinforce_plus_plus", "gae") or value == 1.0),

@@ -16,14 +16,10 @@ _INTEGRATED = (
     "in integrated mode (rl_config.use_integrated_worker, the only mode of this hybrid engine) the "
     "reference and reward models reuse actor_config"
 )
-_MULTI_TURN = "multi-turn tool use is not implemented"
 
 REMOVED_KEYS: dict[str, str] = {
     "ref_config": _INTEGRATED,
     "reward_config": _INTEGRATED,
-    **{f"rl_config.{key}": _MULTI_TURN for key in (
-        "multi_turn_enable", "tool_config_path", "tool_parser_format", "max_tool_calls", "max_parallel_calls",
-        "max_tool_response_length", "tool_response_truncate_side", "max_total_response_length")},
 }
 
 

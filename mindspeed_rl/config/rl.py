@@ -178,6 +178,19 @@ class RLConfig:
     ref_dynamic_max_batch_size: Optional[int] = None
     actor_dynamic_max_batch_size: Optional[int] = None
     update_dynamic_max_batch_size: Optional[int] = None
+    # Multi-turn tool use (MindSpeed-RL's keys and defaults; ReTool): generation and tool calls alternate in the
+    # rollout (trainer/multi_turn.py), the tools of the YAML at tool_config_path, called as tool_parser_format
+    # writes them, at most max_tool_calls turns per response and max_parallel_calls calls per turn; a tool's
+    # output is cut to max_tool_response_length characters (on tool_response_truncate_side), and a response with
+    # its tool outputs holds at most max_total_response_length tokens. Checked in config/multi_turn.py.
+    multi_turn_enable: bool = False
+    tool_config_path: Optional[str] = None
+    tool_parser_format: Optional[str] = None
+    max_tool_calls: int = 0
+    max_parallel_calls: int = 0
+    max_total_response_length: int = 0
+    max_tool_response_length: int = 0
+    tool_response_truncate_side: Optional[str] = None
 
     @property
     def packing_budgets(self) -> dict[str, tuple[int, int | None]]:
@@ -237,7 +250,8 @@ class RLConfig:
                                                                     f"{self.norm_adv_by_std_in_grpo!r}")
         require_non_negative(prefix, self, "eval_interval")
         require_positive(prefix, self, "filter_groups_train_batch_size")
-        if self.filter_groups_metric not in ("acc", "reward", *self.verifier_function):
+        # Read only by dynamic sampling (their multi-turn recipe leaves acc_for_dapo beside retool_reward, unused).
+        if self.filter_groups_enable and self.filter_groups_metric not in ("acc", "reward", *self.verifier_function):
             raise ConfigError(f"{prefix}.filter_groups_metric", f"must be acc, reward or one of verifier_function "
                                                                 f"({', '.join(self.verifier_function)}), got "
                                                                 f"{self.filter_groups_metric!r}")

@@ -11,7 +11,8 @@ DEVICES = ("auto", "cpu", "cuda", "npu")
 # arith: "a+b=" prompts, answer = the leading integer (verifier arith_acc).
 # math_word: small-integer word problems in DAPO-Math-17k's parquet schema, chat template, \boxed{n}
 # answers (verifiers math_17k_acc, format).
-SYNTHETIC_TASKS = ("arith", "math_word")
+# tool_call: a model programmed to call the code interpreter (multi-turn tool use, verifier retool_reward).
+SYNTHETIC_TASKS = ("arith", "math_word", "tool_call")
 
 
 @dataclass(kw_only=True)

@@ -178,6 +178,36 @@ def step(response: str, label: str) -> float:
     return min(1.0, len(_REASONING_STEP.findall(response)) / STEPS_FOR_FULL_SCORE)
 
 
+# ReTool's answer (MindSpeed-RL's math_dapo.compute_score with strict_box_verify): the response's last 300
+# characters, of which the last 100 are searched for the final box. Reading the last 100 directly is the same.
+RETOOL_ANSWER_WINDOW_CHARS = 100
+RETOOL_TOOL_CALL_BONUS = 0.1
+
+
+def retool_answer(response: str) -> str | None:
+    """The content of the last complete ``\\boxed{}`` within the response's last 100 characters, or None."""
+    return last_boxed_content(response[-RETOOL_ANSWER_WINDOW_CHARS:])
+
+
+def retool_reward(response: str, label: str) -> float:
+    """``retool_reward``: 1.0 if the final box (see :func:`retool_answer`) holds the label's answer, else -1.0.
+
+    MindSpeed-RL compares the box's text with the label as strings; here math-verify decides, as for every box
+    verifier. Their bonus for tool calls on a wrong answer needs the sample's call count:
+    :func:`retool_tool_call_bonus`, applied by the caller.
+    """
+    answer = retool_answer(response)
+    return 1.0 if answer and answers_equivalent(answer, label) else -1.0
+
+
+def retool_tool_call_bonus(score: float, tool_calls: int) -> float:
+    """MindSpeed-RL's shaping of a wrong answer's score: ``min(0, score + 0.1 * tool_calls)`` when the score is
+    negative (a wrong answer that used the interpreter loses less, never gains), the score unchanged otherwise."""
+    if isinstance(tool_calls, bool) or not isinstance(tool_calls, int) or tool_calls < 0:
+        raise ValueError(f"tool_calls must be a non-negative integer, got {tool_calls!r}")
+    return min(0.0, score + RETOOL_TOOL_CALL_BONUS * tool_calls) if score < 0 else score
+
+
 # MindSpeed-RL's `acc_for_ppo` (mathruler's grade_answer on the last box, 1/0) and `math_verify_reward`
 # (base_acc's format, then math-verify on the output against \boxed{label}, 1/0) are math_17k_acc and base_acc
 # here: every name already compares the last box with math-verify.
@@ -192,6 +222,7 @@ VERIFIERS: dict[str, Verifier] = {
     "format": format_reward,
     "strict_format": strict_format,
     "step": step,
+    "retool_reward": retool_reward,
 }
 
 # How each accuracy verifier decides correctness, for `answer_is_correct`: its answer form.
@@ -203,6 +234,7 @@ _CORRECTNESS_BY_VERIFIER: dict[str, Callable[[str, str], bool]] = {
     "math_verify_reward": boxed_answer_is_correct,
     "math_17k_acc": boxed_answer_is_correct,
     "acc_for_ppo": boxed_answer_is_correct,
+    "retool_reward": lambda response, label: retool_reward(response, label) == 1.0,
 }
 
 # The final answer each accuracy verifier reads (majority voting compares these strings).
@@ -214,6 +246,7 @@ _ANSWER_BY_VERIFIER: dict[str, Callable[[str], str | None]] = {
     "math_verify_reward": last_boxed_content,
     "math_17k_acc": last_boxed_content,
     "acc_for_ppo": last_boxed_content,
+    "retool_reward": retool_answer,
 }
 
 

@@ -157,3 +157,9 @@ def _named_templates() -> dict[str, PromptTemplate]:
     if CHAT_PROMPT_TYPE in templates:
         raise ConfigError(PROMPT_TYPE_KEY, f"{TEMPLATES_FILE} must not define {CHAT_PROMPT_TYPE!r} (reserved)")
     return templates
+
+
+def named_template(name: str) -> PromptTemplate:
+    """The template ``name`` of configs/prompt_templates.yaml (a demo builds its vocabulary from its texts)."""
+    check_prompt_type(name)
+    return _named_templates()[name]

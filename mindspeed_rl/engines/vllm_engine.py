@@ -120,21 +120,23 @@ class VLLMEngine:
         return self.worker.model_runner.model
 
     # -- generation ----------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], *, n: int, max_tokens: int, temperature: float,
+    def generate(self, prompt_token_ids: list[list[int]], *, n: int, max_tokens: int | list[int], temperature: float,
                  top_p: float, top_k: int, min_p: float, seed: int | None, logprobs: int = 0,
                  detokenize: bool = False) -> list[Generation]:
         """`n` samples per prompt, prompt-major order; token ids in, so nothing is re-tokenized.
 
         The sampled token's log-prob is always returned; `logprobs` > 0 adds that many top
-        candidates per step (SamplingParams.logprobs), `detokenize` the text.
+        candidates per step (SamplingParams.logprobs), `detokenize` the text. `max_tokens` may be one per prompt
+        (a multi-turn rollout's continuations each have their own budget left).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         assert self.kv_cache_resident, "generate() with the KV cache released"
         assert self.weights_loaded, "generate() before the first weight push"
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, min_p=min_p, logprobs=logprobs, seed=seed, detokenize=detokenize)
+        budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_token_ids)
+        params = [SamplingParams(n=n, max_tokens=budget, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                 logprobs=logprobs, seed=seed, detokenize=detokenize) for budget in budgets]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         generations = []

@@ -46,7 +46,7 @@ class AdvantageStep:
 
     def estimate(self, batch: RolloutBatch, rewards: RuleRewards) -> dict[str, float]:
         if not self.has_critic:
-            batch.columns["advantages"] = compute_advantages(self.rl, rewards.total, batch.response_mask)
+            batch.columns["advantages"] = compute_advantages(self.rl, rewards.total, batch.loss_mask())
             return {}
         values, metrics = forward_logprobs(self.actor_group, "compute_values", batch)
         token_rewards = token_level_rewards(rewards.total, batch.response_mask)

@@ -15,6 +15,7 @@ import time
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset
 from mindspeed_rl.data.rewards import compute_rule_rewards, correct_answers, final_answer
+from mindspeed_rl.trainer.multi_turn import with_tool_call_bonus
 from mindspeed_rl.trainer.rollout import decode_responses, generate
 
 
@@ -43,8 +44,9 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
 
 
 class Evaluation:
-    def __init__(self, config: GRPOConfig, tokenizer, actor_group, dataset: PromptDataset | None):
+    def __init__(self, config: GRPOConfig, tokenizer, actor_group, dataset: PromptDataset | None, tool_turns=None):
         self.config, self.tokenizer, self.actor_group, self.dataset = config, tokenizer, actor_group, dataset
+        self.tool_turns = tool_turns  # multi-turn tool use: evaluated with the tools, as the policy is trained
 
     def due(self, updates: int) -> bool:
         """Whether the weights after `updates` updates are evaluated."""
@@ -61,11 +63,14 @@ class Evaluation:
         scores: dict[str, list[float]] = {name: [] for name in rl.verifier_function}
         correct_per_prompt, majority, lengths = [], [], []
         for prompts in self._chunks():
-            batch, _ = generate(self.actor_group, prompts, self.config, n=n, greedy=rl.eval_sampling == "greedy")
+            batch, _ = generate(self.actor_group, prompts, self.config, n=n, greedy=rl.eval_sampling == "greedy",
+                                tool_turns=self.tool_turns)
             responses = decode_responses(self.tokenizer, batch)
             labels = [p.label for p in prompts for _ in range(n)]
             rewards = compute_rule_rewards(responses, labels, rl.verifier_function, rl.verifier_weight,
                                            timeout_seconds=rl.verifier_timeout_seconds)
+            if rl.multi_turn_enable:
+                rewards = with_tool_call_bonus(rewards, batch, rl)
             for name, values in rewards.per_verifier.items():
                 scores[name] += values.tolist()
             correct = correct_answers(responses, labels, rl.verifier_function)

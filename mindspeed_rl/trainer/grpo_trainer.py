@@ -24,6 +24,7 @@ from mindspeed_rl.trainer.advantage_step import AdvantageStep
 from mindspeed_rl.trainer.dynamic_sampling import ScoredRollouts
 from mindspeed_rl.trainer.evaluation import Evaluation, format_eval_line
 from mindspeed_rl.trainer.metrics import format_line, iteration_metrics
+from mindspeed_rl.trainer.multi_turn import ToolTurns, with_tool_call_bonus
 from mindspeed_rl.trainer.phase_progress import with_phase_progress
 from mindspeed_rl.trainer.rollout import decode_responses, forward_logprobs, rollout_batch
 from mindspeed_rl.trainer.reward_model import model_score_metrics, with_model_scores
@@ -42,9 +43,10 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
     progress = progress or RunProgress(save_root=config.actor_config.save)
     actor_group = with_phase_progress(actor_group, every_seconds=config.runtime.progress_seconds,
                                       iteration=lambda: progress.iteration)
-    rollouts = Rollouts(actor_group, dataset, sampler or make_sampler(config, dataset), config)
+    tool_turns = ToolTurns(config, tokenizer) if config.rl_config.multi_turn_enable else None
+    rollouts = Rollouts(actor_group, dataset, sampler or make_sampler(config, dataset), config, tool_turns)
     sampling = ScoredRollouts(rollouts, Scoring(config, tokenizer, actor_group, reward_group), config)
-    evaluation = Evaluation(config, tokenizer, actor_group, eval_dataset)
+    evaluation = Evaluation(config, tokenizer, actor_group, eval_dataset, tool_turns)
     advantages = AdvantageStep(config, actor_group, kl_coef=kl_coef)  # PPO: the critic's values, GAE, its update
     record = Recorder(config, run_dir, prediction or setup.memory_prediction(
         config, setup.read_hf_config(hf_dir), quiet=True), start_iteration=start_iteration)
@@ -80,13 +82,20 @@ class Rollouts:
     """Each iteration's prompts and samples: generated when asked for, or, one-step off-policy
     (`async_generation_ratio: 1`, disaggregated), started on the inference ranks during the update before."""
 
-    def __init__(self, actor_group: ActorGroup, dataset: PromptDataset, sampler: PromptSampler, config: GRPOConfig):
+    def __init__(self, actor_group: ActorGroup, dataset: PromptDataset, sampler: PromptSampler, config: GRPOConfig,
+                 tool_turns: ToolTurns | None = None):
         self.actor_group, self.dataset, self.sampler, self.config = actor_group, dataset, sampler, config
+        self.tool_turns = tool_turns  # multi-turn tool use: the rollout runs turn by turn (trainer/multi_turn.py)
         self._ahead: list | None = None  # the prompts of the rollout started ahead
         self._sampler_before_ahead: PromptSampler | None = None
 
     def next(self, iteration: int, *, refill: int = 0) -> tuple[list, RolloutBatch, dict]:
         """(prompts, batch, metrics) of `iteration`; `refill` > 0: dynamic sampling's further rollouts of it."""
+        if self.tool_turns is not None:  # never ahead (config/multi_turn.py)
+            prompts = self._draw()
+            batch, metrics = self.tool_turns.generate(self.actor_group, [p.token_ids for p in prompts],
+                                                      iteration=(iteration, refill))
+            return prompts, batch, metrics | {"rollout/staleness": 0}
         if self._ahead is None:
             prompts, staleness = self._draw(), 0
             # Each refill its own sampling stream; refill 0 is the iteration's own (workers/actor_steps.sampling_seed).
@@ -137,6 +146,8 @@ class Scoring:
             scores, model_metrics = forward_logprobs(self.actor_group, "compute_reward_scores", batch)
             rewards = with_model_scores(rewards, scores, self.config.reward_model[1].model_weight)
             metrics |= model_metrics | model_score_metrics(scores)
+        if rl.multi_turn_enable:
+            rewards = with_tool_call_bonus(rewards, batch, rl)
         if rl.overlong_buffer_enable:
             rewards = self._with_overlong_penalty(rewards, batch, metrics)
         return rewards, torch.tensor(correct_answers(responses, labels, rl.verifier_function), dtype=torch.bool), metrics

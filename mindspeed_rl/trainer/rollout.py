@@ -11,9 +11,12 @@ from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics, merge_sh
 
 
 def generate(actor_group: ActorGroup, prompt_batch, config: GRPOConfig, *, iteration: int | None = None,
-             n: int | None = None, greedy: bool = False) -> tuple[RolloutBatch, dict]:
-    """One rollout of `prompt_batch` (`n` samples each, default the config's), waited for."""
+             n: int | None = None, greedy: bool = False, tool_turns=None) -> tuple[RolloutBatch, dict]:
+    """One rollout of `prompt_batch` (`n` samples each, default the config's), waited for; turn by turn with the
+    tools of a multi-turn run (`tool_turns`, trainer/multi_turn.ToolTurns)."""
     prompt_ids = [p.token_ids for p in prompt_batch]
+    if tool_turns is not None:
+        return tool_turns.generate(actor_group, prompt_ids, iteration=iteration, n=n, greedy=greedy)
     actor_group.start_generate(prompt_ids, iteration, n=n, greedy=greedy)
     return rollout_batch(actor_group.finish_generate(), prompt_ids, config)
 
@@ -23,7 +26,7 @@ def rollout_batch(results: list, prompt_ids: list[list[int]], config: GRPOConfig
     metrics = merge_metrics([m for _, m in results])
     samples = [sample for shard in merge_shards([s for s, _ in results]) for sample in shard.value]
     samples.sort(key=lambda sample: sample[0])  # prompt-major: a prompt's n samples are contiguous
-    width = config.generate_config.sampling_config.max_tokens
+    width = config.response_length_limit
     batch = RolloutBatch.from_token_lists([prompt_ids[i] for i, _, _ in samples], [ids for _, ids, _ in samples],
                                           pad_id=0, response_width=width)
     rollout_logprobs = torch.zeros(batch.response_logprobs_shape)

@@ -158,6 +158,10 @@ def _generate_synthetic_assets(synthetic) -> tuple[Path, Path]:
         from mindspeed_rl.data.tiny_math import ensure_tiny_math_assets
 
         return ensure_tiny_math_assets(synthetic.data_dir, **sizes)
+    if synthetic.task == "tool_call":  # its questions and answer are fixed (max_operand unused)
+        from mindspeed_rl.data.tiny_tool_call import ensure_tool_call_assets
+
+        return ensure_tool_call_assets(synthetic.data_dir, **{k: v for k, v in sizes.items() if k != "max_operand"})
     from mindspeed_rl.data.arith_task import ensure_demo_assets
 
     return ensure_demo_assets(synthetic.data_dir, vocab_size=synthetic.vocab_size, **sizes)

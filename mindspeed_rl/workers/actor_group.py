@@ -26,10 +26,11 @@ class ActorGroup(Protocol):
     def call(self, method: str, *args: Any, blocking: bool = True, **kwargs: Any) -> list[Any]:
         """Run `method` on every rank (SPMD): each rank's result, or with blocking=False what `wait` takes."""
 
-    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, int] | None = None, *,
-                       n: int | None = None, greedy: bool = False) -> None:
+    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None, *,
+                       n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None) -> None:
         """Start the rollout of `prompt_token_ids` (`n` samples each, default rl_config's; `greedy` for
-        evaluation); it may run while other calls do (disaggregated)."""
+        evaluation; `max_tokens` per prompt, default sampling_config.max_tokens); it may run while other calls do
+        (disaggregated)."""
 
     def finish_generate(self) -> list[Any]:
         """The started rollout's per-rank (Shard, metrics)."""
@@ -60,10 +61,11 @@ class RankGroupBase:
         self.shm_segments.update(name for names in self.call("shm_segments") for name in names)
         return metrics
 
-    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, int] | None = None, *,
-                       n: int | None = None, greedy: bool = False) -> None:
+    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None, *,
+                       n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None) -> None:
         assert self._pending is None, "a rollout is already running; finish_generate first"
-        self._pending = self.call("generate_sequences", prompt_token_ids, iteration, n, greedy, blocking=False)
+        self._pending = self.call("generate_sequences", prompt_token_ids, iteration, n, greedy, max_tokens,
+                                  blocking=False)
 
     def finish_generate(self) -> list[Any]:
         assert self._pending is not None, "no rollout was started"

@@ -184,10 +184,12 @@ class ActorHybridWorkerBase(RankProcess, critic_steps.CriticMethods):
 
     # -- the phases ------------------------------------------------------------------------------
     @phase_rpc(GENERATE)
-    def generate_sequences(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, int] | None = None,
-                           n: int | None = None, greedy: bool = False) -> tuple[Shard, dict[str, float]]:
+    def generate_sequences(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None,
+                           n: int | None = None, greedy: bool = False,
+                           max_tokens: list[int] | None = None) -> tuple[Shard, dict[str, float]]:
         """Each inference-DP group samples its slice of the prompts; one rank per group reports it. `n` samples
-        per prompt (default rl_config.n_samples_per_prompt), greedily with `greedy` (evaluation).
+        per prompt (default rl_config.n_samples_per_prompt), greedily with `greedy` (evaluation), at most
+        `max_tokens[i]` tokens for prompt i (default sampling_config.max_tokens; a multi-turn turn's budgets).
 
         With `iteration`, the sampling RNG is reseeded from f(seed, iteration, DP rank) first (seed:
         sampling_config.seed, else megatron_training.seed), so an iteration samples the same whatever came before (exact resume); without, it
@@ -199,16 +201,16 @@ class ActorHybridWorkerBase(RankProcess, critic_steps.CriticMethods):
         # A TP x PP block of consecutive ranks (vLLM's order) serves one DP slice; all its ranks return the
         # same samples (vLLM broadcasts the last stage's output), its first rank reports them.
         dp_rank, block_rank = divmod(self.rank_info.rank, gen.infer_tensor_parallel_size * gen.infer_pipeline_parallel_size)
-        per_rank = len(prompt_token_ids) // dp_size
-        start, stop = dp_rank * per_rank, (dp_rank + 1) * per_rank
+        # Balanced slices: a multi-turn rollout's continuations need not divide by the DP size.
+        start, stop = len(prompt_token_ids) * dp_rank // dp_size, len(prompt_token_ids) * (dp_rank + 1) // dp_size
         in_phase = self.ledger.record(GENERATE)
         if iteration is not None:
             base_seed = sampling.seed if sampling.seed is not None else self.config.megatron_training.seed
             torch.manual_seed(sampling_seed(base_seed, iteration, dp_rank))
         t0 = time.perf_counter()
-        generations = self.inference_model.generate(
+        generations = [] if start == stop else self.inference_model.generate(
             prompt_token_ids[start:stop], n=n or self.config.rl_config.n_samples_per_prompt,
-            max_tokens=sampling.max_tokens, temperature=0.0 if greedy else sampling.temperature, top_p=sampling.top_p,
+            max_tokens=sampling.max_tokens if max_tokens is None else max_tokens[start:stop], temperature=0.0 if greedy else sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, min_p=sampling.min_p, logprobs=sampling.logprobs, seed=None,
             detokenize=sampling.detokenize,
         )

@@ -55,13 +55,13 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
     The loss is normalised by the whole mini-batch's token count, known here without a collective;
     the engine sums the per-rank stats over DP, so the returned stats are the mini-batch's.
     """
-    denominator = count_loss_units(mini_batch.response_mask, loss_config.loss_agg_mode, loss_config.norm_length)
+    denominator = count_loss_units(mini_batch.loss_mask(), loss_config.loss_agg_mode, loss_config.norm_length)
     start, stop = train_dp_slice(len(mini_batch))
 
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
         return grpo_loss(
             logprobs=logprobs, old_logprobs=mb.extras["old_logprobs"], ref_logprobs=mb.extras.get("ref_logprobs"),
-            advantages=mb.extras["advantages"], response_mask=mb.response_mask, entropy=entropy,
+            advantages=mb.extras["advantages"], response_mask=mb.loss_mask(), entropy=entropy,
             config=loss_config, loss_scale_denominator=denominator,
         )
 
@@ -92,7 +92,7 @@ def loss_config_for(config: GRPOConfig, kl_coef: float) -> GRPOLossConfig:
     low, high = (rl.clip_ratio_low, rl.clip_ratio_high) if rl.clip_higher_enable else (rl.clip_ratio, None)
     return GRPOLossConfig(clip_ratio=low, clip_ratio_high=high, kl_penalty=rl.kl_penalty, kl_coef=kl_coef,
                           entropy_coeff=rl.entropy_coeff, loss_agg_mode=loss_agg_mode(rl),
-                          norm_length=config.generate_config.sampling_config.max_tokens)
+                          norm_length=config.response_length_limit)
 
 
 def loss_agg_mode(rl) -> str:

@@ -63,14 +63,15 @@ class DisaggregatedActor(CompositeGroup):
     def wait(self, method: str, refs: list) -> list[Any]:
         return self.train.wait(method, refs)
 
-    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, int] | None = None, *,
-                       n: int | None = None, greedy: bool = False) -> None:
+    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None, *,
+                       n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None) -> None:
         """generate_sequences on the inference ranks, not waited for: the training ranks stay free, so the
         next rollout can run during this update (async_generation_ratio: 1). Pushes first if the weights
         changed; finish_generate collects it."""
         assert self._pending is None, "a rollout is already running; finish_generate first"
         pushed = self.sync_weights() if self._weights_stale else {}
-        self._pending = (self.infer.call("generate_sequences", prompt_token_ids, iteration, n, greedy, blocking=False), pushed)
+        refs = self.infer.call("generate_sequences", prompt_token_ids, iteration, n, greedy, max_tokens, blocking=False)
+        self._pending = (refs, pushed)
 
     def finish_generate(self) -> list[Any]:
         """The started rollout's results (each inference rank's), with the push's and the wait's metrics."""

@@ -1,0 +1,64 @@
+"""Checks of multi-turn tool use (rl_config.multi_turn_enable and its keys, MindSpeed-RL's), across sections.
+
+Off, its keys must keep their defaults: a tool limit that is set and then never read is a silent no-op. On, the
+tool file must load (every problem of it reported at once), and the limits must be ones the rollout can honour.
+"""
+from __future__ import annotations
+
+from mindspeed_rl.config.errors import ConfigError, raise_together
+
+TRUNCATE_SIDES = ("left", "right", "middle")
+_KEY = "rl_config"
+# Each key's value when multi-turn is off (RLConfig's defaults, MindSpeed-RL's).
+_OFF_VALUES = {"tool_config_path": None, "tool_parser_format": None, "max_tool_calls": 0, "max_parallel_calls": 0,
+               "max_total_response_length": 0, "max_tool_response_length": 0, "tool_response_truncate_side": None}
+
+
+def check_multi_turn(config) -> None:
+    rl = config.rl_config
+    if not rl.multi_turn_enable:
+        raise_together([ConfigError(f"{_KEY}.{name}", "is read only with rl_config.multi_turn_enable: true; remove it "
+                                                      "or enable multi-turn tool use")
+                        for name, off in _OFF_VALUES.items() if getattr(rl, name) != off])
+        return
+    raise_together(_limit_errors(config) + _combination_errors(config))
+    from mindspeed_rl.tools.registry import load_tools
+
+    load_tools(rl.tool_config_path)  # raises every problem of the file together
+
+
+def _limit_errors(config) -> list[ConfigError]:
+    from mindspeed_rl.tools.parser import TOOL_PARSERS
+
+    rl, max_tokens = config.rl_config, config.generate_config.sampling_config.max_tokens
+    errors = []
+    if not rl.tool_config_path:
+        errors.append(ConfigError(f"{_KEY}.tool_config_path", "must name the tools' YAML (MindSpeed-RL's format: "
+                                                             "configs/tools/retool_config.yaml)"))
+    if rl.tool_parser_format not in TOOL_PARSERS:
+        errors.append(ConfigError(f"{_KEY}.tool_parser_format", f"must be one of {', '.join(TOOL_PARSERS)}, "
+                                                               f"got {rl.tool_parser_format!r}"))
+    if rl.tool_response_truncate_side not in TRUNCATE_SIDES:
+        errors.append(ConfigError(f"{_KEY}.tool_response_truncate_side", f"must be one of {', '.join(TRUNCATE_SIDES)}, "
+                                                                        f"got {rl.tool_response_truncate_side!r}"))
+    for name, low in (("max_tool_calls", 0), ("max_parallel_calls", 1), ("max_tool_response_length", 1)):
+        if getattr(rl, name) < low:
+            errors.append(ConfigError(f"{_KEY}.{name}", f"must be >= {low}, got {getattr(rl, name)}"))
+    # MindSpeed-RL's own check: the first turn may use all of sampling_config.max_tokens.
+    if rl.max_total_response_length < max_tokens:
+        errors.append(ConfigError(f"{_KEY}.max_total_response_length", f"must be >= generate_config.sampling_config."
+                                                                       f"max_tokens={max_tokens}, got "
+                                                                       f"{rl.max_total_response_length}"))
+    return errors
+
+
+def _combination_errors(config) -> list[ConfigError]:
+    errors = []
+    if config.rl_config.adv_estimator == "gae":
+        errors.append(ConfigError(f"{_KEY}.multi_turn_enable", "is not implemented with a critic (adv_estimator gae): "
+                                                              "its value targets would span the tool outputs"))
+    if config.rollout_staleness:
+        errors.append(ConfigError(f"{_KEY}.multi_turn_enable", "needs rollouts on the current policy: each turn waits "
+                                                              "for the tools, so a rollout cannot run ahead "
+                                                              "(async_generation_ratio must be 0)"))
+    return errors

@@ -1,0 +1,139 @@
+"""MindSpeed-RL's ``SandboxFusionTool``: runs the model's code on a SandboxFusion service, with the same config
+keys (``configs/tools/*.yaml``: ``config:``) and the same text back to the model.
+
+Our addition: ``sandbox_fusion_url: local`` runs Python on this host in :func:`mindspeed_rl.tools.sandbox.run_python`
+(a resource wall, not an isolation boundary: see that module) for a setup without the service.
+
+Concurrency. ``num_workers`` is how many calls the rollout runs at once (its thread-pool size). ``rate_limit``
+caps the runs in flight: with ``enable_global_rate_limit: true`` one semaphore shared by every such tool of this
+process (sized by the first one built; MindSpeed-RL shares one Ray actor across the cluster instead, so with N
+rollout processes the service here sees up to N x rate_limit runs), else a semaphore of this tool's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, ClassVar
+from uuid import uuid4
+
+from mindspeed_rl.tools.base_tool import BaseTool
+from mindspeed_rl.tools.sandbox import FAILED, FINISHED, SandboxRun, run_python
+from mindspeed_rl.tools.sandbox_fusion import SUPPORTED_LANGUAGES, call_sandbox_fusion
+from mindspeed_rl.tools.schemas import OpenAIFunctionToolSchema
+
+logger = logging.getLogger(__name__)
+
+LOCAL_URL = "local"
+# What the model is shown for a run that did not finish (MindSpeed-RL's text, whatever the reason).
+NO_OUTPUT_TEXT = "no stdout here"
+# MindSpeed-RL's defaults for keys a config leaves out; `sandbox_fusion_url` has none.
+DEFAULTS: dict[str, Any] = {"num_workers": 10, "enable_global_rate_limit": True, "rate_limit": 10,
+                            "default_timeout": 30, "default_language": "python", "memory_limit_mb": 1024,
+                            "type": "native"}
+CONFIG_KEYS = frozenset(DEFAULTS) | {"sandbox_fusion_url"}
+
+
+class SandboxFusionTool(BaseTool):
+    """Runs the ``code`` argument (``timeout``/``language`` arguments optional) and answers its output."""
+
+    _global_slots: ClassVar[threading.BoundedSemaphore | None] = None
+    _global_slots_size: ClassVar[int] = 0
+    _global_slots_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None) -> None:
+        super().__init__(config, tool_schema)
+        values = read_sandbox_config(self.config)
+        self.sandbox_fusion_url: str = values["sandbox_fusion_url"]
+        self.num_workers: int = values["num_workers"]
+        self.rate_limit: int = values["rate_limit"]
+        self.enable_global_rate_limit: bool = values["enable_global_rate_limit"]
+        self.default_timeout: float = values["default_timeout"]
+        self.default_language: str = values["default_language"]
+        self.memory_limit_mb: int = values["memory_limit_mb"]
+        self._slots = self._shared_slots() if self.enable_global_rate_limit else threading.BoundedSemaphore(
+            self.rate_limit)
+        self._instances: dict[str, dict[str, Any]] = {}
+        self._instances_lock = threading.Lock()
+
+    def _shared_slots(self) -> threading.BoundedSemaphore:
+        with SandboxFusionTool._global_slots_lock:
+            if SandboxFusionTool._global_slots is None:
+                SandboxFusionTool._global_slots = threading.BoundedSemaphore(self.rate_limit)
+                SandboxFusionTool._global_slots_size = self.rate_limit
+            elif SandboxFusionTool._global_slots_size != self.rate_limit:
+                logger.warning("tool %s: rate_limit %d ignored: the global rate limit of this process is %d (set "
+                               "by the first tool built)", self.name, self.rate_limit,
+                               SandboxFusionTool._global_slots_size)
+            return SandboxFusionTool._global_slots
+
+    def create(self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs: Any) -> str:
+        instance_id = instance_id if instance_id is not None else str(uuid4())
+        with self._instances_lock:
+            self._instances[instance_id] = {"ground_truth": ground_truth}
+        return instance_id
+
+    def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> tuple[str, float, dict]:
+        code = parameters.get("code", "")
+        run = self.run_code(code if isinstance(code, str) else str(code), self._timeout_of(parameters),
+                            str(parameters.get("language", self.default_language)))
+        return output_text(run), 0.0, {}
+
+    def run_code(self, code: str, timeout_seconds: float, language: str) -> SandboxRun:
+        """One run, waiting for a slot of the rate limit."""
+        with self._slots:
+            if self.sandbox_fusion_url != LOCAL_URL:
+                return call_sandbox_fusion(self.sandbox_fusion_url, code, timeout_seconds=timeout_seconds,
+                                           memory_limit_mb=self.memory_limit_mb, language=language)
+            if language != "python":
+                return SandboxRun(status=FAILED, stdout="", stderr=f"{LOCAL_URL} runs python only, not {language!r}",
+                                  seconds=0.0)
+            return run_python(code, timeout_seconds=timeout_seconds, memory_limit_mb=self.memory_limit_mb)
+
+    def _timeout_of(self, parameters: dict[str, Any]) -> float:
+        # The model may ask for a shorter run than default_timeout, never a longer one: the argument is its text.
+        asked = parameters.get("timeout")
+        if isinstance(asked, (int, float)) and not isinstance(asked, bool) and 0 < asked < self.default_timeout:
+            return float(asked)
+        return self.default_timeout
+
+    def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        return 0.0  # running code earns nothing by itself; the answer's verifier scores the sample
+
+    def release(self, instance_id: str, **kwargs: Any) -> None:
+        with self._instances_lock:
+            self._instances.pop(instance_id, None)
+
+
+def output_text(run: SandboxRun) -> str:
+    """What the model is shown: the output of a finished run, MindSpeed-RL's "no stdout here" otherwise."""
+    return run.stdout + run.stderr if run.status == FINISHED else NO_OUTPUT_TEXT
+
+
+def read_sandbox_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config with defaults filled in, or a ValueError naming every bad or unknown key."""
+    problems = []
+    unknown = sorted(str(key) for key in set(config) - CONFIG_KEYS)
+    if unknown:
+        problems.append(f"unknown keys {unknown}; known: {sorted(CONFIG_KEYS)}")
+    values = {**DEFAULTS, **{key: value for key, value in config.items() if key in CONFIG_KEYS}}
+    url = values.get("sandbox_fusion_url")
+    if not isinstance(url, str) or not url.strip():
+        problems.append(f"sandbox_fusion_url must be the service's run_code URL or {LOCAL_URL!r}, got {url!r}")
+    for key in ("num_workers", "rate_limit", "memory_limit_mb"):
+        if isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] <= 0:
+            problems.append(f"{key} must be a positive integer, got {values[key]!r}")
+    timeout = values["default_timeout"]
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        problems.append(f"default_timeout must be a positive number of seconds, got {timeout!r}")
+    if not isinstance(values["enable_global_rate_limit"], bool):
+        problems.append(f"enable_global_rate_limit must be true or false, got {values['enable_global_rate_limit']!r}")
+    if values["default_language"] not in SUPPORTED_LANGUAGES:
+        problems.append(f"default_language {values['default_language']!r} is none of {list(SUPPORTED_LANGUAGES)}")
+    elif url == LOCAL_URL and values["default_language"] != "python":
+        problems.append(f"sandbox_fusion_url {LOCAL_URL!r} runs python only, not {values['default_language']!r}")
+    if values["type"] != "native":
+        problems.append(f"type must be 'native' (MCP tools are not supported), got {values['type']!r}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return values
