@@ -114,6 +114,11 @@ CASES = [
     ("math_verify_reward", r"<think>a</think> <answer>\boxed{0.5}</answer>", r"\frac12", 1.0),
     ("math_verify_reward", r"<think>a</think> <answer>\boxed{2}</answer>", "3", 0.0),
     ("math_verify_reward", r"<answer>\boxed{3}</answer>", "3", 0.0),
+    # MindSpeed-RL's retool_reward: the last box within the last 100 characters, 1 / -1 (the tool bonus is the
+    # rollout's, trainer/multi_turn.with_tool_call_bonus).
+    ("retool_reward", r"<tool_response>42</tool_response> so \boxed{42}", "42", 1.0),
+    ("retool_reward", r"\boxed{42}" + " and more" * 20, "42", -1.0),
+    ("retool_reward", "no box", "42", -1.0),
 ]
 
 

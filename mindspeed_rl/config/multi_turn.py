@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from mindspeed_rl.config.errors import ConfigError, raise_together
 
-TRUNCATE_SIDES = ("left", "right", "middle")
 _KEY = "rl_config"
 # Each key's value when multi-turn is off (RLConfig's defaults, MindSpeed-RL's).
 _OFF_VALUES = {"tool_config_path": None, "tool_parser_format": None, "max_tool_calls": 0, "max_parallel_calls": 0,
@@ -29,6 +28,7 @@ def check_multi_turn(config) -> None:
 
 def _limit_errors(config) -> list[ConfigError]:
     from mindspeed_rl.tools.parser import TOOL_PARSERS
+    from mindspeed_rl.tools.turns import TRUNCATE_SIDES
 
     rl, max_tokens = config.rl_config, config.generate_config.sampling_config.max_tokens
     errors = []
