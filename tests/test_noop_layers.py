@@ -6,7 +6,6 @@ the real layers the padded layout gives them. Their Qwen3-235B-A22B recipe (94 l
 Runs where: in process (config loading and the planner; no model is built)."""
 import pytest
 
-from mindspeed_rl.config import ConfigError
 
 from mindspeed_rl.config.noop_layers import lift_noop_layers
 from tests.test_mindspeed_rl_recipes import load_recipe, load_tiny
@@ -67,8 +66,9 @@ def test_their_235b_recipe_loads_unchanged_with_the_stages_its_no_op_layers_give
     assert [len(stage) for stage in layers] == [5, 6, 5]
 
 
-def test_on_cpu_their_235b_layout_says_what_gloo_lacks():
-    """TP2 x PP16 with packed micro-batches: the alltoall MoE dispatcher's uneven all-gather over expert-TP ranks."""
-    with pytest.raises(ConfigError, match="^rl_config.use_remove_padding: packed sequences with pipeline parallelism "
-                                          "need tensor_model_parallel_size 1 for MoE models on CPU"):
-        load_recipe("grpo_qwen3_235b_a22b_A2", "runtime.device=cpu")
+def test_on_cpu_their_235b_layout_loads():
+    """TP2 x PP16 with packed micro-batches: the alltoall MoE dispatcher's uneven all-gather over the expert-TP ranks
+    runs on gloo through CPU patch P8 (test_packing_multiprocess: TP2 x PP2 packed = padded)."""
+    config = load_recipe("grpo_qwen3_235b_a22b_A2", "runtime.device=cpu")
+    assert (config.actor_config.tensor_model_parallel_size, config.actor_config.pipeline_model_parallel_size) == (2, 16)
+    assert config.rl_config.use_remove_padding

@@ -1,8 +1,10 @@
 """Packed micro-batches at TP2 (with sequence parallel: packed rows rounded to a multiple of TP) and at PP2
 (stages exchange each packed micro-batch's shape): log-probs, GRPO loss stats and gradients equal the padded
 path's on the same batch and weights. A Qwen3-MoE at PP2 too: packed, its experts run behind Megatron's alltoall
-dispatcher (the one variable pipeline shapes allow), padded behind the allgather one, with the same results.
-Runs in 2 spawned processes (torch.multiprocessing, gloo); one spawn covers every layout."""
+dispatcher (the one variable pipeline shapes allow), padded behind the allgather one, with the same results; and at
+TP2 x PP2. With EP > 1 too that dispatcher gathers uneven parts over the expert-TP ranks (their 235B recipe; 8 ranks
+here at the least): gloo runs them through CPU patch P8, checked on the TP groups of the 4-rank spawn.
+Runs in spawned processes (torch.multiprocessing, gloo): one spawn of 2 ranks for every 2-rank layout, one of 4."""
 import os
 
 import torch
@@ -61,11 +63,37 @@ def _check_layout(checkpoint, tp, pp, sequence_parallel):
     ps.destroy_model_parallel()
 
 
+def _check_uneven_gather():
+    """P8: Megatron's all-gather of uneven parts over a TP group, forward and backward, on gloo."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    from mindspeed_rl.accelerator.megatron_cpu import megatron_on_cpu
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    sizes, tp_rank = [2, 3], ps.get_tensor_model_parallel_rank()
+    parts = [torch.arange(size * 4, dtype=torch.float32).reshape(size, 4) + 100 * rank for rank, size in enumerate(sizes)]
+    mine = parts[tp_rank].clone().requires_grad_()
+    weight = torch.arange(20, dtype=torch.float32).reshape(5, 4)
+    with megatron_on_cpu():
+        gathered = gather_from_sequence_parallel_region(mine, group=ps.get_tensor_model_parallel_group(),
+                                                        output_split_sizes=sizes)
+        (gathered * weight).sum().backward()
+    assert torch.equal(gathered.detach(), torch.cat(parts))
+    start = sum(sizes[:tp_rank])  # the backward reduce-scatters the TP ranks' equal output gradients: 2 x weight
+    assert torch.equal(mine.grad, 2 * weight[start:start + sizes[tp_rank]])
+    ps.destroy_model_parallel()
+
+
 def _worker(rank, world_size, port, checkpoint, moe_checkpoint):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
+        if world_size == 4:
+            _check_uneven_gather()
+            _check_layout(moe_checkpoint, 2, 2, False)
+            return
         for tp, pp, sequence_parallel in ((2, 1, False), (2, 1, True), (1, 2, False)):
             _check_layout(checkpoint, tp, pp, sequence_parallel)
         _check_layout(moe_checkpoint, 1, 2, False)
@@ -81,3 +109,10 @@ def test_packed_equals_padded_at_tp2_with_sequence_parallel_and_at_pp2_dense_and
 
     moe_checkpoint = str(create_tiny_qwen3_moe_checkpoint(tmp_path / "moe", vocab_size=64, seed=3))
     mp.spawn(_worker, args=(2, free_port(), checkpoint, moe_checkpoint), nprocs=2, join=True)
+
+
+def test_packed_moe_at_tp2_pp2_equals_padded_and_uneven_tp_gathers_run_on_gloo(tmp_path):
+    from mindspeed_rl.data.tiny_moe import create_tiny_qwen3_moe_checkpoint
+
+    moe_checkpoint = str(create_tiny_qwen3_moe_checkpoint(tmp_path / "moe", vocab_size=64, seed=3))
+    mp.spawn(_worker, args=(4, free_port(), None, moe_checkpoint), nprocs=4, join=True)

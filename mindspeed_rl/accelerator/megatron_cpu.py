@@ -192,11 +192,36 @@ _ONE_STREAM = _CpuStream()
 
 def patch_moe_without_transformer_engine() -> None:
     """P5: megatron's router GEMM reads `moe_utils.te_general_gemm`, which is only bound when
-    TransformerEngine imports (NameError at moe_utils.py:1192 otherwise); None means "no TE"."""
+    TransformerEngine imports (NameError at moe_utils.py:1192 otherwise); None means "no TE". And P8."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    _patch_uneven_all_gather()
+
+
+def _patch_uneven_all_gather() -> None:
+    """P8: with expert TP > 1 the alltoall MoE dispatcher all-gathers each rank's tokens over the TP group in uneven
+    parts (`output_split_sizes`; packed micro-batches under PP use that dispatcher), which gloo refuses ("invalid
+    tensor size"). Over gloo each part is padded to the largest, gathered evenly and cut back: the same tensor.
+    The backward's uneven reduce-scatter works on gloo as it is. Other backends keep Megatron's function."""
+    from megatron.core.tensor_parallel import mappings
+
+    original = mappings._gather_along_first_dim
+    if getattr(original, "pads_uneven_parts", False):
+        return
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1 or torch.distributed.get_backend(group) != "gloo":
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        largest = max(output_split_sizes)
+        padded = torch.nn.functional.pad(input_.contiguous(), (0, 0) * (input_.dim() - 1) + (0, largest - len(input_)))
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:size] for part, size in zip(parts, output_split_sizes)])
+
+    gather_along_first_dim.pads_uneven_parts = True
+    mappings._gather_along_first_dim = gather_along_first_dim
 
 
 class SequenceParallelRMSNorm:

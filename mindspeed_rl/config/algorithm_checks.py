@@ -23,14 +23,6 @@ def check_packing(config) -> None:
     if config.megatron_training.attention_dropout > 0:
         raise ConfigError("megatron_training.attention_dropout", "must be 0 with rl_config.use_remove_padding: "
                                                                  "packed attention runs without dropout")
-    arch, actor = config.selected_model, config.actor_config
-    if arch is not None and arch.num_experts and actor.pipeline_model_parallel_size > 1 \
-            and actor.tensor_model_parallel_size > 1 and config.runtime.device == "cpu":
-        # models/qwen2.py _packed_pipeline_fields: the alltoall dispatcher variable shapes need, on gloo.
-        raise ConfigError("rl_config.use_remove_padding", "packed sequences with pipeline parallelism need "
-                                                          "tensor_model_parallel_size 1 for MoE models on CPU "
-                                                          "(Megatron's alltoall dispatcher all-gathers uneven sizes "
-                                                          "over the expert-TP ranks, which gloo cannot)")
 
 
 def check_evaluation(config) -> None:

@@ -195,29 +195,19 @@ def transformer_config(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, p
         **_pipeline_layout_fields(spec, pp),
         **fusions,
         # After `moe`: packed pipeline stages may choose the dispatcher.
-        **{**moe, **_packed_pipeline_fields(spec, options, tp=tp, pp=pp)},
+        **{**moe, **_packed_pipeline_fields(options, pp=pp)},
     )
     return config_class(**{**fields, **mla})
 
 
-def _packed_pipeline_fields(spec: Qwen2Spec, options: ModelOptions, *, tp: int, pp: int) -> dict:
+def _packed_pipeline_fields(options: ModelOptions, *, pp: int) -> dict:
     """Packed micro-batches differ in length: pipeline stages then exchange each one's shape first. Megatron
     allows that with its alltoall MoE dispatcher only (a dense model has no dispatcher: it is named to pass the
-    check). With expert TP > 1 that dispatcher all-gathers uneven sizes over the TP ranks, which gloo cannot do:
-    on CPU a MoE model then needs train TP 1 (on NCCL/HCCL it runs)."""
+    check). With expert TP > 1 that dispatcher all-gathers uneven parts over the TP ranks: on gloo through CPU
+    patch P8 (accelerator/megatron_cpu.py)."""
     if not (options.packed_sequences and pp > 1):
         return {}
-    if spec.is_moe and tp > 1 and _collectives_are_gloo():
-        raise ValueError("packed sequences (rl_config.use_remove_padding) with pipeline parallelism need train TP 1 "
-                         "for MoE models on CPU: Megatron's alltoall dispatcher all-gathers uneven sizes over the "
-                         "expert-TP ranks, which gloo cannot")
     return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
-
-
-def _collectives_are_gloo() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 def layers_of_stage(spec: Qwen2Spec, pp_rank: int, pp: int) -> range:

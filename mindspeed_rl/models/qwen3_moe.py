@@ -30,8 +30,8 @@ def moe_config_fields(spec, *, ep: int, tp: int, load_balancing_type: str = "non
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         moe_router_pre_softmax=not spec.norm_topk_prob,
         moe_grouped_gemm=False,  # SequentialMLP: plain per-expert linears, no grouped-GEMM kernel on CPU
-        # gloo cannot all-gather tensors of different sizes, which the
-        # alltoall dispatcher does with ETP > 1; allgather works at any ETP.
+        # Padded batches: the allgather dispatcher (even gathers). Packed under PP needs alltoall
+        # (qwen2._packed_pipeline_fields), whose uneven gathers at ETP > 1 gloo runs through CPU patch P8.
         moe_token_dispatcher_type="allgather",
         moe_router_load_balancing_type=load_balancing_type,
         moe_aux_loss_coeff=aux_loss_coeff if load_balancing_type != "none" else 0.0,
