@@ -397,7 +397,7 @@ def test_two_rank_demo_variants_load(name, train, infer) -> None:
 
 SHIPPED_TRAINING_CONFIGS = sorted(path.stem for path in CONFIG_DIR.glob("grpo_*.yaml"))
 # MindSpeed-RL's own recipes, shipped verbatim: they save checkpoints where MindSpeed-RL's do.
-VERBATIM_MINDSPEED_RL = {"grpo_qwen25_32b_A2", "grpo_qwen3_8b_A3", "dapo_qwen3_30b_a3b_A3"}
+VERBATIM_MINDSPEED_RL = {"grpo_qwen25_32b_A2", "grpo_qwen3_8b_A3", "dapo_qwen3_30b_a3b_A3", "grpo_deepseek_r1_671b_A3"}
 
 
 @pytest.mark.parametrize("name", SHIPPED_TRAINING_CONFIGS)

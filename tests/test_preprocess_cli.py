@@ -91,7 +91,7 @@ def test_cli_config_error_is_one_line_and_exit_2(tmp_path, tokenizer_dir):
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
-        f"config error: prompt_type: unknown template 'qwen'; known: chat, empty, qwen_math_r1, qwen_r1 "
+        f"config error: prompt_type: unknown template 'qwen'; known: chat, empty, qwen_math_r1, qwen_r1, qwen_retool "
         f"(named templates live in {REPO / 'configs' / 'prompt_templates.yaml'})"]
 
 

@@ -241,12 +241,14 @@ def test_the_7b_recipe_on_this_host_passes_every_check_then_names_the_device_cou
 
 
 # MindSpeed-RL's recipes shipped verbatim, with a tiny checkpoint whose heads, groups, layers and experts their
-# layouts can split (TP4 x PP4; TP4 x EP2 with vLLM's EP over 16 ranks).
+# layouts can split (TP4 x PP4; TP4 x EP2 with vLLM's EP over 16 ranks; DeepSeek-V3's 61 layers in 8 uneven stages,
+# EP8, vLLM's EP64 over 256 ranks).
 VERBATIM_RECIPES = {
     "grpo_qwen3_8b_A3": ("cli/train_grpo.py", "dense", 16),
     "grpo_qwen25_32b_A2": ("cli/train_grpo.py", "dense", 16),
     "dapo_qwen3_30b_a3b_A3": ("cli/train_dapo.py", "moe", 16),
     "ppo_qwen25_32b_A3": ("cli/train_ppo.py", "dense", 32),  # TP8: the tiny model has 8 KV heads
+    "grpo_deepseek_r1_671b_A3": ("cli/train_grpo.py", "deepseek_v3", 256),
 }
 
 
@@ -265,12 +267,19 @@ def test_mindspeed_rls_own_recipes_pass_every_start_check_then_name_the_device_c
         model = create_tiny_qwen2_checkpoint(tmp_path / "model", vocab_size=64, hidden_size=128, ffn_hidden_size=128,
                                              num_layers=4, num_attention_heads=8, num_query_groups=8,
                                              max_position_embeddings=32768, seed=1)
+    elif kind == "deepseek_v3":
+        from mindspeed_rl.data.tiny_deepseek_v3 import create_tiny_deepseek_v3_checkpoint
+
+        model = create_tiny_deepseek_v3_checkpoint(
+            tmp_path / "model", num_layers=61, hidden_size=64, num_attention_heads=4, intermediate_size=32,
+            n_routed_experts=64, moe_intermediate_size=8, num_experts_per_tok=8, n_group=8, topk_group=4,
+            first_k_dense_replace=3, max_position_embeddings=32768, seed=1)
     else:
         model = create_tiny_qwen3_moe_checkpoint(tmp_path / "model", hidden_size=128, num_attention_heads=8,
                                                  num_query_groups=4, num_experts=16, moe_ffn_hidden_size=64, seed=1,
                                                  max_position_embeddings=32768)
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(128)))
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(512)))
     done = run_cli(tmp_path, recipe, f"megatron_training.tokenizer_name_or_path={model}", f"actor_config.load={model}",
                    f"megatron_training.data_path={data}", f"actor_config.save={tmp_path / 'save'}",
                    *([f"critic_config.load={model}"] if recipe.startswith("ppo") else []),
