@@ -47,8 +47,8 @@ VALIDATED_ONLY: dict[str, str] = {
     "generate_config.enable_expert_parallel": "infer_expert_parallel_size > 1 only, which the engine reads",
     "actor_config.num_layer_list": "the layers of each training pipeline stage (Megatron's pipeline layout)",
     "rl_config.critic_resource": "the critic's device count only (its devices: the actor's, or critic.device_mapping)",
-    "actor_config.lora_fusion": "false only: MindSpeed's CCLoRA NPU kernel is not implemented",
-    "critic_config.lora_fusion": "false only: MindSpeed's CCLoRA NPU kernel is not implemented",
+    "actor_config.lora_fusion": "the schema keeps false; true (MindSpeed's CCLoRA kernel) is a listed no-effect knob",
+    "critic_config.lora_fusion": "the schema keeps false; true (MindSpeed's CCLoRA kernel) is a listed no-effect knob",
     "runtime.strict_keys": "read by config/loader.py from the raw tree, before the schema: no-effect keys become errors",
     # ROLL's role sections (config/resources.py): parsed, computed and checked; the values other than
     # these are refused at load as not supported yet, so they are listed here although resources.py reads them.

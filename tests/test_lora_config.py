@@ -4,7 +4,7 @@ combination is one `config error` line naming its key. In the pytest process, co
 
 import pytest
 
-from mindspeed_rl.config import ConfigError
+from mindspeed_rl.config import ConfigError, load_config
 from tests.test_config import TINY, compose_cfg, load
 
 LORA = "grpo_tiny_cpu_lora"
@@ -38,7 +38,6 @@ def test_mindspeed_rls_keys_in_megatron_training_are_the_actors():
     (LORA, ["actor_config.lora_target_modules=[linear_qkv,q_proj]"],
      "actor_config.lora_target_modules: unknown module(s) ['q_proj']: LoRA wraps Megatron's linear_qkv"),
     (LORA, ["actor_config.lora_r=0"], "actor_config.lora_r: must be >= 1 with lora_target_modules set"),
-    (LORA, ["actor_config.lora_fusion=true"], "actor_config.lora_fusion: must be false: MindSpeed's CCLoRA"),
     (TINY, ["rl_config.share_backbone=true"], "rl_config.share_backbone: true needs LoRA"),
     (LORA, ["+megatron_training.lora_r=8"], "megatron_training.lora_r: is 8 but actor_config.lora_r is 16: one value"),
     (LORA, ["rl_config.integrated_mode_config.ref_model_load_path=/some/ref"],
@@ -48,3 +47,14 @@ def test_an_inconsistent_lora_config_is_one_error_naming_its_key(config_name, ov
     with pytest.raises(ConfigError) as info:
         load(config_name, *overrides)
     assert str(info.value).startswith(expected), str(info.value)
+
+
+def test_ccloras_fusion_is_a_listed_knob_with_no_effect() -> None:
+    """MindSpeed's CCLoRA (lora_fusion: true) overlaps the adapters' communication with their compute: the same
+    adapters; their LoRA recipe sets it. Listed at start, an error with runtime.strict_keys."""
+    notices: list[str] = []
+    config = load_config(compose_cfg(LORA, ["actor_config.lora_fusion=true"]), notices=notices)
+    assert config.actor_config.lora_fusion is False and config.actor_config.uses_lora
+    assert any(notice.startswith("actor_config.lora_fusion (MindSpeed's CCLoRA") for notice in notices)
+    with pytest.raises(ConfigError, match="^actor_config.lora_fusion: no effect on this engine"):
+        load_config(compose_cfg(LORA, ["actor_config.lora_fusion=true", "runtime.strict_keys=true"]))

@@ -14,7 +14,9 @@ from tests.test_config import CONFIG_DIR, TINY, compose_cfg
 pytestmark = pytest.mark.filterwarnings("ignore:.*Defaults list is missing `_self_`")
 
 RECIPES = Path(__file__).resolve().parent / "data" / "mindspeed_rl_recipes"
-NAMES = sorted(path.stem for path in RECIPES.glob("*.yaml"))
+# Their recipe whose own numbers disagree (test_their_self_contradicting_recipe_is_refused_with_its_numbers).
+CONTRADICTING = "grpo_deepseek_r1_671b_A2"
+NAMES = sorted(path.stem for path in RECIPES.glob("*.yaml") if path.stem != CONTRADICTING)
 
 
 def load_recipe(name: str, *overrides: str, notices: list[str] | None = None) -> GRPOConfig:
@@ -253,3 +255,22 @@ def test_their_multi_turn_recipe_keeps_its_tool_use(monkeypatch) -> None:
     assert config.response_length_limit == 2048
     assert "rl_config.async_engine" in {notice.split(" ", 1)[0] for notice in notices}
     assert type(load_tools(rl.tool_config_path)["code_interpreter"]).__name__ == "ReTool"
+
+
+def test_their_self_contradicting_recipe_is_refused_with_its_numbers() -> None:
+    """Their A2 DeepSeek recipe asks for 8196 prompt + 2048 response tokens in a 10240-token model length and
+    packing budget: both errors at once, in one run."""
+    with pytest.raises(ConfigError) as info:
+        load_recipe(CONTRADICTING, "runtime.device=cpu")
+    assert [str(error) for error in info.value.all()] == [
+        "generate_config.max_model_len: must be >= rl_config.max_prompt_length + generate_config.sampling_config."
+        "max_tokens = 8196 + 2048 = 10244, got 10240",
+        "rl_config.max_packing_token_size: must be >= rl_config.max_prompt_length + generate_config.sampling_config."
+        "max_tokens = 10244 (a sample is never split), got 10240"]
+
+
+def test_their_lora_recipe_lists_ccloras_fusion_as_having_no_effect() -> None:
+    notices: list[str] = []
+    config = load_recipe("grpo_lora_qwen25_32b_A2", "runtime.device=cpu", notices=notices)
+    assert config.actor_config.uses_lora and (config.actor_config.lora_r, config.actor_config.lora_alpha) == (128, 128)
+    assert "actor_config.lora_fusion" in {notice.split(" ", 1)[0] for notice in notices}

@@ -44,10 +44,6 @@ def check_lora(prefix: str, actor) -> None:
         raise ConfigError(f"{prefix}.lora_r", f"must be >= 1 with lora_target_modules set, got {actor.lora_r}")
     if actor.lora_alpha <= 0:
         raise ConfigError(f"{prefix}.lora_alpha", f"must be > 0, got {actor.lora_alpha}")
-    if actor.lora_fusion:
-        raise ConfigError(f"{prefix}.lora_fusion", "must be false: MindSpeed's CCLoRA (an NPU kernel overlapping "
-                                                   "the adapters' communication with compute) is not implemented "
-                                                   "here; the adapters compute the same without it")
 
 
 def check_lora_run(config) -> None:

@@ -209,8 +209,8 @@ class ActorConfig:
     # LoRA (MindSpeed-RL's keys, also read from megatron_training where its recipes put them; config/lora.py):
     # adapters of rank lora_r and scale lora_alpha / lora_r on the Megatron linears named in lora_target_modules
     # (linear_qkv, linear_proj, linear_fc1, linear_fc2); empty: no LoRA, every weight trains. lora_filter:
-    # checkpoints hold the adapters only (the backbone is the HF checkpoint's). lora_fusion (MindSpeed's CCLoRA
-    # overlap kernel on NPU) is not implemented and refused.
+    # checkpoints hold the adapters only (the backbone is the HF checkpoint's). lora_fusion: MindSpeed's CCLoRA
+    # overlap kernel on NPU, which computes the same adapters; true is listed as having no effect (config/no_effect.py).
     lora_r: int = 16
     lora_alpha: float = 32.0
     lora_target_modules: list[str] = field(default_factory=list)

@@ -63,6 +63,12 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
     "actor_config.context_parallel_algo": NoEffect(
         "MindSpeed's CP exchange pattern (ring, Ulysses, hybrid); every one computes the same attention, which CP "
         "here computes by gathering each layer's keys and values over the CP ranks (models/context_parallel.py)"),
+    # CCLoRA overlaps the adapters' TP communication with their compute: the same adapters, outputs and gradients.
+    # false stays for the schema (no line); true is listed.
+    **{f"{section}.lora_fusion": NoEffect(
+        "MindSpeed's CCLoRA, an NPU kernel overlapping the adapters' communication with their compute; the "
+        "adapters compute the same without it", applies=lambda tree, value: value is False)
+       for section in ("actor_config", "critic_config")},
     "actor_config.attention_mask_type": NoEffect("the actor's attention is causal", ("causal",)),
     "rl_config.guarantee_order": NoEffect("rollouts run in the driver's order; there is no asynchronous dispatch"),
     "rl_config.blocking": NoEffect("every phase is a blocking call of the integrated worker"),
