@@ -1,4 +1,4 @@
-"""PPO's critic (engines/critic.py) on 2 real gloo ranks, at DP2, TP2, TP2 with sequence parallel and PP2:
+"""PPO's critic (engines/critic.py) on 2 real gloo ranks, at DP2, TP2, TP2 with sequence parallel, PP2 and CP2:
 - its values are HF's (the oracle): `Qwen2ForSequenceClassification`'s trunk times its score head at the position
   before each response token, fp32, < 1e-4; from a causal LM checkpoint, the trunk times the fresh seeded head;
 - one optimizer step on the clipped value loss lowers the loss and leaves the same values in every layout.
@@ -18,7 +18,8 @@ from mindspeed_rl.protocol import RolloutBatch
 from resharding_oracle import four_sample_batch, free_port
 
 VOCAB, PAD = 64, 63
-LAYOUTS = ((1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False))  # (TP, PP, SP) on 2 ranks: (1, 1) is DP2
+# (TP, PP, SP, CP) on 2 ranks: (1, 1, False, 1) is DP2; under CP2 each value is read where its position lives.
+LAYOUTS = ((1, 1, False, 1), (2, 1, False, 1), (2, 1, True, 1), (1, 2, False, 1), (1, 1, False, 2))
 ADAM = dict(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
 
 
@@ -46,7 +47,7 @@ def _score_weight(model_dir: str) -> torch.Tensor:
     return load_hf_checkpoint(model_dir)[1]["score.weight"]
 
 
-def _critic(model_dir: str, tp: int, pp: int, sp: bool = False):
+def _critic(model_dir: str, tp: int, pp: int, sp: bool = False, cp: int = 1):
     from megatron.core import parallel_state as ps
 
     from mindspeed_rl.accelerator import get_accelerator
@@ -55,7 +56,8 @@ def _critic(model_dir: str, tp: int, pp: int, sp: bool = False):
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
     from mindspeed_rl.models.qwen2 import ModelOptions
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 context_parallel_size=cp)
     accelerator = get_accelerator("cpu")
     accelerator.seed_model_parallel_rng(1)
     spec, state = load_hf_checkpoint(model_dir)
@@ -89,12 +91,12 @@ def _worker(rank, port, reward_dir, actor_dir, batch, oracle, fresh_oracle, retu
     dist.init_process_group("gloo", rank=rank, world_size=2)
     results = {}
     try:
-        for tp, pp, sp in LAYOUTS:
-            critic = _critic(reward_dir, tp, pp, sp)
+        for tp, pp, sp, cp in LAYOUTS:
+            critic = _critic(reward_dir, tp, pp, sp, cp)
             values = critic.compute_values(batch, micro_batch_size=2)
             stats = _one_step(critic, batch, values, returns)
             after = critic.compute_values(batch, micro_batch_size=2)
-            results[(tp, pp, sp)] = dict(values=values, after=after, stats=stats)
+            results[(tp, pp, sp, cp)] = dict(values=values, after=after, stats=stats)
             ps.destroy_model_parallel()
         fresh = _critic(actor_dir, 2, 1)
         results["fresh"] = fresh.compute_values(batch, micro_batch_size=2)

@@ -1,7 +1,8 @@
 """The Megatron reward model scores what HF transformers' Qwen2ForSequenceClassification scores (the oracle):
 the head's output at the last non-pad token, on the same right-padded batch, fp32, < 1e-4.
 
-Runs where: single rank in the pytest process (gloo world of 1), and TP2 / PP2 on 2 spawned gloo processes.
+Runs where: single rank in the pytest process (gloo world of 1), and TP2 / PP2 / CP2 on 2 spawned gloo processes
+(under CP each score is read on the rank holding the sample's last token).
 """
 import os
 
@@ -79,19 +80,20 @@ def _worker(rank, port, reward_dir, batch, expected):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        for tp, pp in ((2, 1), (1, 2)):
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                         context_parallel_size=cp)
             accelerator = get_accelerator("cpu")
             accelerator.seed_model_parallel_rng(1)
             got = _engine(reward_dir, accelerator).compute_scores(batch, micro_batch_size=3)
             error = (got - expected).abs().max().item()
-            assert error < TOLERANCE, (tp, pp, error)
+            assert error < TOLERANCE, (tp, pp, cp, error)
             ps.destroy_model_parallel()
     finally:
         dist.destroy_process_group()
 
 
-def test_tp2_and_pp2_scores_equal_hf(reward_dir):
+def test_tp2_pp2_and_cp2_scores_equal_hf(reward_dir):
     batch = _batch()
     mp.spawn(_worker, args=(free_port(), reward_dir, batch, _hf_scores(reward_dir, batch)), nprocs=2, join=True)
 

@@ -50,21 +50,18 @@ def check_sequence_parallel(config) -> None:
 
 
 def check_context_parallel(config) -> None:
-    """What context parallelism here covers: the actor and the reference of Qwen-architecture models."""
+    """What context parallelism here covers: the Qwen-architecture models (actor, reference, critic, reward model)."""
     if config.actor_config.context_parallel_size == 1:
         return
     key = "actor_config.context_parallel_size"
     arch = config.selected_model
     unsupported = [
         (arch is not None and arch.kv_lora_rank is not None, "DeepSeek-V3's MLA layers (a Qwen-architecture model)"),
-        (config.critic_config is not None, "a critic (GRPO/DAPO, no critic_config)"),
-        (config.reward_model is not None, "a reward model (rule rewards)"),
         (config.megatron_training.attention_dropout > 0, "attention dropout (megatron_training.attention_dropout: 0)"),
     ]
     missing = [need for on, need in unsupported if on]
     if missing:
-        raise ConfigError(key, f"> 1 is supported for the actor and the reference only; it needs "
-                               f"{'; '.join(missing)}")
+        raise ConfigError(key, f"> 1 is supported for Qwen-architecture models only; it needs {'; '.join(missing)}")
 
 
 def check_infer_layout(config) -> None:

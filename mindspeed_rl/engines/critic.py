@@ -40,8 +40,15 @@ def with_value_head(hf_state: dict[str, torch.Tensor], spec: Qwen2Spec, *, seed:
 
 def response_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     """[b, response_width] fp32 values of the response tokens from the head's output [b, s, 1] (packed:
-    [1, t, 1]), 0 where `mb.response_mask` is 0."""
-    values = output.reshape(-1)[mb.scored_rows()].float()
+    [1, t, 1]; under CP this rank's chunks, each value read where its position lives), 0 where `mb.response_mask`
+    is 0."""
+    if mb.context_parallel_length:
+        from mindspeed_rl.models.context_parallel import from_the_holding_ranks, scored_rows_of_this_rank
+
+        rows, _, held = scored_rows_of_this_rank(mb)
+        values = from_the_holding_ranks(output.reshape(-1)[rows].float(), held)
+    else:
+        values = output.reshape(-1)[mb.scored_rows()].float()
     out = torch.zeros(mb.response_mask.shape, dtype=torch.float32, device=output.device)
     return out.masked_scatter(mb.response_mask.bool(), values)
 
@@ -62,6 +69,7 @@ class CriticEngine(MegatronEngine):
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.ep = 1
+        self.cp = ps.get_context_parallel_world_size()
         self.logprob_chunk_tokens = options.logprob_chunk_tokens
         self.packed_sequences = options.packed_sequences
         with accelerator.megatron_context():

@@ -17,6 +17,7 @@ import torch
 
 from mindspeed_rl.accelerator import Accelerator
 from mindspeed_rl.engines.megatron_engine import MegatronEngine
+from mindspeed_rl.models.megatron_build import qwen_layer_spec
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, transformer_config
 from mindspeed_rl.protocol import MicroBatch, RolloutBatch
 
@@ -70,26 +71,15 @@ def build_reward_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: in
     the critic (`trainable_head`) trains with the actor's setting, which splits its activations over TP."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if not trainable_head:
         options = replace(options, sequence_parallel=False)
-    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp, options=options)
+    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp,
+                                cp=parallel_state.get_context_parallel_world_size(), options=options)
     # Every parameter is loaded from the checkpoint; without initialisation the vocabulary-sized output
     # layer GPTModel makes (and this function drops) is never written, so its pages are never touched.
     config.perform_initialization = False
-    layer_spec = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm,
-                                          normalization="RMSNorm")
-    if options.packed_sequences:  # the critic's micro-batches are packed like the actor's
-        from mindspeed_rl.models.packed_attention import with_packed_attention
-
-        layer_spec = with_packed_attention(layer_spec)
-    if config.sequence_parallel:
-        from mindspeed_rl.accelerator.megatron_cpu import with_sequence_parallel_norms
-        from mindspeed_rl.models.qwen2 import layers_of_stage
-
-        stage = layers_of_stage(spec, parallel_state.get_pipeline_model_parallel_rank(), pp)
-        layer_spec = with_sequence_parallel_norms(layer_spec, len(stage))
+    layer_spec = qwen_layer_spec(spec, config, options, pp)  # the actor's: packed, CP and SP as it is built
     post_process = parallel_state.is_pipeline_last_stage()
     model = GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab_size,
                      max_sequence_length=spec.max_position_embeddings,
@@ -151,6 +141,7 @@ class RewardModelEngine(MegatronEngine):
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.ep = 1
+        self.cp = ps.get_context_parallel_world_size()
         self.optimizer = None
         self.scheduler = None
         with accelerator.megatron_context():
@@ -164,6 +155,10 @@ class RewardModelEngine(MegatronEngine):
 
         def collect(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = True):
             index = last_token_index(mb)
+            if mb.context_parallel_length:  # this rank's chunks: the score where the last token lives
+                from mindspeed_rl.models.context_parallel import last_token_outputs
+
+                return last_token_outputs(output, mb, index)
             return output[torch.arange(output.shape[0], device=output.device), index, 0].float()
 
         self.model.eval()

@@ -34,7 +34,7 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
 
     vocab_local = logits.shape[-1]
     if mb.context_parallel_length:  # this CP rank's positions; every entry then comes from one rank
-        from mindspeed_rl.models.context_parallel import scored_rows_of_this_rank, sum_over_context_parallel
+        from mindspeed_rl.models.context_parallel import from_the_holding_ranks, scored_rows_of_this_rank
 
         rows, targets, held = scored_rows_of_this_rank(mb)
     else:
@@ -45,10 +45,8 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
         logits.reshape(-1, vocab_local)[rows], targets, temperature=temperature, chunk_tokens=chunk_tokens,
         group=group, with_entropy=with_entropy)
     if mb.context_parallel_length:
-        token_logprobs, token_entropy = (
-            None if values is None else sum_over_context_parallel(
-                torch.zeros(held.shape, dtype=values.dtype, device=values.device).masked_scatter(held, values))
-            for values in (token_logprobs, token_entropy))
+        token_logprobs, token_entropy = (None if values is None else from_the_holding_ranks(values, held)
+                                         for values in (token_logprobs, token_entropy))
     selected = mb.response_mask.bool()
 
     def place(values: torch.Tensor) -> torch.Tensor:

@@ -111,6 +111,25 @@ def sum_over_context_parallel(tensor: torch.Tensor) -> torch.Tensor:
     return _SumOverGroup.apply(tensor, ps.get_context_parallel_group())
 
 
+def from_the_holding_ranks(local_values: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """[n] values each computed by the one CP rank holding its position (`held`: those of this rank, in order) ->
+    all n on every CP rank (the others' entries are 0 here before the sum; identity backward)."""
+    zeros = torch.zeros(held.shape, dtype=local_values.dtype, device=local_values.device)
+    return sum_over_context_parallel(zeros.masked_scatter(held, local_values))
+
+
+def last_token_outputs(output: torch.Tensor, mb, index: torch.Tensor) -> torch.Tensor:
+    """Under CP, the [b] outputs (a head of width 1: [b, s / CP, 1], padded rows) at each sample's position `index`,
+    taken where it lives and summed over the CP ranks (the reward model's score at the last token)."""
+    from megatron.core import parallel_state as ps
+
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    offsets = local_offsets(index, torch.full_like(index, mb.context_parallel_length), cp_rank, cp)
+    held = offsets >= 0
+    rows = torch.arange(len(index), device=output.device)[held]
+    return from_the_holding_ranks(output[rows, offsets[held], 0].float(), held)
+
+
 class ContextParallelAttention(MegatronModule):
     """The core attention of a layer under CP (Megatron's local DotProductAttention refuses CP > 1): q, k, v
     [s / CP, b, heads, d] of this rank's chunks -> [s / CP, b, heads x d]."""

@@ -23,7 +23,7 @@ def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: 
                              "context-parallel core attention here")
         layer_spec = _deepseek_block_spec(config, options)
     else:
-        layer_spec = _qwen_layer_spec(spec, config, options, pp)
+        layer_spec = qwen_layer_spec(spec, config, options, pp)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -39,7 +39,9 @@ def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: 
     return model
 
 
-def _qwen_layer_spec(spec: Qwen2Spec, config, options: ModelOptions, pp: int):
+def qwen_layer_spec(spec: Qwen2Spec, config, options: ModelOptions, pp: int):
+    """The local layer spec of a Qwen-architecture model as `config` builds it: packed attention, CP's core
+    attention, SP-capable norms (the actor's, the reference's, the critic's and the reward model's trunks)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
