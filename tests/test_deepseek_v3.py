@@ -2,8 +2,8 @@
 routed scaling, shared experts) on Megatron-core and vLLM, against transformers' DeepseekV3ForCausalLM.
 
 One spawn of 2 gloo ranks, one live vLLM engine (infer TP=2, CPU_MLA backend) per rank. Per train
-layout (TP2 with sequence parallel; PP2 = dense layer | MoE layer; EP2): Megatron's logits equal HF's
-(< 1e-4 fp32; PP: log-probs), the HF -> Megatron -> HF export round trip is exact, the plan's push fills
+layout (TP2 with sequence parallel; PP2 = dense layer | MoE layer; CP2: MLA under context parallelism): Megatron's
+logits equal HF's (< 1e-4 fp32; PP and CP: log-probs), the HF -> Megatron -> HF export round trip is exact, the plan's push fills
 every vLLM parameter (shapes checked), the fingerprint check passes, and vLLM's sampled-token log-probs
 after the push equal Megatron's (< 1e-4), and the planner's Megatron shard (planner/params.py) is the live
 engine's parameters, name for name and size for size.
@@ -37,12 +37,12 @@ def _hf_logits(checkpoint: str, state: dict) -> torch.Tensor:
         return hf(IDS).logits
 
 
-def _check_against_hf(engine, expected_logits, pp: int) -> None:
+def _check_against_hf(engine, expected_logits, pp: int, cp: int = 1) -> None:
     from megatron.core import tensor_parallel
 
     from mindspeed_rl.protocol import RolloutBatch
 
-    if pp == 1:  # full logits are visible without a pipeline
+    if pp == 1 and cp == 1:  # full logits are visible without a pipeline and without CP's chunks
         with torch.no_grad(), engine.accelerator.megatron_context():
             logits = engine.module(IDS, torch.arange(IDS.shape[1]).expand_as(IDS), None)
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
@@ -107,14 +107,14 @@ def _worker(rank, port, checkpoint, layouts):
         max_num_batched_tokens=512, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
         cpu_kvcache_space_gb=0.03, on_cpu=True))
     acc = get_accelerator("cpu")
-    for case, (tp, pp, ep) in enumerate(layouts):
+    for case, (tp, pp, ep, cp) in enumerate(layouts):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep)
+                                     expert_model_parallel_size=ep, context_parallel_size=cp)
         acc.seed_model_parallel_rng(1)
         hf_state = perturbed_state(state, case)
         engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.float32, accelerator=acc,
                                 optimizer=None)
-        _check_against_hf(engine, _hf_logits(checkpoint, hf_state), pp)
+        _check_against_hf(engine, _hf_logits(checkpoint, hf_state), pp, cp)
         _check_planner_shapes(engine, checkpoint, tp, pp, ep)
         if ep == 1:  # the export gathers over TP and PP (not EP)
             exported = hf_weights_from_megatron(engine.named_weights(), spec)
@@ -138,7 +138,7 @@ def test_megatron_and_vllm_match_hf_on_two_ranks(tmp_path):
     checkpoint = str(create_tiny_deepseek_v3_checkpoint(tmp_path / "ds", n_routed_experts=8, n_group=4, topk_group=2,
                                                         num_experts_per_tok=4, seed=3, rope_scaling=YARN, mtp_layers=1))
     _check_the_mtp_layer_is_in_the_checkpoint_and_not_read(checkpoint)
-    mp.spawn(_worker, args=(free_port(), checkpoint, [(2, 1, 1), (1, 2, 1)]), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), checkpoint, [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 1, 2)]), nprocs=2, join=True)
 
 
 def _check_the_mtp_layer_is_in_the_checkpoint_and_not_read(checkpoint: str) -> None:

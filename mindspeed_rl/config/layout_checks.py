@@ -50,18 +50,13 @@ def check_sequence_parallel(config) -> None:
 
 
 def check_context_parallel(config) -> None:
-    """What context parallelism here covers: the Qwen-architecture models (actor, reference, critic, reward model)."""
+    """Context parallelism covers every model here (actor, reference, critic, reward model; Qwen and DeepSeek-V3's
+    MLA), without attention dropout."""
     if config.actor_config.context_parallel_size == 1:
         return
-    key = "actor_config.context_parallel_size"
-    arch = config.selected_model
-    unsupported = [
-        (arch is not None and arch.kv_lora_rank is not None, "DeepSeek-V3's MLA layers (a Qwen-architecture model)"),
-        (config.megatron_training.attention_dropout > 0, "attention dropout (megatron_training.attention_dropout: 0)"),
-    ]
-    missing = [need for on, need in unsupported if on]
-    if missing:
-        raise ConfigError(key, f"> 1 is supported for Qwen-architecture models only; it needs {'; '.join(missing)}")
+    if config.megatron_training.attention_dropout > 0:
+        raise ConfigError("actor_config.context_parallel_size", "> 1 runs without attention dropout: it needs "
+                                                               "megatron_training.attention_dropout: 0")
 
 
 def check_infer_layout(config) -> None:

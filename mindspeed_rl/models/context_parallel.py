@@ -132,11 +132,12 @@ def last_token_outputs(output: torch.Tensor, mb, index: torch.Tensor) -> torch.T
 
 class ContextParallelAttention(MegatronModule):
     """The core attention of a layer under CP (Megatron's local DotProductAttention refuses CP > 1): q, k, v
-    [s / CP, b, heads, d] of this rank's chunks -> [s / CP, b, heads x d]."""
+    [s / CP, b, heads, d] of this rank's chunks -> [s / CP, b, heads x d_v]. MLA's keys are wider than its values
+    (nope + rope vs v_head_dim; `k_channels`/`v_channels`) and it passes its own softmax scale (YaRN's mscale)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None, cp_comm_type=None,
-                 pg_collection=None):
+                 pg_collection=None, k_channels: int | None = None, v_channels: int | None = None):
         super().__init__(config=config)
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) > 0:
             raise ValueError("context parallelism here runs without attention dropout (attention_dropout: 0)")

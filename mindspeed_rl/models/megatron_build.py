@@ -18,9 +18,6 @@ def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: 
     cp = parallel_state.get_context_parallel_world_size()
     config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp, ep=ep, cp=cp, options=options)
     if spec.deepseek is not None:
-        if cp > 1:
-            raise ValueError("context parallelism is not supported for DeepSeek-V3 yet: its MLA layers have no "
-                             "context-parallel core attention here")
         layer_spec = _deepseek_block_spec(config, options)
     else:
         layer_spec = qwen_layer_spec(spec, config, options, pp)
