@@ -1,6 +1,7 @@
 """End to end: `python cli/train_dapo.py --config-name dapo_tiny_retool_cpu` runs multi-turn tool use (ReTool) on
 two ranks (Ray; inference DP 2, so a turn's continuations are split unevenly): real vLLM turns, the code
-interpreter run in the local sandbox, real Megatron updates. Runs where: subprocesses; ~1 min on 2 cores.
+interpreter run in the local sandbox, real Megatron updates, and the evaluation before training with the tools too.
+Runs where: subprocesses; ~1 min on 2 cores.
 
 The oracle is the demo model itself (mindspeed_rl/data/tiny_tool_call.py): a programmed bigram policy whose every
 turn opens with a 50/50 choice (entropy ln 2) and is deterministic after it (entropy 0), and whose tool turn is
@@ -21,13 +22,30 @@ def _tool_turn_tokens() -> int:
     return len(build_tool_call_tokenizer().encode(text, add_special_tokens=False).ids)
 
 
+def _eval_file(tmp_path):
+    from mindspeed_rl.data.tiny_tool_call import QUESTIONS
+
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"prompt": [{"content": question, "role": "user"}],
+                                        "reward_model": {"ground_truth": "42"}}) + "\n" for question in QUESTIONS))
+    return path
+
+
 def test_the_retool_demo_calls_the_tool_and_trains_only_on_sampled_tokens(tmp_path):
     done = run_cli(tmp_path, "dapo_tiny_retool_cpu", "megatron_training.train_iters=2",
                    "rl_config.actor_resource.num_npus=2", "runtime.local_single_rank=false",
+                   f"megatron_training.eval_data_path={_eval_file(tmp_path)}", "rl_config.eval_before_train=true",
+                   "rl_config.eval_sampling=train", "rl_config.eval_n_samples=4",
                    script="cli/train_dapo.py", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evaluation, *records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     tool_tokens = _tool_turn_tokens()
+    # The evaluation runs the tools too: tool turns in its responses (an answer at once is 2 tokens, a call 4) and
+    # retool_reward with the bonus.
+    assert evaluation["iteration"] == 0 and evaluation["eval/prompts"] == 6
+    assert evaluation["eval/response_length/mean"] > 4
+    accuracy = evaluation["eval/accuracy"]
+    assert math.isclose(evaluation["eval/retool_reward/mean"], accuracy - 0.9 * (1 - accuracy), abs_tol=1e-6)
     assert len(records) == 2
     for r in records:
         calls, length = r["tool_call_num/mean"], r["response_length/mean"]
