@@ -24,7 +24,8 @@ import torch
 
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.protocol import LOSS_MASK, RolloutBatch
-from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics, merge_shards
+from mindspeed_rl.trainer.rollout import generated_samples
+from mindspeed_rl.workers.actor_group import ActorGroup
 
 TOOL_CALLS = "tool_call_num"  # MindSpeed-RL's column and metric name
 
@@ -91,12 +92,10 @@ class ToolTurns:
               greedy: bool, max_tokens: list[int] | None = None) -> dict:
         """One batched generate; sample j of the turn is context j // n's (j % n)-th."""
         actor_group.start_generate(contexts, iteration, n=n, greedy=greedy, max_tokens=max_tokens)
-        results = actor_group.finish_generate()
-        generated = [g for shard in merge_shards([s for s, _ in results]) for g in shard.value]
-        generated.sort(key=lambda g: g[0])  # stable: a context's n samples stay in vLLM's order
+        generated, metrics = generated_samples(actor_group.finish_generate())
         for sample, (_, token_ids, logprobs) in zip(samples, generated, strict=True):
             sample.add_turn(list(token_ids), list(logprobs))
-        return merge_metrics([m for _, m in results])
+        return metrics
 
     def _budget(self, sample: _Sample) -> int:
         """A continuation's tokens: what max_total_response_length leaves, at most sampling_config.max_tokens."""

@@ -21,11 +21,17 @@ def generate(actor_group: ActorGroup, prompt_batch, config: GRPOConfig, *, itera
     return rollout_batch(actor_group.finish_generate(), prompt_ids, config)
 
 
+def generated_samples(results: list) -> tuple[list[tuple[int, list[int], list[float]]], dict]:
+    """Every inference rank's (samples, metrics) -> the (prompt index, token ids, log-probs) of every sample,
+    prompt-major (a prompt's n samples contiguous, in vLLM's order), and the merged metrics."""
+    samples = [sample for shard in merge_shards([s for s, _ in results]) for sample in shard.value]
+    samples.sort(key=lambda sample: sample[0])  # stable
+    return samples, merge_metrics([m for _, m in results])
+
+
 def rollout_batch(results: list, prompt_ids: list[list[int]], config: GRPOConfig) -> tuple[RolloutBatch, dict]:
     """Every inference rank's (samples, metrics) -> one prompt-major batch and the merged metrics."""
-    metrics = merge_metrics([m for _, m in results])
-    samples = [sample for shard in merge_shards([s for s, _ in results]) for sample in shard.value]
-    samples.sort(key=lambda sample: sample[0])  # prompt-major: a prompt's n samples are contiguous
+    samples, metrics = generated_samples(results)
     width = config.response_length_limit
     batch = RolloutBatch.from_token_lists([prompt_ids[i] for i, _, _ in samples], [ids for _, ids, _ in samples],
                                           pad_id=0, response_width=width)
