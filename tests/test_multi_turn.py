@@ -31,6 +31,7 @@ def test_every_bad_multi_turn_key_is_reported_at_once() -> None:
         "rl_config.max_parallel_calls: must be >= 1, got 0",
         "rl_config.max_total_response_length: must be >= generate_config.sampling_config.max_tokens=16, got 8",
     ]
+    assert len(lines) == 5 and lines[4].startswith("rl_config.tool_config_path: missing.yaml")
 
 
 def test_the_tool_file_is_checked_at_load() -> None:

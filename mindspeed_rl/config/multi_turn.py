@@ -20,10 +20,20 @@ def check_multi_turn(config) -> None:
                                                       "or enable multi-turn tool use")
                         for name, off in _OFF_VALUES.items() if getattr(rl, name) != off])
         return
-    raise_together(_limit_errors(config) + _combination_errors(config))
+    raise_together(_limit_errors(config) + _combination_errors(config) + _tool_file_errors(rl.tool_config_path))
+
+
+def _tool_file_errors(path) -> list[ConfigError]:
+    """Every problem of the tools' YAML (it is loaded, the tools built, nothing connected to)."""
     from mindspeed_rl.tools.registry import load_tools
 
-    load_tools(rl.tool_config_path)  # raises every problem of the file together
+    if not path:
+        return []  # _limit_errors names the missing key
+    try:
+        load_tools(path)
+    except ConfigError as error:
+        return error.all()
+    return []
 
 
 def _limit_errors(config) -> list[ConfigError]:
