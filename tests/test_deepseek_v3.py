@@ -3,7 +3,7 @@ routed scaling, shared experts) on Megatron-core and vLLM, against transformers'
 
 One spawn of 2 gloo ranks, one live vLLM engine (infer TP=2, CPU_MLA backend) per rank. Per train
 layout (TP2 with sequence parallel; PP2 = dense layer | MoE layer; CP2: MLA under context parallelism): Megatron's
-logits equal HF's (< 1e-4 fp32; PP and CP: log-probs), the HF -> Megatron -> HF export round trip is exact, the plan's push fills
+logits equal HF's (< 1e-4 fp32; PP and CP: log-probs; and packed micro-batches' log-probs, THD through MLA), the HF -> Megatron -> HF export round trip is exact, the plan's push fills
 every vLLM parameter (shapes checked), the fingerprint check passes, and vLLM's sampled-token log-probs
 after the push equal Megatron's (< 1e-4), and the planner's Megatron shard (planner/params.py) is the live
 engine's parameters, name for name and size for size.
@@ -40,18 +40,35 @@ def _hf_logits(checkpoint: str, state: dict) -> torch.Tensor:
 def _check_against_hf(engine, expected_logits, pp: int, cp: int = 1) -> None:
     from megatron.core import tensor_parallel
 
-    from mindspeed_rl.protocol import RolloutBatch
-
     if pp == 1 and cp == 1:  # full logits are visible without a pipeline and without CP's chunks
         with torch.no_grad(), engine.accelerator.megatron_context():
             logits = engine.module(IDS, torch.arange(IDS.shape[1]).expand_as(IDS), None)
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         assert (logits - expected_logits).abs().max().item() < 1e-4
-    batch = RolloutBatch.from_token_lists([r[:3].tolist() for r in IDS], [r[3:].tolist() for r in IDS], pad_id=0,
-                                          response_width=IDS.shape[1] - 3)
-    got = engine.compute_logprobs(batch, micro_batch_size=2, temperature=1.0)
-    expected = torch.gather(torch.log_softmax(expected_logits, -1)[:, 2:-1], 2, IDS[:, 3:].unsqueeze(-1)).squeeze(-1)
-    assert (got - expected).abs().max().item() < 1e-4
+    assert (_logprobs(engine) - _expected_logprobs(expected_logits)).abs().max().item() < 1e-4
+
+
+def _expected_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    expected = torch.gather(torch.log_softmax(logits, -1)[:, 2:-1], 2, IDS[:, 3:].unsqueeze(-1)).squeeze(-1)
+    expected[0, -1] = 0.0  # the first sample is a token shorter (causal: its other log-probs are the same)
+    return expected
+
+
+def _logprobs(engine, packing=None) -> torch.Tensor:
+    from mindspeed_rl.protocol import RolloutBatch
+
+    # Two samples of 9 and 10 tokens: packed, the second starts mid-row.
+    batch = RolloutBatch.from_token_lists([r[:3].tolist() for r in IDS], [IDS[0, 3:-1].tolist(), IDS[1, 3:].tolist()],
+                                          pad_id=0, response_width=IDS.shape[1] - 3)
+    return engine.compute_logprobs(batch, micro_batch_size=2, temperature=1.0, packing=packing)
+
+
+def _check_packed_against_hf(engine, expected_logits) -> None:
+    """Packed micro-batches (rl_config.use_remove_padding, their DeepSeek recipes' setting): THD through MLA."""
+    from mindspeed_rl.protocol import Packing
+
+    got = _logprobs(engine, Packing(max_tokens=64))
+    assert (got - _expected_logprobs(expected_logits)).abs().max().item() < 1e-4
 
 
 def _push(spec, engine, rollout, train, infer, rank):
@@ -98,6 +115,7 @@ def _worker(rank, port, checkpoint, layouts):
     from mindspeed_rl.engines.megatron_engine import MegatronEngine
     from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig, remove_cpu_shm_segments
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+    from mindspeed_rl.models.qwen2 import ModelOptions
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
 
     spec, state = load_hf_checkpoint(checkpoint)
@@ -115,6 +133,9 @@ def _worker(rank, port, checkpoint, layouts):
         engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.float32, accelerator=acc,
                                 optimizer=None)
         _check_against_hf(engine, _hf_logits(checkpoint, hf_state), pp, cp)
+        packed = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.float32, accelerator=acc,
+                                optimizer=None, options=ModelOptions(packed_sequences=True))
+        _check_packed_against_hf(packed, _hf_logits(checkpoint, hf_state))
         _check_planner_shapes(engine, checkpoint, tp, pp, ep)
         if ep == 1:  # the export gathers over TP and PP (not EP)
             exported = hf_weights_from_megatron(engine.named_weights(), spec)

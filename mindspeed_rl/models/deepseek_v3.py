@@ -165,8 +165,9 @@ def megatron_config_fields(spec) -> dict:
     )
 
 
-def decoder_block_spec(config, sequence_parallel_norms: bool):
-    """This stage's layer specs (dense or MoE per `moe_layer_freq`), local modules only."""
+def decoder_block_spec(config, sequence_parallel_norms: bool, packed: bool = False):
+    """This stage's layer specs (dense or MoE per `moe_layer_freq`), local modules only; `packed`: the core
+    attention takes packed micro-batches (THD) too."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     _mla_without_transformer_engine()
@@ -176,7 +177,7 @@ def decoder_block_spec(config, sequence_parallel_norms: bool):
 
         core_attention = ContextParallelAttention
     else:
-        core_attention = mla_core_attention_class()
+        core_attention = mla_core_attention_class(packed=packed)
     for layer in block.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = core_attention
     if sequence_parallel_norms:
@@ -197,13 +198,18 @@ def _mla_without_transformer_engine() -> None:
         multi_latent_attention.HAVE_TE = False
 
 
-def mla_core_attention_class():
+def mla_core_attention_class(packed: bool = False):
     """Megatron's local DotProductAttention for MLA: MLA passes `k_channels` / `v_channels` (keys are
     nope + rope wide, values v_head_dim), which only TransformerEngine's attention accepts in
-    Megatron-core 0.16; the local one sizes its output by kv_channels. Same math, output sized by v."""
+    Megatron-core 0.16; the local one sizes its output by kv_channels. Same math, output sized by v. `packed`:
+    on models/packed_attention.py's class (MLA hands it THD q/k/v after rotating each sample from cu_seqlens)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    class MLADotProductAttention(DotProductAttention):
+    from mindspeed_rl.models.packed_attention import PackedDotProductAttention
+
+    base = PackedDotProductAttention if packed else DotProductAttention
+
+    class MLADotProductAttention(base):
         # Attention.__init__ builds one without the channels first; MLA then builds its own with them.
         def __init__(self, config, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
             super().__init__(config, *args, **kwargs)

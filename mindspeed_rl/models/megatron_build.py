@@ -61,12 +61,10 @@ def qwen_layer_spec(spec: Qwen2Spec, config, options: ModelOptions, pp: int):
 
 
 def _deepseek_block_spec(config, options: ModelOptions):
-    if options.packed_sequences:
-        raise ValueError("packed sequences (rl_config.use_remove_padding) are not supported for DeepSeek-V3 yet: "
-                         "its MLA layers have no packed core attention here; use padded batches")
     from mindspeed_rl.models.deepseek_v3 import decoder_block_spec
 
-    return decoder_block_spec(config, sequence_parallel_norms=config.sequence_parallel)
+    return decoder_block_spec(config, sequence_parallel_norms=config.sequence_parallel,
+                              packed=options.packed_sequences)
 
 
 def load_hf_into_megatron(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], spec: Qwen2Spec) -> None:
