@@ -3,7 +3,8 @@ routed scaling, shared experts) on Megatron-core and vLLM, against transformers'
 
 One spawn of 2 gloo ranks, one live vLLM engine (infer TP=2, CPU_MLA backend) per rank. Per train
 layout (TP2 with sequence parallel; PP2 = dense layer | MoE layer; CP2: MLA under context parallelism): Megatron's
-logits equal HF's (< 1e-4 fp32; PP and CP: log-probs; and packed micro-batches' log-probs, THD through MLA), the HF -> Megatron -> HF export round trip is exact, the plan's push fills
+logits equal HF's (< 1e-4 fp32; PP and CP: log-probs; and packed micro-batches' log-probs, THD through MLA),
+a GRPO update's gradient under CP2 (padded and packed) equals the same update's at DP2 without CP, the HF -> Megatron -> HF export round trip is exact, the plan's push fills
 every vLLM parameter (shapes checked), the fingerprint check passes, and vLLM's sampled-token log-probs
 after the push equal Megatron's (< 1e-4), and the planner's Megatron shard (planner/params.py) is the live
 engine's parameters, name for name and size for size.
@@ -103,6 +104,45 @@ def _check_planner_shapes(engine, checkpoint: str, tp: int, pp: int, ep: int) ->
     assert {p.name: p.numel for p in planned} == live
 
 
+def _update_gradients(spec, state, *, cp: int, packed: bool) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient after one GRPO update on a batch of six samples (each rank: the whole model)."""
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_rl.accelerator import get_accelerator
+    from mindspeed_rl.algorithms.grpo import GRPOLossConfig
+    from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
+    from mindspeed_rl.models.qwen2 import ModelOptions
+    from mindspeed_rl.protocol import Packing
+    from mindspeed_rl.workers.actor_steps import train_on_mini_batch
+    from test_packing import _batch, _rollout_columns
+
+    ps.initialize_model_parallel(context_parallel_size=cp)
+    acc = get_accelerator("cpu")
+    acc.seed_model_parallel_rng(1)
+    settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
+                                 adam_eps=1e-8, clip_grad=1.0)
+    engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc,
+                            optimizer=settings, options=ModelOptions(packed_sequences=packed))
+    loss = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.05, entropy_coeff=0.01,
+                          loss_agg_mode="token-mean")
+    train_on_mini_batch(engine, _rollout_columns(_batch(5, samples=6), seed=6), loss, micro_batch_size=3,
+                        temperature=1.0, packing=Packing(max_tokens=64) if packed else None)
+    grads = {name: p.main_grad.clone() for name, p in engine.module.named_parameters()}
+    ps.destroy_model_parallel()
+    return grads
+
+
+def _check_cp_gradients(spec, state) -> None:
+    """MLA under CP: the K/V gather's backward, the chunks' rotary and the log-probs' sum over CP give the whole
+    sequence's gradient, as DP2 (each rank half of the batch, Megatron's own MLA path) does."""
+    want = _update_gradients(spec, state, cp=1, packed=False)
+    assert all(grad.abs().max() > 0 for name, grad in want.items() if "linear_kv" in name)  # the MLA projections
+    for packed in (False, True):
+        got = _update_gradients(spec, state, cp=2, packed=packed)
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=f"{name} (packed={packed})")
+
+
 def _worker(rank, port, checkpoint, layouts):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")
@@ -143,6 +183,7 @@ def _worker(rank, port, checkpoint, layouts):
         _push(spec, engine, rollout, TrainLayout(tp=tp, pp=pp, ep=ep), InferLayout(tp=2), rank)
         assert_vllm_logprobs_match_megatron(engine, rollout, rank, 2, 2)
         ps.destroy_model_parallel()
+    _check_cp_gradients(spec, state)
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
