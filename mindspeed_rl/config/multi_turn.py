@@ -5,20 +5,23 @@ tool file must load (every problem of it reported at once), and the limits must 
 """
 from __future__ import annotations
 
+import dataclasses
+
 from mindspeed_rl.config.errors import ConfigError, raise_together
 
 _KEY = "rl_config"
-# Each key's value when multi-turn is off (RLConfig's defaults, MindSpeed-RL's).
-_OFF_VALUES = {"tool_config_path": None, "tool_parser_format": None, "max_tool_calls": 0, "max_parallel_calls": 0,
-               "max_total_response_length": 0, "max_tool_response_length": 0, "tool_response_truncate_side": None}
+# The keys read only with multi-turn on; off, each must keep its RLConfig default (MindSpeed-RL's).
+_TOOL_KEYS = ("tool_config_path", "tool_parser_format", "max_tool_calls", "max_parallel_calls",
+              "max_total_response_length", "max_tool_response_length", "tool_response_truncate_side")
 
 
 def check_multi_turn(config) -> None:
     rl = config.rl_config
     if not rl.multi_turn_enable:
+        defaults = {field.name: field.default for field in dataclasses.fields(rl)}
         raise_together([ConfigError(f"{_KEY}.{name}", "is read only with rl_config.multi_turn_enable: true; remove it "
                                                       "or enable multi-turn tool use")
-                        for name, off in _OFF_VALUES.items() if getattr(rl, name) != off])
+                        for name in _TOOL_KEYS if getattr(rl, name) != defaults[name]])
         return
     raise_together(_limit_errors(config) + _combination_errors(config) + _tool_file_errors(rl.tool_config_path))
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 from typing import Any, ClassVar
-from uuid import uuid4
 
 from mindspeed_rl.tools.base_tool import BaseTool
 from mindspeed_rl.tools.sandbox import FAILED, FINISHED, SandboxRun, run_python
@@ -53,8 +52,6 @@ class SandboxFusionTool(BaseTool):
         self.memory_limit_mb: int = values["memory_limit_mb"]
         self._slots = self._shared_slots() if self.enable_global_rate_limit else threading.BoundedSemaphore(
             self.rate_limit)
-        self._instances: dict[str, dict[str, Any]] = {}
-        self._instances_lock = threading.Lock()
 
     def _shared_slots(self) -> threading.BoundedSemaphore:
         with SandboxFusionTool._global_slots_lock:
@@ -66,12 +63,6 @@ class SandboxFusionTool(BaseTool):
                                "by the first tool built)", self.name, self.rate_limit,
                                SandboxFusionTool._global_slots_size)
             return SandboxFusionTool._global_slots
-
-    def create(self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs: Any) -> str:
-        instance_id = instance_id if instance_id is not None else str(uuid4())
-        with self._instances_lock:
-            self._instances[instance_id] = {"ground_truth": ground_truth}
-        return instance_id
 
     def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> tuple[str, float, dict]:
         code = parameters.get("code", "")
@@ -96,13 +87,6 @@ class SandboxFusionTool(BaseTool):
         if isinstance(asked, (int, float)) and not isinstance(asked, bool) and 0 < asked < self.default_timeout:
             return float(asked)
         return self.default_timeout
-
-    def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
-        return 0.0  # running code earns nothing by itself; the answer's verifier scores the sample
-
-    def release(self, instance_id: str, **kwargs: Any) -> None:
-        with self._instances_lock:
-            self._instances.pop(instance_id, None)
 
 
 def output_text(run: SandboxRun) -> str:
