@@ -37,6 +37,12 @@ test: venv
 test-multinode: venv
 	$(PY) -m pytest -q -m multinode tests/test_two_nodes_e2e.py
 
+# MindSpeed-RL's 16 recipes shrunk by overrides (tests/recipe_smoke.py): each trains 2 iterations, saves, and resumes
+# exactly; .ci/run runs them too.
+.PHONY: test-recipes
+test-recipes: venv
+	$(PY) -m pytest -q -m recipes tests/test_recipes_smoke_e2e.py
+
 bench: venv
 	$(PY) benchmarks/bench_resharding.py --json bench_resharding.json
 	$(PY) benchmarks/bench_offload.py --json bench_offload.json

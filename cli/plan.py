@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             from mindspeed_rl.config.no_effect import no_effect_notice
 
             print(no_effect_notice(notices), file=sys.stderr)
+        from mindspeed_rl.config.tolerated import warning_lines
+
+        for line in warning_lines(config):
+            print(line, file=sys.stderr)
 
         from mindspeed_rl.planner.from_config import architecture, plan_config, resolve_hf_config, suggest
         from mindspeed_rl.planner.report import json_report, text_report

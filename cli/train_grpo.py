@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from mindspeed_rl.config import ConfigError, default_config_name, error_lines, load_config
 from mindspeed_rl.config.no_effect import no_effect_notice
+from mindspeed_rl.config.tolerated import warning_lines
 from mindspeed_rl.console import quiet_console
 from mindspeed_rl.config.overrides import hydra_argv
 from mindspeed_rl.interrupts import RunInterrupted, stop_signals
@@ -52,6 +53,8 @@ def main(cfg: DictConfig) -> None:
             quiet_console(config.runtime.log_level)
             if notices:
                 print(no_effect_notice(notices), flush=True)
+            for line in warning_lines(config):
+                print(line, flush=True)
             if config.megatron_training.stage != STAGE:
                 raise ConfigError("megatron_training.stage", f"is {config.megatron_training.stage}: run the recipe with "
                                                              f"{ENTRY_POINTS[config.megatron_training.stage]}, as its "

@@ -22,11 +22,11 @@ def test_bf16_tp2pp2_to_infer_dp4_runs(tmp_path):
     assert [r["iteration"] for r in records] == [1]
     for r in records:
         # Infer DP4 from two stages of two TP halves: every rank receives three quarters of the model
-        # (it holds one quarter: half of its own stage's layers), in bf16 (2 bytes per element,
-        # fp32 norms included), and copies one quarter locally.
+        # (it holds one quarter: half of its own stage's layers), in bf16 (2 bytes per element),
+        # and copies one quarter locally.
         assert r["resharding/bytes_received"] > 0
         assert abs(r["resharding/bytes_received"] - 3 * r["resharding/bytes_local"]) / r["resharding/bytes_received"] < 0.1
         assert r["resharding/ranges_verified"] > 0
         assert 0.0 < r["rollout/logprob_max_abs_diff"] < LOGPROB_TOLERANCE[torch.bfloat16]
-        # bf16 TP2 x PP2: fp32 norms, fp32 grads and masters, two micro-batches in flight on stage 0.
+        # bf16 TP2 x PP2: bf16 params (norms too), fp32 grads and masters, two micro-batches in flight on stage 0.
         assert_prediction_matches_ledger(r)

@@ -140,3 +140,32 @@ def test_save_hf_exports_the_final_actor(world, tmp_path, uninterrupted):
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size) and torch.isfinite(logits).all()
     assert torch.equal(model.model.embed_tokens.weight, got["model.embed_tokens.weight"])
+
+
+def test_no_save_optim_and_rng_leave_them_out_and_a_resume_says_what_restarts(world, tmp_path, uninterrupted):
+    """MindSpeed-RL's no_save_optim / no_save_rng: the checkpoint holds neither; a resume from it starts Adam's moments
+    from zero and keeps the start-up RNG seeds, each said in one line, and continues the learning-rate schedule."""
+    lean_save = tmp_path / "lean"
+    done = run_cli(tmp_path / "a", "grpo_tiny_cpu", *TRAIN_4, "megatron_training.train_iters=3",
+                   f"actor_config.load={uninterrupted / 'save' / 'iter_0000002'}", "actor_config.finetune=false",
+                   f"actor_config.save={lean_save}", "actor_config.no_save_optim=true", "actor_config.no_save_rng=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lean = lean_save / "iter_0000003"
+    assert sorted(p.name for p in lean.iterdir()) == ["hf", "manifest.json", "model", "trainer_state.json"]
+    assert json.loads((lean / "trainer_state.json").read_text())["contents"] == {
+        "optimizer": False, "rng": False, "expert_parallel_size": 1}
+
+    resumed = run_cli(tmp_path / "b", "grpo_tiny_cpu", *TRAIN_4, f"actor_config.load={lean}", "actor_config.finetune=false",
+                      f"actor_config.save={tmp_path / 'b_save'}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    lines = [line for line in resumed.stdout.splitlines() if line.startswith(f"[checkpoint] {lean} holds no")]
+    assert [line.split(" holds no ")[1].split(" ")[0] for line in lines] == ["optimizer", "RNG"], resumed.stdout[-3000:]
+    got = _records(tmp_path / "b" / "run" / "metrics.jsonl")
+    expected = _records(uninterrupted / "run" / "metrics.jsonl")[3]
+    assert [r["iteration"] for r in got] == [4]
+    # Iteration 4's metrics are all taken before its one optimizer step: the weights of iteration 3 arrived intact.
+    assert got == [expected]
+    want = _plain(uninterrupted / "save" / "iter_0000004" / "model")
+    have = _plain(tmp_path / "b_save" / "iter_0000004" / "model")
+    assert any(not torch.equal(want[key], have[key]) for key in want if isinstance(want[key], torch.Tensor)), \
+        "the step after the resume must differ: Adam's moments restarted"

@@ -190,3 +190,35 @@ def test_a_damaged_newest_checkpoint_without_an_intact_one_says_so(tmp_path):
     _truncate_newest(tmp_path)
     with pytest.raises(ConfigError, match=f"; no older checkpoint in {tmp_path} is intact$"):
         resolve_and_verify(tmp_path, key=KEY, fall_back_to_intact=True)
+
+
+def _point(tmp_path, **contents):
+    from mindspeed_rl.checkpoint.trainer_state import ResumePoint
+
+    return ResumePoint(path=tmp_path, iteration=2, state={"iteration": 2, "contents": {
+        "optimizer": True, "rng": True, **contents}})
+
+
+def test_a_moe_optimizer_saved_at_ep2_is_refused_at_ep1_naming_both_ways_out(tmp_path):
+    from mindspeed_rl.checkpoint.trainer_state import check_optimizer_split
+
+    with pytest.raises(ConfigError) as refused:
+        check_optimizer_split(_point(tmp_path, expert_parallel_size=2), finetune=False, no_load_optim=False,
+                              is_moe=True, expert_parallel_size=1)
+    assert refused.value.key == KEY
+    assert "expert parallel size 2, and this run has 1" in str(refused.value)
+    assert "actor_config.no_load_optim=true" in str(refused.value)
+
+
+def test_an_optimizer_split_that_matches_or_is_not_loaded_passes(tmp_path):
+    from mindspeed_rl.checkpoint.trainer_state import check_optimizer_split
+
+    ep2 = _point(tmp_path, expert_parallel_size=2)
+    check_optimizer_split(ep2, finetune=False, no_load_optim=False, is_moe=True, expert_parallel_size=4)
+    check_optimizer_split(ep2, finetune=False, no_load_optim=True, is_moe=True, expert_parallel_size=1)
+    check_optimizer_split(ep2, finetune=True, no_load_optim=False, is_moe=True, expert_parallel_size=1)
+    check_optimizer_split(_point(tmp_path, expert_parallel_size=2, optimizer=False), finetune=False,
+                          no_load_optim=False, is_moe=True, expert_parallel_size=1)
+    old = _point(tmp_path)  # a checkpoint from before `contents` was recorded: EP1
+    del old.state["contents"]
+    check_optimizer_split(old, finetune=False, no_load_optim=False, is_moe=True, expert_parallel_size=1)

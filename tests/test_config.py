@@ -326,11 +326,20 @@ def test_micro_batches_must_tile_the_mini_batch() -> None:
     assert "128 samples" in message
 
 
-def test_prompt_plus_response_must_fit_max_model_len() -> None:
-    assert config_error(QWEN_7B, "generate_config.max_model_len=3000") == (
-        "generate_config.max_model_len: must be >= rl_config.max_prompt_length + "
-        "generate_config.sampling_config.max_tokens = 2048 + 2048 = 4096, got 3000"
-    )
+def test_prompt_plus_response_beyond_max_model_len_caps_the_response_saying_so() -> None:
+    from mindspeed_rl.config.tolerated import longest_sample_tokens, warning_lines
+
+    config = load(QWEN_7B, "generate_config.max_model_len=3000")
+    assert longest_sample_tokens(config) == 3000
+    assert warning_lines(config) == [
+        "[config] warning: rl_config.max_prompt_length + generate_config.sampling_config.max_tokens = 2048 + 2048 = "
+        "4096 exceeds generate_config.max_model_len=3000: prompts longer than 952 tokens get a response budget of "
+        "max_model_len - prompt (vLLM ends them there, as in MindSpeed-RL)"]
+
+
+def test_a_prompt_as_long_as_max_model_len_leaves_no_room_and_is_refused() -> None:
+    assert config_error(QWEN_7B, "generate_config.max_model_len=2048") == (
+        "generate_config.max_model_len: must be > rl_config.max_prompt_length=2048 (room for a response), got 2048")
 
 
 def test_model_block_must_match_synthetic_checkpoint() -> None:
@@ -520,12 +529,16 @@ def test_unknown_verifier_names_the_known_ones() -> None:
     assert "arith_acc" in message
 
 
-def test_sequence_parallel_needs_tensor_parallelism() -> None:
-    assert config_error(TINY, "megatron_training.sequence_parallel=true") == (
-        "megatron_training.sequence_parallel: has no effect with actor_config.tensor_model_parallel_size=1 "
-        "(it splits activations over the tensor-parallel ranks); set false"
-    )
-    assert load("grpo_tiny_cpu_tp2_infer_dp2", "megatron_training.sequence_parallel=true").megatron_training.sequence_parallel
+def test_sequence_parallel_at_tp1_runs_without_it_as_megatron_does_saying_so() -> None:
+    from mindspeed_rl.config.tolerated import sequence_parallel_in_effect, warning_lines
+
+    tp1 = load(TINY, "megatron_training.sequence_parallel=true")
+    assert not sequence_parallel_in_effect(tp1)
+    assert warning_lines(tp1) == ["[config] warning: megatron_training.sequence_parallel: true at "
+                                  "actor_config.tensor_model_parallel_size=1 trains without it, as Megatron-LM does "
+                                  "(there is no tensor-parallel group to split activations over)"]
+    tp2 = load("grpo_tiny_cpu_tp2_infer_dp2", "megatron_training.sequence_parallel=true")
+    assert sequence_parallel_in_effect(tp2) and warning_lines(tp2) == []
 
 
 def test_synthetic_task_is_one_of_the_demos() -> None:
@@ -752,9 +765,9 @@ def test_a_packing_budget_below_the_longest_sample_names_its_key() -> None:
     longest = cfg.rl_config.max_prompt_length + cfg.generate_config.sampling_config.max_tokens
     message = config_error(TINY, "rl_config.use_remove_padding=true", "rl_config.use_dynamic_bsz=true",
                            f"rl_config.actor_max_packing_token_size={longest - 1}")
-    assert message == (f"rl_config.actor_max_packing_token_size: must be >= rl_config.max_prompt_length + "
-                       f"generate_config.sampling_config.max_tokens = {longest} (a sample is never split), "
-                       f"got {longest - 1}")
+    assert message == (f"rl_config.actor_max_packing_token_size: must be >= the longest sample, "
+                       f"min(rl_config.max_prompt_length + generate_config.sampling_config.max_tokens, "
+                       f"generate_config.max_model_len) = {longest} (a sample is never split), got {longest - 1}")
 
 
 def test_packed_attention_has_no_dropout() -> None:

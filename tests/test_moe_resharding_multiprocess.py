@@ -16,7 +16,7 @@ parameters and compared with the oracle):
   communicator lacks (NotImplementedError at base_device_communicator.py:296), so the engine adds
   padded gloo versions (both in `engines/vllm_cpu_moe.py`).
 
-bf16 (inside the 4-rank spawn, no second vLLM engine): a bf16 Megatron MoE (fp32 torch norms, bf16
+bf16 (inside the 4-rank spawn, no second vLLM engine): a bf16 Megatron MoE (norms cast to bf16 too, bf16
 attention, router and experts) pushed into plain bf16 tensors shaped like vLLM's parameters equals
 the oracle rounded to bf16 bit for bit, with 2 bytes per received element.
 
@@ -151,7 +151,7 @@ def _worker(rank, world, port, checkpoint, live_tp, live_ep, train_layouts, orac
         acc.seed_model_parallel_rng(1)
         hf_state = perturbed_state(state, 10 + case)
         engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.bfloat16, accelerator=acc, optimizer=None)
-        assert {t.dtype for t in engine.named_weights().values()} == {torch.bfloat16, torch.float32}
+        assert {t.dtype for t in engine.named_weights().values()} == {torch.bfloat16}
         for infer_tp, infer_ep in oracle_infers:
             infer = InferLayout(tp=infer_tp, expert_parallel=infer_ep)
             layout = vllm_layout(spec, tp=infer_tp, tp_rank=infer.tp_rank(rank), dp=world // infer_tp,

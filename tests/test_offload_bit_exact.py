@@ -70,8 +70,8 @@ def test_training_with_offload_between_steps_is_bit_exact(world, checkpoint, dty
     _train(oracle, batch, offloader=None)
     _train(actor, batch, offloader=offloader)
 
-    # Two fp32 Adam moments per parameter, plus an fp32 master copy for each bf16 one (Megatron
-    # keeps norm weights in fp32 even in bf16 models: those have no master).
+    # Two fp32 Adam moments per parameter, plus an fp32 master copy for each bf16 one (in a bf16 model every
+    # parameter, the norms too).
     expected = sum(p.numel() * (8 if p.dtype == torch.float32 else 12) for p in actor.module.parameters())
     assert offloader.resident_bytes()["optimizer_states"] == expected, "every moment and master is offloaded"
     for (name, got), (_, want) in zip(actor.module.named_parameters(), oracle.module.named_parameters()):

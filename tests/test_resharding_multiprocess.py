@@ -68,8 +68,7 @@ def _add_one_ulp(tensor, index):
 
 
 def _assert_fingerprint_catches_corruption(spec, engine, destinations, plan, rank):
-    # A norm weight: fp32 in Megatron's bf16 model, so this also proves the check compares in the
-    # destination dtype; the down projection is a plain bf16/fp32 -> same-dtype range.
+    # A norm weight (one row of its own) and the down projection (a range of a matrix).
     for name, index in (("model.layers.0.input_layernorm.weight", (3,)), ("model.layers.0.mlp.down_proj.weight", (0, 0))):
         _check_one_corruption(engine, destinations, plan, rank, name, index)
 
@@ -90,7 +89,7 @@ def _check_one_corruption(engine, destinations, plan, rank, name, index):
 
 
 def _check_bf16_pushes(spec, state, tp, pp, infer_tps, world, rank, *, first):
-    """A bf16 Megatron model (fp32 torch norms) pushed into plain bf16 tensors of each infer TP: the oracle rounded
+    """A bf16 Megatron model (norms included) pushed into plain bf16 tensors of each infer TP: the oracle rounded
     to bf16 bit for bit; on the first layout the fingerprint catches a one-ulp change (norm and down projection)."""
     from megatron.core import parallel_state as ps
 
@@ -104,8 +103,8 @@ def _check_bf16_pushes(spec, state, tp, pp, infer_tps, world, rank, *, first):
     acc.seed_model_parallel_rng(1)
     hf_state = perturbed_state(state, 10 + tp)
     engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.bfloat16, accelerator=acc, optimizer=None)
-    # What makes the push mixed-dtype: torch RMSNorm weights stay fp32.
-    assert {t.dtype for t in engine.named_weights().values()} == {torch.bfloat16, torch.float32}
+    # Every parameter in bf16, the norms too (Megatron-LM's Float16Module cast, models/megatron_build.py).
+    assert {t.dtype for t in engine.named_weights().values()} == {torch.bfloat16}
     for infer_tp in infer_tps:
         destinations = {t.name: torch.zeros(t.shape, dtype=torch.bfloat16)
                         for t in vllm_layout(spec, tp=infer_tp, tp_rank=rank % infer_tp)}

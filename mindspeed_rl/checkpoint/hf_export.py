@@ -40,7 +40,7 @@ def parse_dtype(name: str, *, key: str = "--dtype") -> torch.dtype:
 
 @dataclass(frozen=True, kw_only=True)
 class ExportOptions:
-    """`dtype`: None means the training dtype (the embedding's; fp32 norms of a bf16 model follow it).
+    """`dtype`: None means the training dtype (the embedding's).
     `max_shard_bytes`: a safetensors file holds at most this many bytes of tensors
     (a single larger tensor gets a file of its own, as in transformers)."""
     dtype: torch.dtype | None = None
@@ -87,8 +87,8 @@ def write_hf_checkpoint(state: dict[str, torch.Tensor], *, config_dir: str | os.
     config_dir = Path(config_dir)
     if not (config_dir / "config.json").is_file():
         raise ConfigError("--checkpoint", f"{config_dir / 'config.json'} is missing (the architecture of the weights)")
-    # The training dtype is the embedding's: Megatron keeps norms in fp32 inside a bf16 model, and an HF
-    # checkpoint holds one dtype (the one config.json names).
+    # The training dtype is the embedding's (checkpoints saved before the engine cast its norms hold them in fp32),
+    # and an HF checkpoint holds one dtype (the one config.json names).
     dtype = options.dtype or state.get("model.embed_tokens.weight", next(iter(state.values()))).dtype
     state = {name: t.detach().to(dtype).contiguous().cpu() for name, t in state.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -167,6 +167,7 @@ def load_checkpoint_model(checkpoint: str | os.PathLike, *, key: str = "--checkp
     from transformers import AutoConfig
 
     from mindspeed_rl.checkpoint.store import resolve_and_verify
+    from mindspeed_rl.engines.dist_checkpoint import model_sharded_state_dict
     from mindspeed_rl.engines.megatron_engine import build_gpt_model
 
     verified = resolve_and_verify(checkpoint, key=key)
@@ -182,7 +183,7 @@ def load_checkpoint_model(checkpoint: str | os.PathLike, *, key: str = "--checkp
     if lora is not None:
         return load_lora_model(model, spec, model_dir, lora, base=base, key=key), spec, hf_dir, lora
     try:
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(model_dir), strict="raise_all")
+        state = dist_checkpointing.load(model_sharded_state_dict(model), str(model_dir), strict="raise_all")
     except Exception as error:  # Megatron raises several types for a foreign/corrupt checkpoint
         raise ConfigError(key, f"{model_dir} does not load as this model: {str(error).splitlines()[0]}") from None
     model.load_state_dict(state, strict=False)
@@ -190,8 +191,8 @@ def load_checkpoint_model(checkpoint: str | os.PathLike, *, key: str = "--checkp
 
 
 def _saved_dtype(model_dir: Path, *, key: str) -> torch.dtype:
-    # The training dtype is the embedding's dtype in the checkpoint (Megatron keeps norms in fp32 in a
-    # bf16 model, so those are not a reliable witness); an adapters-only checkpoint: the adapters'.
+    # The training dtype is the embedding's dtype in the checkpoint (older checkpoints hold fp32 norms in a bf16
+    # model, so those are not a reliable witness); an adapters-only checkpoint: the adapters'.
     from torch.distributed.checkpoint import FileSystemReader
 
     try:

@@ -38,6 +38,7 @@ def load_lora_model(model, spec, model_dir: Path, record: dict, *, base: str | N
     `filter` from the HF directory `base` (default: the record's `backbone`)."""
     from megatron.core import dist_checkpointing
 
+    from mindspeed_rl.engines.dist_checkpoint import model_sharded_state_dict
     from mindspeed_rl.engines.megatron_engine import load_hf_into_megatron
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
     from mindspeed_rl.models.lora import LoRASettings, add_lora, is_lora_param
@@ -50,7 +51,7 @@ def load_lora_model(model, spec, model_dir: Path, record: dict, *, base: str | N
         load_hf_into_megatron(model, load_hf_checkpoint(backbone)[1], spec)
     add_lora(model, LoRASettings(rank=record["rank"], alpha=record["alpha"],
                                  target_modules=tuple(record["target_modules"]), seed=record["seed"]))
-    wanted = model.sharded_state_dict()
+    wanted = model_sharded_state_dict(model)
     if record["filter"]:
         wanted = {name: value for name, value in wanted.items() if is_lora_param(name)}
     try:

@@ -6,6 +6,7 @@ rest and commits the directory (store.commit_save). Layout: FORMAT.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -20,19 +21,31 @@ HF_SUBDIR = "hf"
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 LOAD_KEY = "actor_config.load"
+CONTENTS_KEY = "contents"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Contents:
+    """What a checkpoint holds beside the weights (actor_config.no_save_optim / no_save_rng), and the expert-parallel
+    size it was saved at: Megatron keeps a MoE's experts in an optimizer of their own only at EP > 1, and the
+    optimizer's param groups follow that split."""
+    optimizer: bool = True
+    rng: bool = True
+    expert_parallel_size: int = 1
 
 
 def save_run_checkpoint(*, actor_group, save_root: str, iteration: int, sampler, kl_coef: float, seed: int,
                         hf_dir: str, keep_last_n: int | None, with_critic: bool = False,
-                        lora: dict | None = None) -> Path:
+                        lora: dict | None = None, contents: Contents = Contents()) -> Path:
     """Every rank writes its shards into a temporary dir, the driver adds its state and commits it."""
     tmp = begin_save(save_root, iteration)
+    parts = dict(with_optimizer=contents.optimizer, with_rng=contents.rng)
     with disk_error_named(tmp):
-        results = actor_group.call("save_checkpoint", str(tmp))
-        critic = actor_group.call("save_critic_checkpoint", str(tmp)) if with_critic else None
+        results = actor_group.call("save_checkpoint", str(tmp), **parts)
+        critic = actor_group.call("save_critic_checkpoint", str(tmp), **parts) if with_critic else None
     scheduler_state = results[0][0]
     state = {"iteration": iteration, "sampler": sampler.state_dict(), "scheduler": scheduler_state,
-             "kl_coef": kl_coef, "seed": seed}
+             "kl_coef": kl_coef, "seed": seed, CONTENTS_KEY: dataclasses.asdict(contents)}
     if critic is not None:
         state["critic_scheduler"] = critic[0][0]
     if lora is not None:  # the adapters' settings and backbone (checkpoint/lora_export.py)
@@ -78,18 +91,58 @@ def verify_same_model(checkpoint: str, hf_config: dict, *, key: str, fall_back_t
     return verified.path
 
 
+def saved_contents(point: ResumePoint) -> Contents:
+    """Checkpoints from before `contents` was recorded hold everything, at EP1 or without experts."""
+    return Contents(**point.state.get(CONTENTS_KEY, {}))
+
+
 def resume_actor(actor_group, point: ResumePoint, *, finetune: bool, no_load_optim: bool, no_load_rng: bool,
                  with_critic: bool = False) -> None:
     """Load weights (and, resuming, optimizer/scheduler/RNG) into every rank; the critic's too when the run has
-    one and the checkpoint holds one (a GRPO checkpoint starting PPO leaves the critic as critic_config made it)."""
-    resuming = not finetune
-    load_optimizer = resuming and not no_load_optim
-    actor_group.call("load_checkpoint", str(point.path), load_optimizer=load_optimizer,
-                     load_rng=resuming and not no_load_rng,
-                     scheduler_state=point.state["scheduler"] if load_optimizer else None)
+    one and the checkpoint holds one (a GRPO checkpoint starting PPO leaves the critic as critic_config made it).
+    A checkpoint saved without optimizer or RNG states resumes without them, said in one line each."""
+    resuming, saved = not finetune, saved_contents(point)
+    load_optimizer = resuming and not no_load_optim and saved.optimizer
+    load_rng = resuming and not no_load_rng and saved.rng
+    for line in _missing_state_lines(point, saved, resuming=resuming, no_load_optim=no_load_optim,
+                                     no_load_rng=no_load_rng):
+        print(line, flush=True)
+    # The scheduler's position is in trainer_state.json whatever no_save_optim says: the learning rate continues.
+    scheduler = resuming and not no_load_optim
+    actor_group.call("load_checkpoint", str(point.path), load_optimizer=load_optimizer, load_rng=load_rng,
+                     scheduler_state=point.state["scheduler"] if scheduler else None)
     if with_critic and "critic_scheduler" in point.state:
-        actor_group.call("load_critic_checkpoint", str(point.path), load_optimizer=load_optimizer,
-                         load_rng=resuming and not no_load_rng, scheduler_state=point.state["critic_scheduler"] if load_optimizer else None)
+        actor_group.call("load_critic_checkpoint", str(point.path), load_optimizer=load_optimizer, load_rng=load_rng,
+                         scheduler_state=point.state["critic_scheduler"] if scheduler else None)
+
+
+def _missing_state_lines(point: ResumePoint, saved: Contents, *, resuming: bool, no_load_optim: bool,
+                         no_load_rng: bool) -> list[str]:
+    lines = []
+    if resuming and not no_load_optim and not saved.optimizer:
+        lines.append(f"[checkpoint] {point.path} holds no optimizer states (saved with actor_config.no_save_optim): "
+                     f"the fp32 masters come from the saved weights and Adam's moments start from zero; the "
+                     f"learning-rate schedule continues after iteration {point.iteration}")
+    if resuming and not no_load_rng and not saved.rng:
+        lines.append(f"[checkpoint] {point.path} holds no RNG states (saved with actor_config.no_save_rng): each "
+                     f"rank's generators keep their start-up seeds, so the run does not repeat an uninterrupted one "
+                     f"bit for bit (vLLM's sampling seeds follow the iteration either way)")
+    return lines
+
+
+def check_optimizer_split(point: ResumePoint, *, finetune: bool, no_load_optim: bool, is_moe: bool,
+                          expert_parallel_size: int) -> None:
+    """A MoE's optimizer states load at any EP > 1 from any EP > 1 (or EP1 from EP1): Megatron splits the experts
+    into an optimizer of their own only at EP > 1, and the param groups a checkpoint holds follow that split."""
+    saved = saved_contents(point)
+    if finetune or no_load_optim or not saved.optimizer or not is_moe:
+        return
+    if (saved.expert_parallel_size > 1) != (expert_parallel_size > 1):
+        raise ConfigError(LOAD_KEY, f"{point.path} holds the optimizer states of a MoE saved at expert parallel size "
+                                    f"{saved.expert_parallel_size}, and this run has {expert_parallel_size}: Megatron "
+                                    f"splits the experts into an optimizer of their own only at EP > 1. Resume at an "
+                                    f"EP {'> 1' if saved.expert_parallel_size > 1 else 'of 1'}, or load the weights "
+                                    f"without them (actor_config.no_load_optim=true)")
 
 
 def truncate_metrics_after(metrics_path: Path, iteration: int) -> None:

@@ -4,6 +4,7 @@ imports this module)."""
 from __future__ import annotations
 
 from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.config.tolerated import longest_sample_tokens
 
 
 def check_packing(config) -> None:
@@ -11,15 +12,15 @@ def check_packing(config) -> None:
     rl = config.rl_config
     if not rl.use_remove_padding:
         return
-    longest = rl.max_prompt_length + config.response_length_limit
+    longest = longest_sample_tokens(config)
     for phase, (budget, _) in rl.packing_budgets.items() if rl.use_dynamic_bsz else ():
         # Without a reference (init_kl_coef 0: DAPO) nothing reads the reference's budget, there either.
         if budget < longest and (phase != "ref" or config.uses_reference):
             own = f"{phase}_max_packing_token_size"
             key = own if getattr(rl, own) is not None else "max_packing_token_size"
-            raise ConfigError(f"rl_config.{key}", f"must be >= rl_config.max_prompt_length + "
-                                                  f"{config.response_length_key} = {longest} (a sample is never "
-                                                  f"split), got {budget}")
+            raise ConfigError(f"rl_config.{key}", f"must be >= the longest sample, min(rl_config.max_prompt_length "
+                                                  f"+ {config.response_length_key}, generate_config.max_model_len) = "
+                                                  f"{longest} (a sample is never split), got {budget}")
     if config.megatron_training.attention_dropout > 0:
         raise ConfigError("megatron_training.attention_dropout", "must be 0 with rl_config.use_remove_padding: "
                                                                  "packed attention runs without dropout")

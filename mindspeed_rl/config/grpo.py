@@ -25,7 +25,7 @@ from mindspeed_rl.config.resources import (
 from mindspeed_rl.config.algorithm_checks import (check_critic, check_dynamic_sampling, check_evaluation, check_packing,
                                                   check_num_layer_list, check_recompute_layers)
 from mindspeed_rl.config.layout_checks import (check_context_parallel, check_infer_layout, check_model_sharding,
-                                               check_sequence_parallel, check_train_layout)
+                                               check_train_layout)
 from mindspeed_rl.config.lora import check_lora_run
 from mindspeed_rl.config.multi_turn import check_multi_turn
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
@@ -220,8 +220,7 @@ class GRPOConfig:
         """The parallel layout and batch shapes against the selected model block. The trainer runs them
         again with the block the checkpoint's config.json describes (setup.check_against_checkpoint)."""
         run_checks(
-            partial(check_train_layout, self), partial(check_sequence_parallel, self),
-            partial(check_context_parallel, self),
+            partial(check_train_layout, self), partial(check_context_parallel, self),
             partial(check_infer_layout, self), partial(check_model_sharding, self), self._check_batch_sizes, self._check_lengths, partial(check_packing, self),
             partial(check_recompute_layers, self), partial(check_num_layer_list, self),
         )
@@ -276,15 +275,14 @@ class GRPOConfig:
             )
 
     def _check_lengths(self) -> None:
+        # A prompt + response beyond max_model_len runs with a shorter response (config/tolerated.py); the longest
+        # prompt must leave room for one response token.
         max_prompt = self.rl_config.max_prompt_length
-        max_response = self.response_length_limit
         max_model_len = self.generate_config.max_model_len
-        if max_prompt + max_response > max_model_len:
-            raise ConfigError(
-                "generate_config.max_model_len",
-                f"must be >= rl_config.max_prompt_length + {self.response_length_key} = "
-                f"{max_prompt} + {max_response} = {max_prompt + max_response}, got {max_model_len}",
-            )
+        if max_prompt >= max_model_len:
+            raise ConfigError("generate_config.max_model_len",
+                              f"must be > rl_config.max_prompt_length={max_prompt} (room for a response), "
+                              f"got {max_model_len}")
         arch = self.selected_model
         max_positions = arch.max_position_embeddings if arch is not None else None
         if max_positions is not None and max_model_len > max_positions:

@@ -39,16 +39,6 @@ def check_train_layout(config) -> None:
         )
 
 
-def check_sequence_parallel(config) -> None:
-    tp = config.actor_config.tensor_model_parallel_size
-    if config.megatron_training.sequence_parallel and tp == 1:
-        raise ConfigError(
-            "megatron_training.sequence_parallel",
-            "has no effect with actor_config.tensor_model_parallel_size=1 (it splits activations over the "
-            "tensor-parallel ranks); set false",
-        )
-
-
 def check_context_parallel(config) -> None:
     """Context parallelism covers every model here (actor, reference, critic, reward model; Qwen and DeepSeek-V3's
     MLA), without attention dropout."""

@@ -194,6 +194,10 @@ class ActorConfig:
     # MindSpeed-RL: on resume (finetune false), skip the optimizer (and scheduler) / RNG states.
     no_load_optim: bool = False
     no_load_rng: bool = False
+    # MindSpeed-RL: checkpoints without the optimizer states (the fp32 masters and Adam moments, 6x a bf16 model's
+    # bytes) / without the RNG states. A resume from one says in one line what restarts (checkpoint/trainer_state.py).
+    no_save_optim: bool = False
+    no_save_rng: bool = False
     # Ours. Keep only the newest N checkpoints under `save`; null keeps all.
     keep_last_n: Optional[int] = None
     # Megatron's activation recompute in the update (MindSpeed-RL's keys, Megatron's meaning): `full` keeps

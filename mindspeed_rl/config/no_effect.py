@@ -54,8 +54,6 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
     "megatron_training.shape_order": NoEffect(_NPU_KERNEL),
     "megatron_training.moe_alltoall_overlap_comm": NoEffect(_MOE_KERNEL),
     "megatron_training.use_rotary_position_embeddings": NoEffect("every model here uses RoPE (rotary_base)", (True,)),
-    "actor_config.no_save_optim": NoEffect("checkpoints always hold the optimizer states, so that a resume is exact"),
-    "actor_config.no_save_rng": NoEffect("checkpoints always hold the RNG states, so that a resume is exact"),
     "actor_config.moe_tp_extend_ep": NoEffect(
         "MindSpeed's TP-extended expert layout; experts are split by expert_model_parallel_size here"),
     "actor_config.gemm_gradient_accumulation_fusion": NoEffect(_NPU_KERNEL),
@@ -84,7 +82,7 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
                                            "(adv_estimator gae) reads it", (False,),
                                            applies=lambda tree, value: _estimator(tree) == "gae"),
     **{f"critic_config.{key}": NoEffect(_CRITIC_IN_ACTOR_CHECKPOINT.format(key=key))
-       for key in ("save", "keep_last_n", "finetune", "no_load_optim", "no_load_rng")},
+       for key in ("save", "keep_last_n", "finetune", "no_load_optim", "no_load_rng", "no_save_optim", "no_save_rng")},
     "rl_config.num_cpus_for_local_task": NoEffect(
         "rule rewards run in the driver, or on rewards.<name>.world_size CPU workers"),
     "rl_config.verifier_parallel": NoEffect("rule rewards run in the driver, or on rewards.<name>.world_size CPU workers"),

@@ -34,10 +34,11 @@ def create_tiny_deepseek_v3_checkpoint(out_dir: str | os.PathLike[str], *, vocab
                                        routed_scaling_factor: float = 2.5, first_k_dense_replace: int = 1,
                                        norm_topk_prob: bool = True, rope_scaling: dict | None = None,
                                        seed: int = 0, init_std: float = 0.05,
-                                       max_position_embeddings: int = 256, mtp_layers: int = 0) -> Path:
+                                       max_position_embeddings: int = 256, mtp_layers: int = 0,
+                                       tokenizer=None) -> Path:
     """Write config.json + model.safetensors + tokenizer to `out_dir`; `rope_scaling` None: plain RoPE. `mtp_layers`:
     that many multi-token-prediction layers after the model's, named and shaped as DeepSeek-V3's checkpoint has them
-    (transformers builds none; random values)."""
+    (transformers builds none; random values). `tokenizer` None: the arithmetic demo's of `vocab_size`."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     rope = {"rope_type": "default", "rope_theta": 10000.0} if rope_scaling is None else {"rope_theta": 10000.0, **rope_scaling}
@@ -60,7 +61,7 @@ def create_tiny_deepseek_v3_checkpoint(out_dir: str | os.PathLike[str], *, vocab
     model = DeepseekV3ForCausalLM(config).float()
     randomize_parameters(model, seed, init_std)
     _randomize_score_bias(model, seed)
-    return save_tiny_checkpoint(model, train_arith_tokenizer(vocab_size, seed), out_dir,
+    return save_tiny_checkpoint(model, tokenizer or train_arith_tokenizer(vocab_size, seed), out_dir,
                                 extra_tensors=_mtp_tensors(model, mtp_layers, seed),
                                 config_updates={"num_nextn_predict_layers": mtp_layers} if mtp_layers else None)
 

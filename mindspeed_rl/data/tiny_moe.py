@@ -17,9 +17,11 @@ def create_tiny_qwen3_moe_checkpoint(out_dir: str | os.PathLike[str], *, vocab_s
                                      num_layers: int = 2, num_attention_heads: int = 4, num_query_groups: int = 2,
                                      head_dim: int = 32, num_experts: int = 4, moe_topk: int = 2,
                                      moe_ffn_hidden_size: int = 64, norm_topk_prob: bool = True, seed: int = 0,
-                                     init_std: float = 0.05, max_position_embeddings: int = 256) -> Path:
-    """Write config.json + model.safetensors + tokenizer to `out_dir`. vLLM's CPU attention needs
-    head_dim 32 or more; its MoE kernel wants hidden and per-rank intermediate sizes divisible by 32."""
+                                     init_std: float = 0.05, max_position_embeddings: int = 256,
+                                     tokenizer=None) -> Path:
+    """Write config.json + model.safetensors + tokenizer to `out_dir` (`tokenizer` None: the arithmetic demo's of
+    `vocab_size`). vLLM's CPU attention needs head_dim 32 or more; its MoE kernel wants hidden and per-rank
+    intermediate sizes divisible by 32."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
@@ -34,4 +36,4 @@ def create_tiny_qwen3_moe_checkpoint(out_dir: str | os.PathLike[str], *, vocab_s
     )
     model = Qwen3MoeForCausalLM(config).float()
     randomize_parameters(model, seed, init_std)
-    return save_tiny_checkpoint(model, train_arith_tokenizer(vocab_size, seed), out_dir)
+    return save_tiny_checkpoint(model, tokenizer or train_arith_tokenizer(vocab_size, seed), out_dir)

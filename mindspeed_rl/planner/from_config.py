@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mindspeed_rl.config import ConfigError, GRPOConfig
+from mindspeed_rl.config.tolerated import longest_sample_tokens, sequence_parallel_in_effect
 from mindspeed_rl.memory.residency import ResidencyPolicy
 from mindspeed_rl.planner.arch import Architecture, ArchitectureError, from_hf_config, hf_config_from_model_block
 from mindspeed_rl.planner.inputs import GIB, KVCacheSpec, PlanInputs
@@ -112,9 +113,9 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
         infer_tp=gen.infer_tensor_parallel_size, infer_pp=gen.infer_pipeline_parallel_size,
         infer_expert_parallel=gen.infer_expert_parallel_size > 1,
         bf16=mt.bf16, infer_dtype=gen.dtype, distributed_optimizer=mt.use_distributed_optimizer,
-        sequence_parallel=mt.sequence_parallel, flash_attention=mt.use_flash_attn and not cpu,
+        sequence_parallel=sequence_parallel_in_effect(config), flash_attention=mt.use_flash_attn and not cpu,
         micro_batch_size=ac.micro_batch_size, mini_batch_samples=rl.mini_batch_size_in_samples,
-        seq_length=seq_length or rl.max_prompt_length + config.response_length_limit,
+        seq_length=seq_length or longest_sample_tokens(config),
         response_length=config.response_length_limit,
         policy=ResidencyPolicy.for_run(config, has_reward_model=config.reward_model is not None,
                                        has_critic=config.critic_config is not None),

@@ -10,13 +10,14 @@ parameter: no DDP buffer or optimizer state; vLLM's `e_score_correction_bias` is
 What Megatron builds (megatron-core 0.16, `distributed/param_and_grad_buffer.py`, the engine's
 `DistributedDataParallelConfig(grad_reduce_in_fp32=True)`, no overlapped grad reduce, so one bucket
 per buffer), checked against the tensors a live engine holds (tests/test_planner.py):
-- bf16 models keep their RMSNorm weights in fp32 (the local spec's torch norm); the rest is bf16;
-- one grad buffer per (param dtype, expert or not), always fp32;
+- every parameter in the training dtype (the engine casts the local spec's fp32 torch norms, as Megatron-LM's
+  Float16Module does: models/megatron_build.py);
+- one grad buffer per kind (expert or not), always fp32;
 - with the distributed optimizer, params also live in a param buffer of the same layout, each param's
   start padded to 64 elements and the buffer's end to lcm(DP, 128) elements (expert buffers: the
   expert-DP size); each DP rank's optimizer owns one contiguous 1/DP of every buffer;
 - Adam: exp_avg + exp_avg_sq in fp32 for every element a rank optimizes, plus an fp32 master copy of
-  each bf16 element (fp32 params are their own master).
+  each bf16 element (an fp32 model is its own master).
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from functools import lru_cache
 
 from mindspeed_rl.planner.arch import Architecture
 
-NORM_SUFFIXES = ("layernorm.weight", "norm.weight")
 # Layout tensors that are buffers in Megatron (moved by the push and the export, not trained).
 BUFFER_SUFFIXES = (".router.expert_bias",)
 
@@ -36,12 +36,7 @@ BUFFER_SUFFIXES = (".router.expert_bias",)
 class Param:
     name: str
     numel: int
-    norm: bool = False  # fp32 in a bf16 Megatron model
     expert: bool = False  # in Megatron's expert-parallel grad buffers
-
-
-def _is_norm(name: str) -> bool:
-    return name.endswith(NORM_SUFFIXES)
 
 
 # -- training shards ------------------------------------------------------------------------------------
@@ -59,7 +54,7 @@ def _stage_params(arch: Architecture, tp: int, pp: int, pp_rank: int, ep: int) -
     from mindspeed_rl.resharding.layouts import megatron_layout
 
     layout = megatron_layout(arch.to_spec(), tp=tp, tp_rank=0, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=0)
-    params = [Param(t.name, math.prod(t.shape), _is_norm(t.name), ".experts." in t.name) for t in layout
+    params = [Param(t.name, math.prod(t.shape), ".experts." in t.name) for t in layout
               if not t.name.endswith(BUFFER_SUFFIXES)]
     return tuple(sorted(params, key=_registration_order))
 
@@ -94,7 +89,7 @@ class Buffer:
     """One DDP param/grad buffer: its params' [start, end) element ranges and its padded size."""
 
     expert: bool
-    fp32: bool  # the params' dtype is fp32 (norms of a bf16 model, or an fp32 model)
+    fp32: bool  # the params' dtype is fp32 (an fp32 model)
     ranges: tuple[tuple[int, int], ...]
     numel: int  # padded
     shard_group: int  # the DP size its optimizer shards over (expert buffers: expert DP)
@@ -116,7 +111,7 @@ def ddp_buffers(params: tuple[Param, ...], *, bf16: bool, distributed_optimizer:
     """Megatron DDP's buffers for one rank's params (reverse order, as DDP fills them)."""
     groups: dict[tuple[bool, bool], list[Param]] = {}
     for param in params:
-        groups.setdefault((param.expert, param.norm or not bf16), []).append(param)
+        groups.setdefault((param.expert, not bf16), []).append(param)
     buffers = []
     for (expert, fp32), members in groups.items():
         group = expert_dp if expert else dp
@@ -145,20 +140,20 @@ class TrainStateBytes:
 def train_state_bytes(params: tuple[Param, ...], *, bf16: bool, distributed_optimizer: bool, dp: int,
                       expert_dp: int, dp_rank: int, expert_dp_rank: int,
                       buffers: list[Buffer] | None = None) -> TrainStateBytes:
-    param_bytes = lambda fp32: 4 if fp32 or not bf16 else 2  # noqa: E731
-    unpadded = sum(p.numel * param_bytes(p.norm) for p in params)
+    element_bytes = 2 if bf16 else 4
+    unpadded = sum(p.numel for p in params) * element_bytes
     if buffers is None:
         buffers = ddp_buffers(params, bf16=bf16, distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=expert_dp)
     grads = sum(b.numel for b in buffers) * 4  # grad_reduce_in_fp32
     if distributed_optimizer:
-        train = sum(b.numel * param_bytes(b.fp32) for b in buffers)
+        train = sum(b.numel for b in buffers) * element_bytes
         optimizer = 0
         for b in buffers:
             elements = b.shard_numel(expert_dp_rank if b.expert else dp_rank)
             optimizer += elements * (8 if b.fp32 else 12)
     else:
         train = unpadded
-        optimizer = sum(p.numel * (8 if p.norm or not bf16 else 12) for p in params)
+        optimizer = sum(p.numel for p in params) * (12 if bf16 else 8)
     return TrainStateBytes(params=train, grads=grads, optimizer=optimizer, reference=unpadded)
 
 
@@ -197,7 +192,7 @@ def stage_lora_train_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int
             rows, columns = tensor.shape
             adapters += [Param(f"{module}.lora_A", rank * columns), Param(f"{module}.lora_B", rows * rank)]
     e = 2 if bf16 else 4
-    frozen = sum(p.numel * (4 if p.norm else e) for p in _stage_params(arch, tp, pp, pp_rank, 1))
+    frozen = sum(p.numel for p in _stage_params(arch, tp, pp, pp_rank, 1)) * e
     trained = train_state_bytes(tuple(adapters), bf16=bf16, distributed_optimizer=distributed_optimizer, dp=dp,
                                 expert_dp=dp, dp_rank=dp_rank, expert_dp_rank=dp_rank)
     return TrainStateBytes(params=frozen, grads=trained.grads, optimizer=trained.optimizer, reference=0,
@@ -207,10 +202,9 @@ def stage_lora_train_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int
 def reward_model_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, bf16: bool) -> int:
     """One rank's reward-model params (engines/reward_model.py): the trunk's shard of stage `pp_rank` in the
     actor's layout, without a language-model head, and on the last stage the replicated hidden -> 1 score
-    row. Norms are fp32 in a bf16 model, as in the actor."""
+    row."""
     e = 2 if bf16 else 4
-    trunk = sum(p.numel * (4 if p.norm else e) for p in _stage_params(arch, tp, pp, pp_rank, 1)
-                if p.name != "output_layer.weight")
+    trunk = sum(p.numel for p in _stage_params(arch, tp, pp, pp_rank, 1) if p.name != "output_layer.weight") * e
     return trunk + (arch.hidden_size * e if pp_rank == pp - 1 else 0)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.checkpoint.lora_export import lora_record
-from mindspeed_rl.checkpoint.trainer_state import save_run_checkpoint
+from mindspeed_rl.checkpoint.trainer_state import Contents, save_run_checkpoint
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler
 from mindspeed_rl.data.rewards import RuleRewards, compute_rule_rewards, correct_answers
@@ -237,9 +237,15 @@ def save_checkpoint(config: GRPOConfig, actor_group: ActorGroup, iteration: int,
     path = save_run_checkpoint(actor_group=actor_group, save_root=config.actor_config.save, iteration=iteration,
                                sampler=sampler, kl_coef=kl_coef, seed=config.megatron_training.seed, hf_dir=hf_dir,
                                keep_last_n=config.actor_config.keep_last_n, with_critic=config.critic_config is not None,
-                               lora=lora_record(config, hf_dir))
+                               lora=lora_record(config, hf_dir), contents=checkpoint_contents(config))
     progress.last_checkpoint = str(path)
     print(f"[checkpoint] saved {path}", flush=True)
+
+
+def checkpoint_contents(config: GRPOConfig) -> Contents:
+    ac = config.actor_config
+    return Contents(optimizer=not ac.no_save_optim, rng=not ac.no_save_rng,
+                    expert_parallel_size=ac.expert_model_parallel_size)
 
 
 def plot_curves(history: list[dict], run_dir: Path, config: GRPOConfig, *, before_train: dict | None = None) -> None:

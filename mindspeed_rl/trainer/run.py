@@ -10,7 +10,8 @@ from pathlib import Path
 
 from mindspeed_rl import interrupts
 from mindspeed_rl.checkpoint.store import discard_unfinished_saves
-from mindspeed_rl.checkpoint.trainer_state import ResumePoint, find_resume_point, resume_actor, truncate_metrics_after
+from mindspeed_rl.checkpoint.trainer_state import (ResumePoint, check_optimizer_split, find_resume_point, resume_actor,
+                                                  truncate_metrics_after)
 from mindspeed_rl.config import ConfigError, GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler, check_prompt_rows, load_prompt_dataset
 from mindspeed_rl.interrupts import RunInterrupted
@@ -122,6 +123,10 @@ def prepare_run(config: GRPOConfig, run_dir: Path, held: contextlib.ExitStack) -
     # A partial, corrupt or other-model checkpoint stops here, before any worker starts.
     resume = find_resume_point(ac.load, finetune=ac.finetune, hf_config=hf_config,
                                resume_from_last_intact=config.runtime.resume_from_last_intact)
+    if resume is not None:
+        check_optimizer_split(resume, finetune=ac.finetune, no_load_optim=ac.no_load_optim,
+                              is_moe=bool(hf_config.get("num_experts") or hf_config.get("n_routed_experts")),
+                              expert_parallel_size=ac.expert_model_parallel_size)
     ref_checkpoint = setup.reference_checkpoint(config, hf_config)
     setup.check_run_dir_metrics(run_dir / config.runtime.metrics_file, resume_iteration=resume.iteration if resume else 0)
     dataset = load_prompts(config, data_path, tokenizer)

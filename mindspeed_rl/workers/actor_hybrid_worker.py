@@ -287,14 +287,16 @@ class ActorHybridWorkerBase(RankProcess, critic_steps.CriticMethods):
     # -- checkpoints (mindspeed_rl/checkpoint/FORMAT.md) -------------------------------------------
     # In the update row: train params and optimizer states are on the device whatever was offloaded before.
     @phase_rpc(UPDATE, label="save_checkpoint")
-    def save_checkpoint(self, checkpoint_dir: str) -> tuple[dict | None, dict[str, float]]:
-        """Collective: model + optimizer as Megatron dist checkpoints, this rank's RNG states; returns
+    def save_checkpoint(self, checkpoint_dir: str, *, with_optimizer: bool = True,
+                        with_rng: bool = True) -> tuple[dict | None, dict[str, float]]:
+        """Collective: model (+ optimizer) as Megatron dist checkpoints (+ this rank's RNG states); returns
         the scheduler state (rank 0 writes it into trainer_state.json)."""
         from mindspeed_rl.checkpoint.rng_state import save_rng_state
 
         started = time.perf_counter()
-        scheduler_state = self.actor.save_sharded(checkpoint_dir, with_optimizer=True)
-        save_rng_state(checkpoint_dir, self.rank_info.rank, self._named_generators())
+        scheduler_state = self.actor.save_sharded(checkpoint_dir, with_optimizer=with_optimizer)
+        if with_rng:
+            save_rng_state(checkpoint_dir, self.rank_info.rank, self._named_generators())
         return scheduler_state, {"timing/save_checkpoint": time.perf_counter() - started}
 
     @phase_rpc(UPDATE, label="load_checkpoint")

@@ -112,15 +112,17 @@ class CriticMethods:
         return {**metrics, **in_phase.metrics()}
 
     @phase_rpc(CRITIC_UPDATE, label="save_critic")
-    def save_critic_checkpoint(self, checkpoint_dir: str) -> tuple[dict | None, dict[str, float]]:
+    def save_critic_checkpoint(self, checkpoint_dir: str, *, with_optimizer: bool = True,
+                               with_rng: bool = True) -> tuple[dict | None, dict[str, float]]:
         """Collective over the critic's ranks: its model, optimizer and mini-batch order under <checkpoint>/critic
         (rng/ per rank); returns its scheduler state."""
         from mindspeed_rl.checkpoint.rng_state import save_rng_state
 
         started = time.perf_counter()
         critic_dir = os.path.join(checkpoint_dir, "critic")
-        state = self.critic.save_sharded(critic_dir, with_optimizer=True)
-        save_rng_state(critic_dir, self.rank_info.rank, {"critic_shuffler": self.critic_shuffler.generator})
+        state = self.critic.save_sharded(critic_dir, with_optimizer=with_optimizer)
+        if with_rng:
+            save_rng_state(critic_dir, self.rank_info.rank, {"critic_shuffler": self.critic_shuffler.generator})
         return state, {"timing/save_critic": time.perf_counter() - started}
 
     @phase_rpc(CRITIC_UPDATE, label="load_critic")

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from mindspeed_rl.config import GRPOConfig
+from mindspeed_rl.config.tolerated import sequence_parallel_in_effect
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 
 
@@ -56,7 +57,7 @@ def model_options(config: GRPOConfig, accelerator, *, announce: bool):
     message = kernels.message(accelerator.name)
     if message and announce:
         print(message, flush=True)
-    return ModelOptions(sequence_parallel=mt.sequence_parallel, attention_dropout=mt.attention_dropout,
+    return ModelOptions(sequence_parallel=sequence_parallel_in_effect(config), attention_dropout=mt.attention_dropout,
                         hidden_dropout=mt.hidden_dropout, attention_softmax_in_fp32=mt.attention_softmax_in_fp32,
                         kernel_fields=kernels.transformer_fields, logprob_chunk_tokens=mt.logprob_chunk_tokens,
                         packed_sequences=config.rl_config.use_remove_padding,
