@@ -73,6 +73,10 @@ def preprocess(config: PreprocessConfig) -> Path:
 def _compose(config_dir: str, config_name: str, overrides: list[str]):
     if not Path(config_dir).is_dir():
         raise ConfigError("--config-dir", f"{config_dir} is not a directory")
+    # Every key of the schema can be set whether the dataset's YAML lists it or not (Hydra's `++`); a key the schema
+    # does not know is then reported by load_preprocess_config.
+    overrides = [f"++{override}" if "=" in override and not override.startswith(("+", "~")) else override
+                 for override in overrides]
     try:
         with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
             return compose(config_name=config_name, overrides=overrides)

@@ -38,8 +38,11 @@ def exclusive_lock(path: Path) -> Iterator[None]:
 def hold_directory(directory: Path, *, key: str) -> Iterator[None]:
     """Hold `directory` (created if missing) for this process inside the block. Another holder: ConfigError
     naming `key`, the holder's pid, host and start time. The holder's line is in the lock file while it holds
-    it and removed when it lets go, so a line found with the lock free is a holder that died: said, taken over."""
+    it and removed when it lets go, so a line found with the lock free is a holder that died: said, taken over.
+    A directory this call made and nothing else wrote into is removed again when it lets go (a run refused at its
+    start checks leaves no empty save directory behind)."""
     directory = Path(directory)
+    made = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / RUN_LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -58,6 +61,9 @@ def hold_directory(directory: Path, *, key: str) -> Iterator[None]:
             yield
         finally:
             _write(fd, "")  # before the lock goes: nobody reads a stale line after a clean release
+            if made and [entry.name for entry in directory.iterdir()] == [RUN_LOCK_FILE]:
+                path.unlink()  # still held: a run starting now finds no directory and makes its own
+                directory.rmdir()
     finally:
         os.close(fd)  # releases the lock
 

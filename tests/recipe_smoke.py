@@ -180,7 +180,7 @@ def smoke_overrides(name: str, assets: dict[str, Path], *, save: Path, load: Pat
         f"megatron_training.train_iters={train_iters}", "megatron_training.save_interval=1",
         "megatron_training.global_batch_size=4",
         f"actor_config.save={save}",
-        f"actor_config.load={load or checkpoint}", f"actor_config.finetune={'false' if load else 'true'}",
+        f"actor_config.load={load or checkpoint}", *(_resuming() if load else ["actor_config.finetune=true"]),
         *_model_block(block, tree, checkpoint),
         *_sizes(tree),
         *(f"actor_config.{key}={_value(value)}" for key, value in shrink.layout.items()),
@@ -189,6 +189,12 @@ def smoke_overrides(name: str, assets: dict[str, Path], *, save: Path, load: Pat
         *shrink.extra,
     ]
     return overrides
+
+
+def _resuming() -> list[str]:
+    """Their recipes start from a converted checkpoint (finetune, no_load_optim and no_load_rng true): a resume of the
+    run turns the three off."""
+    return ["actor_config.finetune=false", "actor_config.no_load_optim=false", "actor_config.no_load_rng=false"]
 
 
 def _critic(tree: dict, shrink: Shrink, checkpoint: Path) -> list[str]:
@@ -226,7 +232,7 @@ def _sizes(tree: dict) -> list[str]:
     sizes = ["rl_config.n_samples_per_prompt=4", "rl_config.mini_batch_size=4",
              "rl_config.max_prompt_length=16", "generate_config.sampling_config.max_tokens=8",
              "generate_config.max_model_len=32", "generate_config.max_num_batched_tokens=512",
-             "generate_config.max_num_seqs=32", "+generate_config.cpu_kvcache_space_gb=0.03125",
+             "generate_config.max_num_seqs=32", "generate_config.cpu_kvcache_space_gb=0.03125",
              "actor_config.micro_batch_size=4", "rl_config.actor_forward_micro_batch_size=8",
              "rl_config.ref_forward_micro_batch_size=8"]
     if "max_packing_token_size" in rl:

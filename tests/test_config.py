@@ -819,3 +819,16 @@ def test_dynamic_sampling_trains_on_its_own_batch_size() -> None:
     message = config_error(TINY, "rl_config.filter_groups_enable=true", "rl_config.filter_groups_train_batch_size=3")
     assert message.startswith("rl_config.mini_batch_size: mini_batch_size * n_samples_per_prompt")
     assert "rl_config.filter_groups_train_batch_size * rl_config.n_samples_per_prompt = 3 * 16" in message
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in CONFIG_DIR.glob("*.yaml") if path.stem != "prompt_templates"))
+def test_every_shipped_config_takes_any_schema_key_as_a_plain_override(name: str) -> None:
+    """The CLI turns `a.b=v` into Hydra's `++a.b=v` (config/overrides.as_upsert): a key the YAML leaves out needs no
+    `+`. Each shipped config is composed with a plain override of every scalar key of the schema it lacks."""
+    from mindspeed_rl.config.overrides import as_upsert
+
+    cfg, absent = compose_cfg(name), "<absent>"
+    missing = [key for key in sorted(_schema_keys(GRPOConfig)) if OmegaConf.select(cfg, key, default=absent) == absent
+               and key.count(".") == 1 and key.split(".")[0] not in OPT_IN_SECTIONS]
+    composed = compose_cfg(name, [as_upsert(f"{key}=null") for key in missing])
+    assert all(OmegaConf.select(composed, key, default=absent) is None for key in missing)

@@ -79,3 +79,23 @@ def test_a_child_of_a_killed_holder_does_not_keep_the_lock(tmp_path):
     finally:
         for child in children:
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_directory_it_made_and_nothing_wrote_into_is_gone_after_the_release(tmp_path):
+    """A run refused at its start checks (after it held its save directory) leaves no empty save directory."""
+    made = tmp_path / "ckpt"
+    with hold_directory(made, key="actor_config.save"):
+        assert made.is_dir()
+    assert not made.exists()
+
+
+def test_a_directory_that_was_there_or_got_files_stays(tmp_path):
+    there = tmp_path / "there"
+    there.mkdir()
+    with hold_directory(there, key="actor_config.save"):
+        pass
+    assert there.is_dir()
+    written = tmp_path / "written"
+    with hold_directory(written, key="actor_config.save"):
+        (written / "iter_0000001").mkdir()
+    assert (written / "iter_0000001").is_dir()

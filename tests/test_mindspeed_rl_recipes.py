@@ -202,8 +202,22 @@ def test_enable_expert_parallel_must_agree_with_the_inference_ep() -> None:
         load_tiny("generate_config.enable_expert_parallel=true")
 
 
-def test_every_no_effect_key_has_a_reason() -> None:
-    assert all(entry.why for entry in NO_EFFECT_KEYS.values())
+def test_every_no_effect_key_says_why_values_memory_and_files_are_unchanged_or_how_they_differ() -> None:
+    from mindspeed_rl.config.no_effect import DIFFERS, SAME
+
+    for key, entry in NO_EFFECT_KEYS.items():
+        assert entry.why, key
+        for reason in (entry.memory, entry.files):
+            assert reason.startswith((SAME, DIFFERS)) and len(reason) > len(DIFFERS) + 10, (key, reason)
+
+
+def test_a_no_effect_key_whose_memory_differs_from_theirs_says_so_in_the_start_line() -> None:
+    notices: list[str] = []
+    load_tiny("megatron_training.reuse_fp32_param=true", "megatron_training.init_method_std=0.01", notices=notices)
+    init, reuse = notices  # in the table's order
+    assert reuse.startswith("megatron_training.reuse_fp32_param (an NPU memory optimisation; the values computed are "
+                            "the same; memory: MindSpeed keeps the fp32 masters and the bf16 params in one buffer")
+    assert init == "megatron_training.init_method_std (weights come from the HF checkpoint; nothing is initialised)"
 
 
 def test_their_uneven_pipeline_recipe_keeps_its_stages_and_the_planner_reads_them() -> None:

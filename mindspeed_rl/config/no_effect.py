@@ -8,7 +8,7 @@ here; where only some values are harmless (``reset_attention_mask: true``), any 
 """
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Optional
 
 from mindspeed_rl.config.errors import ConfigError
@@ -17,12 +17,27 @@ from mindspeed_rl.config.removed import present_keys
 
 @dataclass(frozen=True)
 class NoEffect:
+    """A key of MindSpeed-RL's implementation, accepted and listed. "No effect" claims that no value, no byte of
+    memory and no file changes: `why` says why the values computed are the same, `memory` and `files` why the device
+    memory and the files are ("same: ...") or how they differ from MindSpeed-RL's with the key ("differs: ...", then
+    said in the start line too, e.g. a memory saving of theirs this engine does not make)."""
     why: str
     # The values that are harmless here (None: any value); any other is an error.
     values: Optional[tuple[Any, ...]] = None
     # Given the tree and the key's value: true when the key does have an effect in this config (it then stays
     # for the schema).
     applies: Optional[Callable[[Mapping[str, Any], Any], bool]] = None
+    _: KW_ONLY
+    memory: str
+    files: str
+
+    def notice(self, key: str) -> str:
+        differences = [f"{what}: {reason.removeprefix(DIFFERS)}" for what, reason in
+                       (("memory", self.memory), ("files", self.files)) if reason.startswith(DIFFERS)]
+        return f"{key} ({'; '.join([self.why, *differences])})"
+
+
+SAME, DIFFERS = "same: ", "differs: "
 
 
 def _estimator(tree: Mapping[str, Any]) -> Any:
@@ -35,82 +50,116 @@ _CRITIC_IN_ACTOR_CHECKPOINT = ("the critic is saved in and resumed from the acto
 _NPU_KERNEL = "an NPU kernel or layout choice of MindSpeed; the values computed are the same"
 _TRANSFER_DOCK = "MindSpeed-RL's transfer-dock transport between its workers; there is none here"
 _MOE_KERNEL = "a MoE kernel/communication choice (the engine's per-expert linears and allgather dispatch compute the same)"
+# The memory and file reasons most entries share.
+_SIZES_NOTHING = SAME + "it sizes no tensor, there or here"
+_KERNEL_MEMORY = (SAME + "a kernel's transient workspace there; here the plain path's tensors, which the planner and "
+                         "the ledger count")
+_NO_FILE = SAME + "it names no file and writes none"
+_DOCK_MEMORY = SAME + "their transfer dock's host buffers; here batches pass through host memory too, never the device"
+
+
+def _entry(why: str, values: Optional[tuple[Any, ...]] = None, applies=None, *, memory: str = _SIZES_NOTHING,
+           files: str = _NO_FILE) -> NoEffect:
+    return NoEffect(why, values, applies, memory=memory, files=files)
+
 
 NO_EFFECT_KEYS: dict[str, NoEffect] = {
-    "megatron_training.seq_length": NoEffect(
-        "lengths are rl_config.max_prompt_length (prompts) and generate_config.max_model_len (prompt + response)"),
-    "megatron_training.init_method_std": NoEffect("weights come from the HF checkpoint; nothing is initialised"),
-    "megatron_training.distributed_backend": NoEffect("the accelerator picks gloo/nccl/hccl from the device"),
-    "megatron_training.no_shared_storage": NoEffect("the driver reads the data; checkpoints name their own storage"),
-    "megatron_training.full_shuffle_instruction_dataset": NoEffect(
+    "megatron_training.seq_length": _entry(
+        "lengths are rl_config.max_prompt_length (prompts) and generate_config.max_model_len (prompt + response)",
+        memory=SAME + "activations are sized by those lengths, there (for RL) and here"),
+    "megatron_training.init_method_std": _entry("weights come from the HF checkpoint; nothing is initialised"),
+    "megatron_training.distributed_backend": _entry("the accelerator picks gloo/nccl/hccl from the device",
+                                                    memory=SAME + "the backend's buffers are its own either way"),
+    "megatron_training.no_shared_storage": _entry(
+        "the driver reads the data; checkpoints name their own storage",
+        files=SAME + "every rank writes its shards under actor_config.save, a path every node must reach"),
+    "megatron_training.full_shuffle_instruction_dataset": _entry(
         "there are no instruction-dataset blends; megatron_training.no_shuffle and seed set the prompt order",
         (False,)),
-    "megatron_training.reuse_fp32_param": NoEffect("an NPU memory optimisation; the values computed are the same"),
-    "megatron_training.no_pad_to_seq_lengths": NoEffect("sequences are never padded to seq_length here", (True,)),
-    "megatron_training.reset_attention_mask": NoEffect(
+    "megatron_training.reuse_fp32_param": _entry(
+        "an NPU memory optimisation; the values computed are the same",
+        memory=DIFFERS + "MindSpeed keeps the fp32 masters and the bf16 params in one buffer (2 bytes per parameter "
+                         "less); here both are kept, and the planner counts both"),
+    "megatron_training.no_pad_to_seq_lengths": _entry("sequences are never padded to seq_length here", (True,)),
+    "megatron_training.reset_attention_mask": _entry(
         "packed samples never attend to each other here (rl_config.use_remove_padding)", (True,)),
-    "megatron_training.swap_optimizer": NoEffect(
-        "NPU optimizer-state swapping within a step; between phases generate_config.offload_train_optimizer moves them"),
-    "megatron_training.shape_order": NoEffect(_NPU_KERNEL),
-    "megatron_training.moe_alltoall_overlap_comm": NoEffect(_MOE_KERNEL),
-    "megatron_training.use_rotary_position_embeddings": NoEffect("every model here uses RoPE (rotary_base)", (True,)),
-    "actor_config.moe_tp_extend_ep": NoEffect(
-        "MindSpeed's TP-extended expert layout; experts are split by expert_model_parallel_size here"),
-    "actor_config.gemm_gradient_accumulation_fusion": NoEffect(_NPU_KERNEL),
-    "actor_config.initial_loss_scale": NoEffect("fp16's loss scale; bf16 and fp32 runs have none"),
-    "actor_config.context_parallel_algo": NoEffect(
+    "megatron_training.swap_optimizer": _entry(
+        "NPU optimizer-state swapping within a step; between phases generate_config.offload_train_optimizer moves them",
+        memory=DIFFERS + "MindSpeed keeps the optimizer states in host memory through the step; here they are on the "
+                         "device in the update (and off it between phases with offload_train_optimizer)"),
+    "megatron_training.shape_order": _entry(_NPU_KERNEL, memory=_KERNEL_MEMORY),
+    "megatron_training.moe_alltoall_overlap_comm": _entry(_MOE_KERNEL, memory=_KERNEL_MEMORY),
+    "megatron_training.use_rotary_position_embeddings": _entry("every model here uses RoPE (rotary_base)", (True,)),
+    "actor_config.moe_tp_extend_ep": _entry(
+        "MindSpeed's TP-extended expert layout; experts are split by expert_model_parallel_size here",
+        memory=SAME + "each rank holds 1/(TP x EP) of the expert weights in either layout"),
+    "actor_config.gemm_gradient_accumulation_fusion": _entry(_NPU_KERNEL, memory=_KERNEL_MEMORY),
+    "actor_config.initial_loss_scale": _entry("fp16's loss scale; bf16 and fp32 runs have none"),
+    "actor_config.context_parallel_algo": _entry(
         "MindSpeed's CP exchange pattern (ring, Ulysses, hybrid); every one computes the same attention, which CP "
-        "here computes by gathering each layer's keys and values over the CP ranks (models/context_parallel.py)"),
+        "here computes by gathering each layer's keys and values over the CP ranks (models/context_parallel.py)",
+        memory=DIFFERS + "ring attention holds two chunks of keys and values at a time and Ulysses all-to-alls heads; "
+                         "here each layer's keys and values are gathered whole, which the planner counts"),
     # CCLoRA overlaps the adapters' TP communication with their compute: the same adapters, outputs and gradients.
     # false stays for the schema (no line); true is listed.
-    **{f"{section}.lora_fusion": NoEffect(
+    **{f"{section}.lora_fusion": _entry(
         "MindSpeed's CCLoRA, an NPU kernel overlapping the adapters' communication with their compute; the "
-        "adapters compute the same without it", applies=lambda tree, value: value is False)
+        "adapters compute the same without it", applies=lambda tree, value: value is False, memory=_KERNEL_MEMORY)
        for section in ("actor_config", "critic_config")},
-    "actor_config.attention_mask_type": NoEffect("the actor's attention is causal", ("causal",)),
-    "rl_config.guarantee_order": NoEffect("rollouts run in the driver's order; there is no asynchronous dispatch"),
-    "rl_config.blocking": NoEffect("every phase is a blocking call of the integrated worker"),
-    "rl_config.async_engine": NoEffect(
+    "actor_config.attention_mask_type": _entry("the actor's attention is causal", ("causal",)),
+    "rl_config.guarantee_order": _entry("rollouts run in the driver's order; there is no asynchronous dispatch"),
+    "rl_config.blocking": _entry("every phase is a blocking call of the integrated worker"),
+    "rl_config.async_engine": _entry(
         "vLLM's engine API: MindSpeed-RL's multi-turn rollout needs its step-by-step engine; here every turn is one "
-        "batched generate of the samples still going (trainer/multi_turn.py)"),
-    "rl_config.gamma": NoEffect(
+        "batched generate of the samples still going (trainer/multi_turn.py)",
+        memory=SAME + "vLLM's KV cache is sized by generate_config either way"),
+    "rl_config.gamma": _entry(
         "a discount of token returns; group_norm (GRPO) and rloo do not read it, in MindSpeed-RL either",
         applies=lambda tree, value: _estimator(tree) in ("reinforce_plus_plus", "gae") or value == 1.0),
-    "rl_config.lam": NoEffect("GAE's lambda; only adv_estimator gae (PPO) reads it, in MindSpeed-RL too",
-                              applies=lambda tree, value: _estimator(tree) == "gae"),
-    "rl_config.use_kl_in_reward": NoEffect("GRPO's KL is in the loss (rl_config.kl_penalty, init_kl_coef); PPO "
-                                           "(adv_estimator gae) reads it", (False,),
-                                           applies=lambda tree, value: _estimator(tree) == "gae"),
-    **{f"critic_config.{key}": NoEffect(_CRITIC_IN_ACTOR_CHECKPOINT.format(key=key))
-       for key in ("save", "keep_last_n", "finetune", "no_load_optim", "no_load_rng", "no_save_optim", "no_save_rng")},
-    "rl_config.num_cpus_for_local_task": NoEffect(
+    "rl_config.lam": _entry("GAE's lambda; only adv_estimator gae (PPO) reads it, in MindSpeed-RL too",
+                            applies=lambda tree, value: _estimator(tree) == "gae"),
+    "rl_config.use_kl_in_reward": _entry("GRPO's KL is in the loss (rl_config.kl_penalty, init_kl_coef); PPO "
+                                         "(adv_estimator gae) reads it", (False,),
+                                         applies=lambda tree, value: _estimator(tree) == "gae"),
+    **{f"critic_config.{key}": _entry(
+        _CRITIC_IN_ACTOR_CHECKPOINT.format(key=key),
+        files=DIFFERS + "MindSpeed-RL saves the critic under critic_config.save; here under <actor checkpoint>/critic")
+       for key in ("save", "keep_last_n", "no_save_optim", "no_save_rng")},
+    **{f"critic_config.{key}": _entry(_CRITIC_IN_ACTOR_CHECKPOINT.format(key=key))
+       for key in ("finetune", "no_load_optim", "no_load_rng")},
+    "rl_config.num_cpus_for_local_task": _entry(
         "rule rewards run in the driver, or on rewards.<name>.world_size CPU workers"),
-    "rl_config.verifier_parallel": NoEffect("rule rewards run in the driver, or on rewards.<name>.world_size CPU workers"),
-    "rl_config.use_dp_batch_balance": NoEffect(
-        "micro-batches are balanced by token count with rl_config.use_dynamic_bsz; the loss is the same"),
-    "rl_config.zmq_communication": NoEffect(_TRANSFER_DOCK),
-    "rl_config.hccl_buffersize": NoEffect(_TRANSFER_DOCK),
+    "rl_config.verifier_parallel": _entry("rule rewards run in the driver, or on rewards.<name>.world_size CPU workers"),
+    "rl_config.use_dp_batch_balance": _entry(
+        "micro-batches are balanced by token count with rl_config.use_dynamic_bsz; the loss is the same",
+        memory=SAME + "rl_config's token budget (use_dynamic_bsz) bounds each micro-batch's activations, which the "
+                      "planner counts"),
+    "rl_config.zmq_communication": _entry(_TRANSFER_DOCK, memory=_DOCK_MEMORY),
+    "rl_config.hccl_buffersize": _entry(_TRANSFER_DOCK, memory=_DOCK_MEMORY),
     # Every experience count per dispatch of MindSpeed-RL's rl_config (config_cls/rl_config.py).
-    **{f"rl_config.{step}_dispatch_size": NoEffect(_TRANSFER_DOCK)
+    **{f"rl_config.{step}_dispatch_size": _entry(_TRANSFER_DOCK, memory=_DOCK_MEMORY)
        for step in ("actor_rollout", "actor_logprob", "ref", "reward", "dynamic_sampling", "adv", "actor_update",
                     "critic_update", "critic_value", "kl", "actor_image_embeds")},
-    "rl_config.verifier_timeout": NoEffect(
+    "rl_config.verifier_timeout": _entry(
         "read by nothing in MindSpeed-RL's source; this engine's per-sample limit is rl_config.verifier_timeout_seconds"),
-    "generate_config.torchair_graph": NoEffect(_NPU_KERNEL),
-    "generate_config.ascend_scheduler_config_enabled": NoEffect(_NPU_KERNEL),
-    "generate_config.num_scheduler_steps": NoEffect("vLLM V1 schedules one step at a time", (1,)),
-    "generate_config.expert_map_path": NoEffect(
-        "vLLM's expert placement for load balancing (EPLB); the experts computed are the same"),
-    "model.*.moe_grouped_gemm": NoEffect(_MOE_KERNEL),
-    "model.*.moe_permutation_async_comm": NoEffect(_MOE_KERNEL),
-    "model.*.moe_token_dispatcher_type": NoEffect(_MOE_KERNEL),
-    "model.*.use_fused_moe_token_permute_and_unpermute": NoEffect(_MOE_KERNEL),
-    "model.*.use_rotary_position_embeddings": NoEffect("every model here uses RoPE (rotary_base)", (True,)),
-    "model.*.spec": NoEffect("the layers are built from the model block and the checkpoint's config.json"),
+    "generate_config.torchair_graph": _entry(_NPU_KERNEL, memory=_KERNEL_MEMORY),
+    "generate_config.ascend_scheduler_config_enabled": _entry(_NPU_KERNEL),
+    "generate_config.num_scheduler_steps": _entry("vLLM V1 schedules one step at a time", (1,)),
+    "generate_config.expert_map_path": _entry(
+        "vLLM's expert placement for load balancing (EPLB); the experts computed are the same",
+        memory=DIFFERS + "EPLB's redundant experts add expert weights to the devices holding them; here each device "
+                         "holds its even share",
+        files=SAME + "the map is read there, not written; nothing reads it here"),
+    "model.*.moe_grouped_gemm": _entry(_MOE_KERNEL, memory=_KERNEL_MEMORY),
+    "model.*.moe_permutation_async_comm": _entry(_MOE_KERNEL, memory=_KERNEL_MEMORY),
+    "model.*.moe_token_dispatcher_type": _entry(_MOE_KERNEL, memory=_KERNEL_MEMORY),
+    "model.*.use_fused_moe_token_permute_and_unpermute": _entry(_MOE_KERNEL, memory=_KERNEL_MEMORY),
+    "model.*.use_rotary_position_embeddings": _entry("every model here uses RoPE (rotary_base)", (True,)),
+    "model.*.spec": _entry("the layers are built from the model block and the checkpoint's config.json"),
     # MindSpeed-LLM reads seq_aux only under its own router types (group_limited_greedy; none with
     # moe_aux_loss_coeff > 0), never under Megatron's seq_aux_loss, and its loss there adds the expert bias to
     # the scores, which Megatron's seq_aux_loss does not: true has no equivalent here, false is its default.
-    "model.*.seq_aux": NoEffect(
+    "model.*.seq_aux": _entry(
         "MindSpeed-LLM's switch for the sequence-wise balance loss of its own router types; the loss here is "
         "moe_router_load_balancing_type (seq_aux_loss: per sequence)", (False,)),
 }
@@ -136,7 +185,7 @@ def drop_no_effect_keys(tree: dict[str, Any], *, strict: bool) -> tuple[list[str
                 errors.append(ConfigError(key, f"no effect on this engine ({entry.why}); remove it or set "
                                                f"runtime.strict_keys=false"))
             else:
-                notices.append(f"{key} ({entry.why})")
+                notices.append(entry.notice(key))
     return notices, errors
 
 
