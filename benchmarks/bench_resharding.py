@@ -60,9 +60,9 @@ def _rank_main(rank, world, port, pair, bucket_mb, repeats, out_path):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state as ps
 
-    from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
+    from mindspeed_rl.models.layouts import megatron_shard_from_hf
     from mindspeed_rl.resharding.fingerprint import verify_transfer
-    from mindspeed_rl.resharding.layouts import hf_shapes, vllm_layout
+    from mindspeed_rl.models.layouts import hf_shapes, vllm_layout
     from mindspeed_rl.resharding.naive import gather_full_hf, load_full_hf, materialize
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
     from mindspeed_rl.resharding.transfer import Transfer, parameter_name
@@ -137,7 +137,7 @@ def _rank_main(rank, world, port, pair, bucket_mb, repeats, out_path):
 
 
 def hf_shapes_numel(spec):
-    from mindspeed_rl.resharding.layouts import hf_shapes
+    from mindspeed_rl.models.layouts import hf_shapes
 
     return [torch.empty(s, device="meta") for s in hf_shapes(spec).values()]
 

@@ -19,7 +19,7 @@ import os
 import socket
 import sys
 
-from mindspeed_rl.config.errors import ConfigError, error_lines
+from mindspeed_rl.errors import ConfigError, error_lines
 
 CONFIG_ERROR_EXIT_CODE = 2
 

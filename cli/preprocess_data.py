@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
-from mindspeed_rl.config.errors import ConfigError, error_lines
+from mindspeed_rl.errors import ConfigError, error_lines
 from mindspeed_rl.config.preprocess import PreprocessConfig, load_preprocess_config
 
 CONFIG_ERROR_EXIT_CODE = 2

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 RUN_LOCK_FILE = ".mindspeed_rl.lock"
 

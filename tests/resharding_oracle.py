@@ -15,7 +15,7 @@ def tiny_spec(*, vocab=64, hidden=64, ffn=128, layers=4, heads=4, kv=2, tie=Fals
 
 
 def random_hf_state(spec: Qwen2Spec, seed: int = 0) -> dict[str, torch.Tensor]:
-    from mindspeed_rl.resharding.layouts import hf_shapes
+    from mindspeed_rl.models.layouts import hf_shapes
 
     g = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=g) for name, shape in hf_shapes(spec).items()}

@@ -30,7 +30,7 @@ def _adapter_pushes(rank: int, bridge, spec, hf: dict, dtypes: dict) -> dict:
     and its received / planned bytes."""
     from mindspeed_rl.resharding.adapter_plan import adapter_layouts
     from mindspeed_rl.resharding.adapter_push import AdapterPush
-    from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
+    from mindspeed_rl.models.layouts import megatron_shard_from_hf
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, train_layouts
 
     train = TrainLayout(tp=2)
@@ -63,7 +63,7 @@ def _adapter_pushes(rank: int, bridge, spec, hf: dict, dtypes: dict) -> dict:
 def _worker(rank: int, ports: tuple[int, int, int], out_dir: str) -> None:
     from mindspeed_rl.resharding.bridge import BridgeGroup
     from mindspeed_rl.resharding.fingerprint import WeightMismatchError, verify_transfer
-    from mindspeed_rl.resharding.layouts import megatron_shard_from_hf, vllm_layout
+    from mindspeed_rl.models.layouts import megatron_shard_from_hf, vllm_layout
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
     from mindspeed_rl.resharding.transfer import Transfer
 

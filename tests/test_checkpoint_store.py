@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from mindspeed_rl.checkpoint import begin_save, commit_save, is_checkpoint_dir, resolve_and_verify
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 KEY = "actor_config.load"
 

@@ -832,3 +832,13 @@ def test_every_shipped_config_takes_any_schema_key_as_a_plain_override(name: str
                and key.count(".") == 1 and key.split(".")[0] not in OPT_IN_SECTIONS]
     composed = compose_cfg(name, [as_upsert(f"{key}=null") for key in missing])
     assert all(OmegaConf.select(composed, key, default=absent) is None for key in missing)
+
+
+def test_the_name_registries_below_config_match_what_the_features_implement() -> None:
+    """config/ validates against mindspeed_rl/registries.py; each feature implements exactly those names."""
+    from mindspeed_rl import registries
+    from mindspeed_rl.data.rewards import VERIFIERS
+    from mindspeed_rl.tools.parser import TOOL_PARSERS
+
+    assert sorted(VERIFIERS) == sorted(registries.VERIFIER_NAMES)
+    assert sorted(TOOL_PARSERS) == sorted(registries.TOOL_PARSER_NAMES)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from mindspeed_rl.config import ConfigError, ConfigErrors
-from mindspeed_rl.config.errors import error_lines, run_checks
+from mindspeed_rl.errors import error_lines, run_checks
 from mindspeed_rl.config.overrides import as_upsert, hydra_argv
 from tests.test_config import CONFIG_DIR, QWEN_7B, TINY, load, run_cli
 

@@ -118,7 +118,7 @@ def _check_context_parallel(checkpoint, samples, oracle_logprobs, oracle_grads, 
 
     from mindspeed_rl.memory.ledger import ActivationMeter
     from mindspeed_rl.protocol import Packing, RolloutBatch
-    from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
+    from mindspeed_rl.models.layouts import megatron_shard_from_hf
 
     ps.initialize_model_parallel(context_parallel_size=2, tensor_model_parallel_size=tp,
                                  pipeline_model_parallel_size=pp)

@@ -74,7 +74,7 @@ def _check_packed_against_hf(engine, expected_logits) -> None:
 
 def _push(spec, engine, rollout, train, infer, rank):
     from mindspeed_rl.resharding.fingerprint import verify_transfer
-    from mindspeed_rl.resharding.layouts import parameter_shapes, vllm_layout
+    from mindspeed_rl.models.layouts import parameter_shapes, vllm_layout
     from mindspeed_rl.resharding.plan import build_plan
     from mindspeed_rl.resharding.transfer import Transfer, destination_dtypes
 

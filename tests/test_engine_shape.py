@@ -77,6 +77,26 @@ def test_the_package_has_no_import_cycle_lazy_imports_included():
     assert not cycle, "import cycle: " + " -> ".join(cycle)
 
 
+def _package_graph() -> dict[str, set[str]]:
+    """Top-level package (config, data, models, ...) -> the packages it imports."""
+    top = lambda module: module.split(".")[1] if module.count(".") else module  # noqa: E731
+    graph: dict[str, set[str]] = {}
+    for module, deps in _import_graph().items():
+        graph.setdefault(top(module), set()).update(top(dep) for dep in deps if top(dep) != top(module))
+    return graph
+
+
+def test_no_package_imports_one_that_imports_it_back():
+    """The layers: errors and registries at the bottom, config on them (it validates against the features' names,
+    never their implementations), and no package below importing one above (config -> data, tools -> config and
+    models -> resharding were such imports)."""
+    graph = _package_graph()
+    cycle = _find_cycle({name: deps & set(graph) for name, deps in graph.items()})
+    assert not cycle, "packages import each other: " + " -> ".join(cycle)
+    assert graph["errors"] == set() and graph["registries"] <= {"errors"}
+    assert "data" not in graph["config"] and "config" not in graph["tools"] and "resharding" not in graph["models"]
+
+
 def test_the_walk_finds_a_cycle_when_there_is_one():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
 
@@ -138,7 +158,7 @@ def test_the_residency_table_in_the_architecture_page_is_the_engines():
     page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     rows = [line.strip("|").split("|") for line in page.splitlines() if line.startswith("| ")]
     header, body = [c.strip() for c in rows[0]], [[c.strip() for c in row] for row in rows[1:]]
-    policy = ResidencyPolicy(has_reward_model=True, has_critic=True)
+    policy = ResidencyPolicy.offloading(has_reward_model=True, has_critic=True)
     assert [row[0] for row in body] == list(PHASES)
     for row in body:
         phase, marks, after = row[0], row[1:-1], row[-1]

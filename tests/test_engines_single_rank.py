@@ -112,7 +112,7 @@ def test_vllm_logprobs_follow_megatron_across_updates(actor, rollout):
 
 def test_hf_weights_round_trip_exact(actor, checkpoint):
     """Megatron shards -> HF names gives back exactly the tensors of a freshly loaded engine."""
-    from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
+    from mindspeed_rl.models.layouts import megatron_shard_from_hf
 
     from mindspeed_rl.checkpoint.hf_export import hf_weights_from_megatron
 

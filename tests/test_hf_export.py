@@ -10,7 +10,7 @@ import torch
 
 from mindspeed_rl.checkpoint.hf_export import ExportOptions, export_checkpoint, write_hf_checkpoint
 from mindspeed_rl.checkpoint.store import begin_save, commit_save
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint

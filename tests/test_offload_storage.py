@@ -88,7 +88,7 @@ def test_state_offload_manager_reloads_offloads_and_records_metrics():
     offloader.register("train_params", lambda: params)
     offloader.register("optimizer_states", lambda: moments)
     offloader.offload_all()
-    strategy = StateSet(ShardingManager(offloader=offloader, policy=ResidencyPolicy()),
+    strategy = StateSet(ShardingManager(offloader=offloader, policy=ResidencyPolicy.offloading()),
                         ["train_params", "optimizer_states"])
 
     metrics: dict[str, float] = {}

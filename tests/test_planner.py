@@ -23,7 +23,7 @@ from mindspeed_rl.planner.inputs import KVCacheSpec, PlanInputs
 from mindspeed_rl.planner.memory import (ACTIVATIONS, kv_needed_bytes,
                                          parse_bytes, plan_memory)
 from mindspeed_rl.planner.params import megatron_params, train_state_bytes, vllm_numel
-from mindspeed_rl.resharding.layouts import parameter_shapes, vllm_layout, vllm_pp_layers
+from mindspeed_rl.models.layouts import parameter_shapes, vllm_layout, vllm_pp_layers
 from mindspeed_rl.resharding.plan import InferLayout
 from mindspeed_rl.planner.switch import plan_switch
 
@@ -64,7 +64,7 @@ def test_active_parameters_of_the_moe_specs():
 
 @pytest.mark.parametrize("name", ["qwen25_7b", "qwen3_30b_a3b", "deepseek_v3"])
 def test_the_count_equals_the_engines_hf_tensor_shapes(name):
-    from mindspeed_rl.resharding.layouts import hf_shapes
+    from mindspeed_rl.models.layouts import hf_shapes
 
     arch = _arch(name)
     assert arch.parameter_count() == sum(math.prod(s) for s in hf_shapes(arch.to_spec()).values())
@@ -380,7 +380,7 @@ def _storage_bytes(tensors) -> int:
 def _live_engine(world, arch, *, bf16: bool, distributed: bool, packed: bool = False, recompute=None):
     from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
     from mindspeed_rl.models.qwen2 import ModelOptions
-    from mindspeed_rl.resharding.layouts import hf_shapes
+    from mindspeed_rl.models.layouts import hf_shapes
 
     spec = arch.to_spec()
     generator = torch.Generator().manual_seed(0)
@@ -439,7 +439,7 @@ def test_the_critics_states_equal_a_live_critics_tensors(world, bf16, distribute
     from mindspeed_rl.memory.megatron_states import grad_buffer_tensors, optimizer_state_tensors, param_tensors
     from mindspeed_rl.planner.params import stage_critic_bytes
     from mindspeed_rl.protocol import RolloutBatch
-    from mindspeed_rl.resharding.layouts import hf_shapes
+    from mindspeed_rl.models.layouts import hf_shapes
 
     arch = _tiny(hidden_size=96, intermediate_size=200, num_hidden_layers=2, vocab_size=40)
     generator = torch.Generator().manual_seed(0)

@@ -95,7 +95,7 @@ def _check_bf16_pushes(spec, state, tp, pp, infer_tps, world, rank, *, first):
 
     from mindspeed_rl.accelerator import get_accelerator
     from mindspeed_rl.engines.megatron_engine import MegatronEngine
-    from mindspeed_rl.resharding.layouts import vllm_layout
+    from mindspeed_rl.models.layouts import vllm_layout
     from mindspeed_rl.resharding.plan import TrainLayout
 
     acc = get_accelerator("cpu")
@@ -157,7 +157,7 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
     from mindspeed_rl.accelerator import get_accelerator
     from mindspeed_rl.engines.megatron_engine import MegatronEngine
     from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-    from mindspeed_rl.resharding.layouts import vllm_layout
+    from mindspeed_rl.models.layouts import vllm_layout
     from mindspeed_rl.resharding.plan import TrainLayout
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 

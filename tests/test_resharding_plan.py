@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
-from mindspeed_rl.resharding.layouts import (hf_shapes, megatron_layout, padded_vocab, parameter_shapes, tensor_view,
+from mindspeed_rl.models.layouts import megatron_shard_from_hf
+from mindspeed_rl.models.layouts import (hf_shapes, megatron_layout, padded_vocab, parameter_shapes, tensor_view,
                                              vllm_layout)
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
 from mindspeed_rl.resharding.transfer import Transfer, split_into_rounds
@@ -108,7 +108,7 @@ def test_hf_to_megatron_and_back_through_the_layout_is_exact():
     """One description of Megatron's layout serves both directions (the engines' checkpoint load and the
     export); that it is Megatron's real layout is shown by Megatron's logits equalling HF's at TP1, TP2,
     PP2 (test_engines_single_rank, test_megatron_layouts_multiprocess)."""
-    from mindspeed_rl.resharding.layouts import hf_from_megatron_shards
+    from mindspeed_rl.models.layouts import hf_from_megatron_shards
 
     spec = tiny_spec(heads=8, kv=4)
     hf = random_hf_state(spec)
@@ -233,7 +233,7 @@ def test_moe_received_bytes_are_the_minimum(world, tp, pp, ep, infer_tp, infer_e
 
 
 def test_moe_hf_to_megatron_and_back_through_the_layout_is_exact():
-    from mindspeed_rl.resharding.layouts import hf_from_megatron_shards
+    from mindspeed_rl.models.layouts import hf_from_megatron_shards
 
     spec = tiny_moe_spec()
     hf = random_hf_state(spec)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from mindspeed_rl.resharding.layouts import megatron_shard_from_hf, vllm_layout
+from mindspeed_rl.models.layouts import megatron_shard_from_hf, vllm_layout
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
 from resharding_oracle import random_hf_state, tiny_spec, vllm_shard_oracle
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from mindspeed_rl.resharding.layouts import megatron_shard_from_hf, parameter_shapes, tensor_view, vllm_pp_layers
+from mindspeed_rl.models.layouts import megatron_shard_from_hf, parameter_shapes, tensor_view, vllm_pp_layers
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
 from resharding_oracle import (
     random_hf_state,

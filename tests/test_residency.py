@@ -31,7 +31,7 @@ def _policy(flags, **kwargs) -> ResidencyPolicy:
 
 # -- the table ----------------------------------------------------------------------------------------
 def test_with_every_flag_on_each_phase_holds_only_what_it_needs():
-    assert ResidencyPolicy().table() == {
+    assert ResidencyPolicy.offloading().table() == {
         "idle": frozenset(),
         "switch": {TRAIN_PARAMS, INFER_WEIGHTS},  # both ends of the push; the KV cache comes after it
         "generate": {INFER_WEIGHTS, KV_CACHE},
@@ -49,7 +49,7 @@ def test_a_critic_has_its_own_two_phases_between_the_actors():
     states, so the critic's and the actor's optimizer states are never on the device together."""
     from mindspeed_rl.memory.residency import CRITIC_GRADS, CRITIC_OPTIMIZER, CRITIC_PARAMS, CRITIC_UPDATE, CRITIC_VALUES
 
-    policy = ResidencyPolicy(has_critic=True)
+    policy = ResidencyPolicy.offloading(has_critic=True)
     assert policy.phases()[-4:] == (OLD_LOGPROB, CRITIC_VALUES, UPDATE, CRITIC_UPDATE)
     assert policy.resident(CRITIC_VALUES) == {CRITIC_PARAMS}
     assert policy.resident(CRITIC_UPDATE) == {CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER}
@@ -57,13 +57,13 @@ def test_a_critic_has_its_own_two_phases_between_the_actors():
     assert policy.after(UPDATE) == frozenset()
     assert all(not (policy.resident(phase) & {CRITIC_PARAMS}) for phase in policy.phases()
                if phase not in (CRITIC_VALUES, CRITIC_UPDATE))
-    assert ResidencyPolicy().phases() == tuple(p for p in policy.phases() if p not in (CRITIC_VALUES, CRITIC_UPDATE))
+    assert ResidencyPolicy.offloading().phases() == tuple(p for p in policy.phases() if p not in (CRITIC_VALUES, CRITIC_UPDATE))
 
 
 def test_a_shared_lora_backbone_runs_the_reference_on_the_train_params():
     """LoRA's share_backbone: no reference params anywhere; the reference phase holds the train params (backbone and
     adapters), which then stay for the old log-probs."""
-    policy = ResidencyPolicy(reference_is_backbone=True)
+    policy = ResidencyPolicy.offloading(reference_is_backbone=True)
     assert policy.resident(REF_LOGPROB) == {TRAIN_PARAMS}
     assert policy.after(REF_LOGPROB) == {TRAIN_PARAMS}
     assert all(REF_PARAMS not in policy.resident(phase) for phase in PHASES)
@@ -72,7 +72,7 @@ def test_a_shared_lora_backbone_runs_the_reference_on_the_train_params():
 def test_a_critics_own_devices_keep_its_states_in_every_phase():
     from mindspeed_rl.memory.residency import CRITIC_STATES
 
-    policy = ResidencyPolicy(has_critic=True, offload_critic=False)
+    policy = ResidencyPolicy.offloading(has_critic=True, offload_critic=False)
     assert all(CRITIC_STATES <= policy.resident(phase) for phase in PHASES)
 
 
@@ -83,7 +83,7 @@ def test_a_flag_set_to_false_pins_its_state_in_every_phase(flags):
     assert policy.pinned == pinned
     for phase in PHASES:
         assert pinned <= policy.resident(phase)
-        assert policy.resident(phase) == ResidencyPolicy().resident(phase) | pinned
+        assert policy.resident(phase) == ResidencyPolicy.offloading().resident(phase) | pinned
 
 
 @pytest.mark.parametrize("flags", FLAG_COMBINATIONS)
@@ -101,12 +101,12 @@ def test_reward_params_are_resident_only_in_the_reward_phase(flags):
 
 
 def test_without_a_reward_model_no_phase_holds_reward_params():
-    assert not any(REWARD_PARAMS in states for states in ResidencyPolicy().table().values())
+    assert not any(REWARD_PARAMS in states for states in ResidencyPolicy.offloading().table().values())
 
 
 def test_an_unknown_phase_is_an_error():
     with pytest.raises(ValueError, match="unknown phase 'train'"):
-        ResidencyPolicy().resident("train")
+        ResidencyPolicy.offloading().resident("train")
 
 
 @pytest.mark.parametrize("flags", FLAG_COMBINATIONS)
@@ -118,18 +118,18 @@ def test_after_a_call_only_what_the_next_phase_needs_too_stays(flags):
 
 
 def test_the_iteration_and_the_phase_lists_come_from_the_one_table():
-    names = [name for name, _ in ResidencyPolicy().iteration()]
+    names = [name for name, _ in ResidencyPolicy.offloading().iteration()]
     assert names == [SWITCH, GENERATE, IDLE, REF_LOGPROB, IDLE, OLD_LOGPROB, UPDATE, IDLE]
-    with_reward = ResidencyPolicy(has_reward_model=True)
+    with_reward = ResidencyPolicy.offloading(has_reward_model=True)
     assert [name for name, _ in with_reward.iteration()][:5] == [SWITCH, GENERATE, IDLE, REWARD, IDLE]
-    assert ResidencyPolicy().recorded_phases() == (GENERATE, REF_LOGPROB, OLD_LOGPROB, UPDATE)
+    assert ResidencyPolicy.offloading().recorded_phases() == (GENERATE, REF_LOGPROB, OLD_LOGPROB, UPDATE)
     assert with_reward.recorded_phases() == (GENERATE, REWARD, REF_LOGPROB, OLD_LOGPROB, UPDATE)
-    every_role = ResidencyPolicy(has_reward_model=True, has_critic=True)
+    every_role = ResidencyPolicy.offloading(has_reward_model=True, has_critic=True)
     assert every_role.recorded_phases() == LEDGER_PHASES
 
 
 def test_the_inference_ranks_of_a_disaggregated_actor_never_move_their_states():
-    policy = ResidencyPolicy(offload_inference=False)
+    policy = ResidencyPolicy.offloading(offload_inference=False)
     for phase in PHASES:
         assert {INFER_WEIGHTS, KV_CACHE} <= policy.resident(phase) and {INFER_WEIGHTS, KV_CACHE} <= policy.after(phase)
 
@@ -197,7 +197,7 @@ class _AdapterLikePush(_RecordingPush):
 
 def test_entering_generate_pushes_in_the_switch_row_then_builds_the_kv_cache():
     push = _RecordingPush()
-    manager, _ = _manager(ResidencyPolicy(), weight_push=push)
+    manager, _ = _manager(ResidencyPolicy.offloading(), weight_push=push)
     push.manager = manager
     manager.enter(IDLE)
     order = []
@@ -213,7 +213,7 @@ def test_entering_generate_pushes_in_the_switch_row_then_builds_the_kv_cache():
 
 
 def test_a_phase_change_drops_the_inference_weights_and_a_manual_offload_keeps_them():
-    manager, tensors = _manager(ResidencyPolicy())
+    manager, tensors = _manager(ResidencyPolicy.offloading())
     weights = tensors[INFER_WEIGHTS].clone()
     manager.enter(GENERATE)
     assert manager.leave(GENERATE).offloaded == 0, "every push overwrites them: not worth a copy"
@@ -227,7 +227,7 @@ def test_a_phase_change_drops_the_inference_weights_and_a_manual_offload_keeps_t
 
 # -- ROLL's control surface, each built on the manager -------------------------------------------------
 def test_offload_states_and_reload_states_round_trip_every_state_bit_exact():
-    manager, tensors = _manager(ResidencyPolicy())
+    manager, tensors = _manager(ResidencyPolicy.offloading())
     kept = {n: t.clone() for n, t in tensors.items() if n not in (TRAIN_GRADS, KV_CACHE)}
     assert manager.offload_states() == _copied_bytes(STATE_GROUPS) + NUMEL[INFER_WEIGHTS] * 4
     assert _resident(manager) == set()
@@ -238,7 +238,7 @@ def test_offload_states_and_reload_states_round_trip_every_state_bit_exact():
 
 
 def test_state_offload_manager_runs_a_call_inside_its_phase_row():
-    manager, _ = _manager(ResidencyPolicy())
+    manager, _ = _manager(ResidencyPolicy.offloading())
     manager.enter(IDLE)
     metrics: dict[str, float] = {}
     with state_offload_manager(PhaseStates(manager, REF_LOGPROB), metrics, "ref"):
@@ -268,7 +268,7 @@ class _Worker:
 
 
 def test_is_offload_states_false_keeps_the_phase_states_after_the_call():
-    manager, _ = _manager(ResidencyPolicy())
+    manager, _ = _manager(ResidencyPolicy.offloading())
     manager.enter(IDLE)
     worker = _Worker(manager)
     metrics = worker.forward(_Batch({}))
@@ -280,15 +280,16 @@ def test_is_offload_states_false_keeps_the_phase_states_after_the_call():
     assert _resident(manager) == {REF_PARAMS}
 
 
-LORA = ResidencyPolicy(has_adapters=True, adapter_only_switch=True, reference_is_backbone=True)
+LORA = ResidencyPolicy.offloading(has_adapters=True, adapter_only_switch=True, reference_is_backbone=True)
 
 
 def test_with_lora_the_adapters_are_a_group_of_their_own_and_the_switch_row_holds_only_them():
     assert LORA.resident(SWITCH) == {ADAPTER_PARAMS, INFER_WEIGHTS}
     assert LORA.resident(OLD_LOGPROB) == LORA.resident(REF_LOGPROB) == {TRAIN_PARAMS, ADAPTER_PARAMS}
     assert LORA.resident(UPDATE) == {TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER}
-    assert ADAPTER_PARAMS not in ResidencyPolicy().resident(UPDATE), "no adapters, no group"
-    pinned = ResidencyPolicy(has_adapters=True, offload_train_param=False).pinned
+    assert ADAPTER_PARAMS not in ResidencyPolicy.offloading().resident(UPDATE), "no adapters, no group"
+    pinned = ResidencyPolicy(offload_train_param=False, offload_train_grad=True, offload_train_optimizer=True,
+                             has_adapters=True).pinned
     assert pinned == {TRAIN_PARAMS, ADAPTER_PARAMS}, "offload_train_param: false pins both halves of the actor"
 
 

@@ -56,7 +56,7 @@ def manager(world, tmp_path_factory):
     register_inference_states(offloader, inference_model, world)
     push = colocated_push(actor=actor, inference_model=inference_model, train=TrainLayout(tp=1, pp=1),
                           infer=InferLayout(tp=1), rank=0, world_size=1, bucket_bytes=2**20, check_weights=True)
-    return ShardingManager(offloader=offloader, policy=ResidencyPolicy(), weight_push=push)
+    return ShardingManager(offloader=offloader, policy=ResidencyPolicy.offloading(), weight_push=push)
 
 
 def _resident(manager) -> set[str]:

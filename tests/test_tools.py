@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_rl.config.errors import ConfigError, ConfigErrors
+from mindspeed_rl.errors import ConfigError, ConfigErrors
 from mindspeed_rl.data import rewards
 from mindspeed_rl.tools import sandbox_fusion
 from mindspeed_rl.tools.base_tool import BaseTool

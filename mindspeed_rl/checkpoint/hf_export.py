@@ -1,7 +1,7 @@
 """Export a trained actor as an HF checkpoint directory (safetensors shards, config, tokenizer, generation config).
 
 The Megatron -> HF conversion is the one the resharding uses (`resharding.naive.gather_full_hf`, built on
-`resharding.layouts.hf_from_megatron_shards`), so an export and a weight push to vLLM can never disagree on layout.
+`models.layouts.hf_from_megatron_shards`), so an export and a weight push to vLLM can never disagree on layout.
 The directory appears whole or not at all: it is written into a temporary sibling, every file fsynced, then
 renamed into place.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.checkpoint.lora_export import LORA_STATE_KEY, load_lora_model
 from mindspeed_rl.checkpoint.store import TRAINER_STATE_NAME, disk_error_named, fsync_path, replace_dir
 from mindspeed_rl.models.qwen2 import Qwen2Spec

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mindspeed_rl.checkpoint.store import fsync_path
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 LORA_STATE_KEY = "lora"
 ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 FORMAT_TAG = "mindspeed_rl.checkpoint/1"
 MANIFEST_NAME = "manifest.json"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mindspeed_rl.checkpoint.store import (TRAINER_STATE_NAME, begin_save, commit_save, disk_error_named,
                                          is_checkpoint_dir, resolve_and_verify)
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 HF_SUBDIR = "hf"
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -4,7 +4,7 @@ Entry point: ``load_config(cfg)`` turns a Hydra-composed tree into a ``GRPOConfi
 ``ConfigError`` (a ``ConfigErrors`` when there are several) naming each full key and its offending value.
 """
 
-from mindspeed_rl.config.errors import ConfigError, ConfigErrors, error_lines
+from mindspeed_rl.errors import ConfigError, ConfigErrors, error_lines
 from mindspeed_rl.config.generate import GenerateConfig, SamplingConfig
 from mindspeed_rl.config.grpo import GRPOConfig
 from mindspeed_rl.config.loader import (

@@ -3,7 +3,7 @@ the rollout mode), run by GRPOConfig after its layout checks; `config` is the GR
 imports this module)."""
 from __future__ import annotations
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.config.tolerated import longest_sample_tokens
 
 

@@ -3,7 +3,7 @@
 from collections.abc import Collection
 from typing import Any, Optional
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 
 def full_key(prefix: str, name: str) -> str:

@@ -9,7 +9,7 @@ from mindspeed_rl.config.checks import (
     require_non_negative,
     require_positive,
 )
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 INFER_DTYPES = ("float32", "bfloat16", "float16")
 

@@ -5,7 +5,7 @@ from functools import partial
 from typing import Optional
 
 from mindspeed_rl.config.checks import require_equal
-from mindspeed_rl.config.errors import ConfigError, run_checks
+from mindspeed_rl.errors import ConfigError, run_checks
 from mindspeed_rl.config.generate import GenerateConfig
 from mindspeed_rl.config.megatron import ActorConfig, CriticConfig, MegatronTrainingConfig
 from mindspeed_rl.config.model_arch import ModelArchConfig
@@ -17,7 +17,6 @@ from mindspeed_rl.config.resources import (
     ReferenceResources,
     ResourcePlan,
     RewardResources,
-    SYNTHETIC_REWARD_MODEL,
     actor_world_size,
     build_resource_plan,
     check_supported,
@@ -30,6 +29,7 @@ from mindspeed_rl.config.lora import check_lora_run
 from mindspeed_rl.config.multi_turn import check_multi_turn
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
+from mindspeed_rl.registries import SYNTHETIC_REWARD_MODEL
 
 # Architecture fields the synthetic generator writes into the demo checkpoint; the model block
 # that describes that checkpoint must agree with them.

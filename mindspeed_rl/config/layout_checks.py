@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mindspeed_rl.config.checks import require_divides
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.config.model_arch import ModelArchConfig
 
 WORLD_DESC_KEY = "rl_config.actor_resource.num_npus"

@@ -22,7 +22,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from mindspeed_rl.config.errors import ConfigError, ConfigErrors, raise_together
+from mindspeed_rl.errors import ConfigError, ConfigErrors, raise_together
 from mindspeed_rl.config.grpo import GRPOConfig
 from mindspeed_rl.config.no_effect import drop_no_effect_keys, lift_megatron_keys
 from mindspeed_rl.config.lora import lift_lora_keys

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.config.no_effect import lift_value
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")

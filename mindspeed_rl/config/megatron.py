@@ -19,7 +19,7 @@ from mindspeed_rl.config.checks import (
     require_only,
     require_positive,
 )
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.config.lora import check_lora
 
 # Megatron's WSD also needs an anneal length (lr_wsd_decay_iters) that this schema has no key for.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mindspeed_rl.config.checks import full_key, require_choice, require_non_negative, require_only, require_positive
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 MOE_LOAD_BALANCING_TYPES = ("none", "aux_loss", "seq_aux_loss")
 FAMILY = "the engine builds the Qwen2/Qwen3 and DeepSeek-V3 families from the HF checkpoint"

@@ -12,7 +12,7 @@ padded_vocab_size >= its vocab_size.
 import math
 from typing import Any, NamedTuple
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.config.model_arch import ModelArchConfig
 
 _MISSING = object()

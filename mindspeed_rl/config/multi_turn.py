@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mindspeed_rl.config.errors import ConfigError, raise_together
+from mindspeed_rl.errors import ConfigError, raise_together
 
 _KEY = "rl_config"
 # The keys read only with multi-turn on; off, each must keep its RLConfig default (MindSpeed-RL's).
@@ -40,16 +40,15 @@ def _tool_file_errors(path) -> list[ConfigError]:
 
 
 def _limit_errors(config) -> list[ConfigError]:
-    from mindspeed_rl.tools.parser import TOOL_PARSERS
-    from mindspeed_rl.tools.turns import TRUNCATE_SIDES
+    from mindspeed_rl.registries import TOOL_PARSER_NAMES, TRUNCATE_SIDES
 
     rl, max_tokens = config.rl_config, config.generate_config.sampling_config.max_tokens
     errors = []
     if not rl.tool_config_path:
         errors.append(ConfigError(f"{_KEY}.tool_config_path", "must name the tools' YAML (MindSpeed-RL's format: "
                                                              "configs/tools/retool_config.yaml)"))
-    if rl.tool_parser_format not in TOOL_PARSERS:
-        errors.append(ConfigError(f"{_KEY}.tool_parser_format", f"must be one of {', '.join(TOOL_PARSERS)}, "
+    if rl.tool_parser_format not in TOOL_PARSER_NAMES:
+        errors.append(ConfigError(f"{_KEY}.tool_parser_format", f"must be one of {', '.join(TOOL_PARSER_NAMES)}, "
                                                                f"got {rl.tool_parser_format!r}"))
     if rl.tool_response_truncate_side not in TRUNCATE_SIDES:
         errors.append(ConfigError(f"{_KEY}.tool_response_truncate_side", f"must be one of {', '.join(TRUNCATE_SIDES)}, "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 _KEY = "actor_config.noop_layers"
 

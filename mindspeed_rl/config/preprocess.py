@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from mindspeed_rl.config.checks import require_choice, require_positive
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 
 @dataclass(kw_only=True)
@@ -35,9 +35,7 @@ class PreprocessConfig:
     overlong_prompts: str = "filter"
 
     def __post_init__(self) -> None:
-        # Imported here: the data package pulls in tokenizer and model helpers that plain config use does not need.
-        from mindspeed_rl.data.dataset import OVERLONG_CHOICES, resolve_map_keys
-        from mindspeed_rl.data.templates import check_prompt_type
+        from mindspeed_rl.registries import OVERLONG_CHOICES, check_prompt_type, resolve_map_keys
 
         for name in ("input", "tokenizer_name_or_path", "output_prefix"):
             if not getattr(self, name).strip():

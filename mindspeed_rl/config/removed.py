@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf.errors import OmegaConfBaseException
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 _INTEGRATED = (
     "in integrated mode (rl_config.use_integrated_worker, the only mode of this hybrid engine) the "

@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 ACCEPTED_FORMS = (
     "a list of device indices such as [0,1,2,3], range(4,8), range(0,16,2), range(8), list(range(0,16)), "
@@ -55,8 +55,6 @@ INFER_ROLE = "actor_infer"
 NUM_NPUS_KEY = "rl_config.actor_resource.num_npus"
 INTEGRATED_KEY = "rl_config.use_integrated_worker"
 COLOCATED, DISAGGREGATED = "colocated", "disaggregated"
-# rewards.<name>.model_path naming the demo's generated reward model (data/tiny_reward_model.py).
-SYNTHETIC_REWARD_MODEL = "synthetic"
 
 
 # --- the parser ------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from mindspeed_rl.config.checks import (
     require_non_negative,
     require_positive,
 )
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 # group_norm: GRPO (MindSpeed-RL's name); rloo and reinforce_plus_plus: verl's names (algorithms/advantages.py);
 # gae: PPO with a critic (critic_config; algorithms/ppo.py).
@@ -311,14 +311,12 @@ class RLConfig:
             )
         if not self.verifier_function:
             raise ConfigError(f"{prefix}.verifier_function", "must name at least one verifier when rule_reward is true")
-        # Imported here: the registry module pulls in the verifiers' libraries, which a config that
-        # fails earlier (or `--help`) should not pay for.
-        from mindspeed_rl.data.rewards import VERIFIERS
+        from mindspeed_rl.registries import VERIFIER_NAMES
 
         for name in self.verifier_function:
-            if name not in VERIFIERS:
+            if name not in VERIFIER_NAMES:
                 raise ConfigError(
-                    f"{prefix}.verifier_function", f"unknown verifier {name!r}; known: {', '.join(sorted(VERIFIERS))}"
+                    f"{prefix}.verifier_function", f"unknown verifier {name!r}; known: {', '.join(sorted(VERIFIER_NAMES))}"
                 )
         if len(self.verifier_weight) != len(self.verifier_function):
             raise ConfigError(

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mindspeed_rl.config.checks import require_choice, require_non_negative, require_positive
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.console import LOG_LEVELS
 
 DEVICES = ("auto", "cpu", "cuda", "npu")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from mindspeed_rl.checkpoint.store import fsync_path
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.locks import exclusive_lock
 
 MANIFEST_FILE = "assets.json"

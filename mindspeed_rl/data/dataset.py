@@ -19,9 +19,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.console import show_progress_bar
 from mindspeed_rl.data.json_rows import row_lines
+from mindspeed_rl.registries import OVERLONG_CHOICES, resolve_map_keys  # noqa: F401 (OVERLONG_CHOICES: API)
 from mindspeed_rl.data.templates import (
     CHAT_PROMPT_TYPE,
     PromptFormatError,
@@ -30,12 +31,10 @@ from mindspeed_rl.data.templates import (
     render_prompt_with_text,
 )
 
-OVERLONG_CHOICES = ("filter", "error")
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 PREPROCESSED_META_FILE = "prompt_dataset.json"
 PREPROCESSED_FORMAT = "mindspeed_rl.prompt_dataset"
 PREPROCESSED_FORMAT_VERSION = 1
-MAP_KEYS_FIELDS = ("prompt", "labels", "system")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,31 +101,6 @@ def load_prompt_dataset(data_path: str, *, tokenizer, prompt_type: str, map_keys
     if not records:
         raise ConfigError(keys.max_prompt_length, f"no prompt of {data_path} fits in {max_prompt_length} tokens")
     return PromptDataset(records=records, num_filtered=num_filtered, source=str(data_path))
-
-
-def resolve_map_keys(map_keys: Mapping[str, str], *, key: str = TRAINING_KEYS.map_keys) -> dict[str, str]:
-    """``{prompt, labels[, system]}`` -> dotted row paths. MindSpeed-RL's spellings are accepted: its
-    ``response`` is our ``labels``; its empty ``query``/``system`` mean "not used"."""
-    if not isinstance(map_keys, Mapping):
-        raise ConfigError(key, f"expected a mapping like {{prompt: problem, labels: answer}}, got {map_keys!r}")
-    fields = {str(name): value for name, value in map_keys.items()}
-    for name, value in fields.items():
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}.{name}", f"expected a (dotted) field name string, got {value!r}")
-    if fields.get("response"):
-        if fields.get("labels"):
-            raise ConfigError(key, "give the label field once: 'labels' (or MindSpeed-RL's 'response'), not both")
-        fields["labels"] = fields["response"]
-    fields.pop("response", None)
-    if fields.pop("query", ""):
-        raise ConfigError(f"{key}.query", "not supported: prompts come from one field (map 'prompt'); leave it empty")
-    unknown = sorted(set(fields) - set(MAP_KEYS_FIELDS))
-    if unknown:
-        raise ConfigError(key, f"unknown fields {unknown}; known: {', '.join(MAP_KEYS_FIELDS)}")
-    for required in ("prompt", "labels"):
-        if not fields.get(required):
-            raise ConfigError(f"{key}.{required}", "required: the row field (dotted path for nested) holding it")
-    return {name: value for name, value in fields.items() if value}
 
 
 def tokenizer_fingerprint(tokenizer, prompt_type: str) -> str:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
 
 BOM = "\ufeff"  # a UTF-8 byte-order mark: allowed at the start of the file
 

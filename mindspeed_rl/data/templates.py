@@ -18,18 +18,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 
-from mindspeed_rl.config.errors import ConfigError
+from mindspeed_rl.errors import ConfigError
+from mindspeed_rl.registries import (  # noqa: F401 (known_prompt_types: API)
+    CHAT_PROMPT_TYPE, PROMPT_TYPE_KEY, TEMPLATES_FILE, check_prompt_type, known_prompt_types, template_entries)
 
-TEMPLATES_FILE = Path(__file__).resolve().parents[2] / "configs" / "prompt_templates.yaml"
-CHAT_PROMPT_TYPE = "chat"
-PROMPT_TYPE_KEY = "megatron_training.prompt_type"
 CONTENT_SLOT = "{{content}}"
-_TEMPLATE_FIELDS = ("user", "system", "assistant", "separator", "default_system")
 
 
 class PromptFormatError(ValueError):
@@ -64,20 +60,6 @@ class PromptTemplate:
             slot = self.user if message["role"] == "user" else self.assistant
             pieces.append(slot.replace(CONTENT_SLOT, message["content"]))
         return [piece for piece in pieces if piece]
-
-
-def known_prompt_types() -> list[str]:
-    """``chat`` and every template of ``configs/prompt_templates.yaml``, sorted."""
-    return sorted([CHAT_PROMPT_TYPE, *_named_templates()])
-
-
-def check_prompt_type(prompt_type: str, *, key: str = PROMPT_TYPE_KEY) -> None:
-    """A ConfigError naming the known types unless ``prompt_type`` is one of them."""
-    if prompt_type != CHAT_PROMPT_TYPE and prompt_type not in _named_templates():
-        raise ConfigError(
-            key, f"unknown template {prompt_type!r}; known: {', '.join(known_prompt_types())} "
-                 f"(named templates live in {TEMPLATES_FILE})"
-        )
 
 
 def check_tokenizer_supports(prompt_type: str, tokenizer, *, key: str = PROMPT_TYPE_KEY) -> None:
@@ -143,20 +125,7 @@ def prompt_messages(prompt: Any, system: Optional[str]) -> tuple[Optional[str], 
 
 @functools.cache
 def _named_templates() -> dict[str, PromptTemplate]:
-    try:
-        entries = yaml.safe_load(TEMPLATES_FILE.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as error:
-        raise ConfigError(PROMPT_TYPE_KEY, f"cannot read the templates file {TEMPLATES_FILE}: {error}") from None
-    templates = {}
-    for name, fields in entries.items():
-        unknown = sorted(set(fields) - set(_TEMPLATE_FIELDS))
-        if unknown:
-            raise ConfigError(PROMPT_TYPE_KEY, f"template {name!r} in {TEMPLATES_FILE}: unknown fields {unknown}; "
-                                               f"known: {', '.join(_TEMPLATE_FIELDS)}")
-        templates[name] = PromptTemplate(name=name, **fields)
-    if CHAT_PROMPT_TYPE in templates:
-        raise ConfigError(PROMPT_TYPE_KEY, f"{TEMPLATES_FILE} must not define {CHAT_PROMPT_TYPE!r} (reserved)")
-    return templates
+    return {name: PromptTemplate(name=name, **fields) for name, fields in template_entries().items()}
 
 
 def named_template(name: str) -> PromptTemplate:

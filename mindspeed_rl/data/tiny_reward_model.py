@@ -16,7 +16,7 @@ import torch
 from mindspeed_rl.data.asset_cache import ensure_generated
 from mindspeed_rl.data.tiny_model import randomize_parameters
 
-from mindspeed_rl.config.resources import SYNTHETIC_REWARD_MODEL as SYNTHETIC  # the model_path that asks for it
+from mindspeed_rl.registries import SYNTHETIC_REWARD_MODEL as SYNTHETIC  # the model_path that asks for it
 TASK = "reward_model"
 REQUIRED = ("config.json", "model.safetensors")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
-
-if TYPE_CHECKING:
-    from mindspeed_rl.engines.megatron_engine import MegatronEngine
 
 # Megatron-LM's `--dist-ckpt-optim-fully-reshardable`: the distributed optimizer's states saved per parameter in model
 # space (gathered over DP), as the plain optimizer's are. 0.16's default for it ('fully_sharded_model_space') is refused
@@ -34,8 +31,8 @@ def model_sharded_state_dict(module: torch.nn.Module) -> dict:
     return module.sharded_state_dict(metadata=dict(CHECKPOINT_METADATA))
 
 
-def save_engine(engine: MegatronEngine, checkpoint_dir: str, *, with_optimizer: bool) -> None:
-    """Collective: model/ (and optimizer/ when asked and the engine trains) under `checkpoint_dir`."""
+def save_engine(engine, checkpoint_dir: str, *, with_optimizer: bool) -> None:
+    """Collective: a MegatronEngine's model/ (and optimizer/ when asked and it trains) under `checkpoint_dir`."""
     from megatron.core import dist_checkpointing
 
     model_dir = os.path.join(checkpoint_dir, MODEL_SUBDIR)
@@ -50,7 +47,7 @@ def save_engine(engine: MegatronEngine, checkpoint_dir: str, *, with_optimizer: 
     dist_checkpointing.save(state, optimizer_dir, content_metadata=CHECKPOINT_METADATA)
 
 
-def load_engine(engine: MegatronEngine, checkpoint_dir: str, *, load_optimizer: bool) -> None:
+def load_engine(engine, checkpoint_dir: str, *, load_optimizer: bool) -> None:
     """Collective: the inverse of `save_engine`, into this rank's layout."""
     from megatron.core import dist_checkpointing
 

@@ -97,7 +97,7 @@ def load_reward_weights(model: torch.nn.Module, hf_state: dict[str, torch.Tensor
     """The trunk's shard through the engine's layout (as the actor's), the score head whole."""
     from megatron.core import parallel_state as ps
 
-    from mindspeed_rl.resharding.layouts import megatron_layout
+    from mindspeed_rl.models.layouts import megatron_layout
 
     params = dict(model.named_parameters())
     expected = set(params)

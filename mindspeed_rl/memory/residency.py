@@ -66,9 +66,10 @@ RELOADED_LAST = KV_CACHE
 
 @dataclass(frozen=True, kw_only=True)
 class ResidencyPolicy:
-    offload_train_param: bool = True
-    offload_train_grad: bool = True
-    offload_train_optimizer: bool = True
+    # MindSpeed-RL's generate_config flags, given by every caller (their one default is GenerateConfig's).
+    offload_train_param: bool
+    offload_train_grad: bool
+    offload_train_optimizer: bool
     has_reference: bool = True
     has_reward_model: bool = False
     has_critic: bool = False
@@ -83,6 +84,12 @@ class ResidencyPolicy:
     # only (AdapterPush), so that row leaves the backbone on the host.
     has_adapters: bool = False
     adapter_only_switch: bool = False
+
+    @classmethod
+    def offloading(cls, **fields) -> "ResidencyPolicy":
+        """Every train state off the device between its phases, as MindSpeed-RL's recipes set the three flags (the
+        planner's and the tests' table when no config gives one)."""
+        return cls(offload_train_param=True, offload_train_grad=True, offload_train_optimizer=True, **fields)
 
     @classmethod
     def for_run(cls, config, *, has_reward_model: bool, has_critic: bool, offload_inference: bool = True,

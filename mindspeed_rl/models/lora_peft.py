@@ -22,7 +22,7 @@ def peft_lora_tensors(shards: list[dict[str, torch.Tensor]], spec: Qwen2Spec, *,
                       pp_rank: int = 0) -> dict[str, torch.Tensor]:
     """PEFT's adapter tensors (`base_model.model.<module>.lora_A.weight` / `lora_B.weight`) of one pipeline stage
     from each TP rank's adapter params (index = TP rank; `named_parameters()` names, `...linear_qkv.lora_A`)."""
-    from mindspeed_rl.resharding.layouts import hf_shapes, megatron_layout
+    from mindspeed_rl.models.layouts import hf_shapes, megatron_layout
 
     shapes = hf_shapes(spec)
     out: dict[str, torch.Tensor] = {}

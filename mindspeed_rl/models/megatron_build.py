@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, layers_of_stage, transformer_config
-from mindspeed_rl.resharding.layouts import megatron_shard_from_hf
+from mindspeed_rl.models.layouts import megatron_shard_from_hf
 
 
 def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, ep: int = 1,

@@ -49,7 +49,7 @@ class PlanInputs:
     mini_batch_samples: int = 1  # samples per optimizer step, over all DP ranks
     seq_length: int = 1  # prompt + response tokens of a micro-batch's rows
     response_length: int | None = None  # response tokens of a row (scored by the loss); None: seq_length
-    policy: ResidencyPolicy = field(default_factory=ResidencyPolicy)
+    policy: ResidencyPolicy = field(default_factory=ResidencyPolicy.offloading)
     kv: KVCacheSpec = field(default_factory=lambda: KVCacheSpec(on_cpu=True))
     device_memory: int | None = None
     bucket_bytes: int = 64 << 20  # generate_config.resharding_bucket_mb

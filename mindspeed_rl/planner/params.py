@@ -1,8 +1,8 @@
 """Per-rank tensors of the training and the inference layouts, and what Megatron's DDP and optimizer make
 of them: numbers only, no tensor is allocated.
 
-Every shard comes from the engine's own layouts (`resharding/layouts.py`: `megatron_layout`, `vllm_layout`,
-the functions the switch is planned with; DeepSeek-V3's in `resharding/deepseek_v3_layouts.py`: Megatron's
+Every shard comes from the engine's own layouts (`models/layouts.py`: `megatron_layout`, `vllm_layout`,
+the functions the switch is planned with; DeepSeek-V3's in `models/deepseek_v3_layouts.py`: Megatron's
 local spec splits MLA's down projections over TP as well, vLLM keeps them whole), so the planner and the
 engine agree by construction. The routers' `expert_bias` (DeepSeek-V3) is a buffer in Megatron, not a
 parameter: no DDP buffer or optimizer state; vLLM's `e_score_correction_bias` is a parameter.
@@ -51,7 +51,7 @@ def megatron_params(arch: Architecture, *, tp: int, tp_rank: int, pp: int, pp_ra
 
 @lru_cache(maxsize=4096)
 def _stage_params(arch: Architecture, tp: int, pp: int, pp_rank: int, ep: int) -> tuple[Param, ...]:
-    from mindspeed_rl.resharding.layouts import megatron_layout
+    from mindspeed_rl.models.layouts import megatron_layout
 
     layout = megatron_layout(arch.to_spec(), tp=tp, tp_rank=0, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=0)
     params = [Param(t.name, math.prod(t.shape), ".experts." in t.name) for t in layout
@@ -183,7 +183,7 @@ def stage_lora_train_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int
     plus the adapters of the stage's target linears, trained as params are: A [r, columns] and B [rows, r] of
     each target weight shard [rows, columns] (column-parallel [out/t, in], row-parallel [out, in/t]). No
     reference params: the reference is the backbone."""
-    from mindspeed_rl.resharding.layouts import megatron_layout
+    from mindspeed_rl.models.layouts import megatron_layout
 
     adapters = []
     for tensor in megatron_layout(arch.to_spec(), tp=tp, tp_rank=0, pp=pp, pp_rank=pp_rank):
@@ -226,7 +226,7 @@ def stage_critic_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, dp
 
 def vllm_stage_layers(arch: Architecture, pp_rank: int, pp: int) -> range:
     """Global layers of vLLM pipeline stage `pp_rank`: vLLM's own partition (uneven where PP does not divide)."""
-    from mindspeed_rl.resharding.layouts import vllm_pp_layers
+    from mindspeed_rl.models.layouts import vllm_pp_layers
 
     return vllm_pp_layers(arch.num_layers, pp_rank, pp)
 
@@ -245,7 +245,7 @@ def _vllm_numel(arch: Architecture, tp: int, dp: int, expert_parallel: bool, pp:
                 layers: range) -> int:
     tp_rank = dp_rank = 0
     spec = arch.to_spec()
-    from mindspeed_rl.resharding.layouts import parameter_shapes, vllm_layout
+    from mindspeed_rl.models.layouts import parameter_shapes, vllm_layout
 
     shapes = parameter_shapes(vllm_layout(spec, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank,
                                           expert_parallel=expert_parallel, pp=pp, pp_rank=pp_rank))

@@ -4,7 +4,7 @@ vLLM's shard of an adapted weight is `base + (alpha/r) B A` over its own rows (c
 `gate_up_proj`) or its own columns (row-parallel: `o_proj`, `down_proj`). So an inference rank needs, per adapted
 weight, B's rows of its row segments and A whole (column), or A's columns of its column segments and B whole (row):
 the weight's own layout, with A or B in place of W. The same holds of each Megatron shard, so both sides' adapter
-layouts are derived from the weight layouts (`resharding/layouts.py`) and the one planner (`plan.plan_between`)
+layouts are derived from the weight layouts (`models/layouts.py`) and the one planner (`plan.plan_between`)
 finds the copies: local where a rank already holds a slice, the least-loaded holder otherwise.
 
 HF names of the adapter "tensors": B of a row piece `<module>.lora_B` [rows, r] (q/k/v_proj, gate/up_proj keep
@@ -17,7 +17,7 @@ from __future__ import annotations
 from mindspeed_rl.models.checkpoint import hf_layer_index
 from mindspeed_rl.models.lora_peft import HF_MODULES
 from mindspeed_rl.models.qwen2 import Qwen2Spec
-from mindspeed_rl.resharding.layouts import LocalTensor, Segment, hf_shapes
+from mindspeed_rl.models.layouts import LocalTensor, Segment, hf_shapes
 from mindspeed_rl.resharding.plan import (InferLayout, Plan, TrainLayout, infer_layouts, plan_between, plan_ranks,
                                           train_layouts)
 

@@ -17,7 +17,7 @@ from typing import Mapping
 import torch
 
 from mindspeed_rl.resharding.bridge import p2p_exchange
-from mindspeed_rl.resharding.layouts import tensor_view
+from mindspeed_rl.models.layouts import tensor_view
 from mindspeed_rl.resharding.plan import Copy, Plan
 from mindspeed_rl.resharding.transfer import parameter_name
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_rl.models.qwen2 import Qwen2Spec
-from mindspeed_rl.resharding.layouts import LocalTensor, hf_from_megatron_shards, tensor_view, vllm_layout
+from mindspeed_rl.models.layouts import LocalTensor, hf_from_megatron_shards, tensor_view, vllm_layout
 
 
 def materialize(local: LocalTensor, hf: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -73,13 +73,13 @@ def gather_full_hf(params: dict[str, torch.Tensor], spec: Qwen2Spec) -> tuple[di
 
 def _stage_hf_names(spec: Qwen2Spec, pp_rank: int, pp: int) -> list[str]:
     # every rank must broadcast the same names in the same order
-    from mindspeed_rl.resharding.layouts import megatron_layout
+    from mindspeed_rl.models.layouts import megatron_layout
 
     return sorted({seg.hf_name for t in megatron_layout(spec, tp=1, tp_rank=0, pp=pp, pp_rank=pp_rank) for seg in t.segments
                    if not (t.name == "output_layer.weight" and spec.tie_word_embeddings)})
 
 
 def _hf_shape(spec: Qwen2Spec, name: str) -> tuple[int, ...]:
-    from mindspeed_rl.resharding.layouts import hf_shapes
+    from mindspeed_rl.models.layouts import hf_shapes
 
     return hf_shapes(spec)[name]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from mindspeed_rl.models.pipeline_stages import stage_layer_range
 from mindspeed_rl.models.qwen2 import Qwen2Spec
-from mindspeed_rl.resharding.layouts import LocalTensor, hf_shapes, megatron_layout, vllm_layout
+from mindspeed_rl.models.layouts import LocalTensor, hf_shapes, megatron_layout, vllm_layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,7 +200,7 @@ def _check_sizes(spec: Qwen2Spec, train: TrainLayout, infer: InferLayout, world_
     if spec.vocab_size % train.tp or (not spec.is_moe and spec.ffn_hidden_size % train.tp):
         raise ValueError(f"train TP={train.tp} must divide the vocabulary and intermediate sizes")
     if spec.deepseek is not None:
-        from mindspeed_rl.resharding.deepseek_v3_layouts import check_train_tp
+        from mindspeed_rl.models.deepseek_v3_layouts import check_train_tp
 
         check_train_tp(spec, train.tp)
     stage_layer_range(spec.num_layers, 0, train.pp, spec.pipeline_stage_layers if train.pp > 1 else None)

@@ -25,7 +25,7 @@ from typing import Mapping
 import torch
 
 from mindspeed_rl.resharding.bridge import p2p_exchange
-from mindspeed_rl.resharding.layouts import tensor_view
+from mindspeed_rl.models.layouts import tensor_view
 from mindspeed_rl.resharding.plan import Copy, Plan
 
 _INDEXED = re.compile(r"\[\d+\]$")

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Protocol
 import torch
 
 from mindspeed_rl.resharding.fingerprint import verify_transfer
-from mindspeed_rl.resharding.layouts import tensor_view, uncovered_ranges
+from mindspeed_rl.models.layouts import tensor_view, uncovered_ranges
 from mindspeed_rl.resharding.plan import InferLayout, Plan, TrainLayout, build_plan
 from mindspeed_rl.resharding.transfer import Transfer, destination_dtypes, itemsize
 

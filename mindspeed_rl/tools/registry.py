@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mindspeed_rl.config.errors import ConfigError, raise_together
+from mindspeed_rl.errors import ConfigError, raise_together
 from mindspeed_rl.tools.base_tool import BaseTool
 from mindspeed_rl.tools.schemas import OpenAIFunctionToolSchema, ToolSchemaError
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import logging
 
+from mindspeed_rl.registries import TRUNCATE_SIDES  # noqa: F401 (the names live below config/)
 from mindspeed_rl.tools.base_tool import BaseTool
 from mindspeed_rl.tools.parser import ToolCall
 
 logger = logging.getLogger(__name__)
-
-TRUNCATE_SIDES = ("left", "right", "middle")
 # Qwen's ChatML: the tool outputs come back as a user turn, then the assistant's turn starts again.
 _TURN_START = "<|im_start|>user"
 _TURN_END = "<|im_end|>\n<|im_start|>assistant\n"

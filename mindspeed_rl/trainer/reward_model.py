@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from mindspeed_rl.config import ConfigError, GRPOConfig
-from mindspeed_rl.config.resources import SYNTHETIC_REWARD_MODEL
+from mindspeed_rl.registries import SYNTHETIC_REWARD_MODEL
 from mindspeed_rl.data.rewards import RuleRewards
 
 

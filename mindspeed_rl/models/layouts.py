@@ -12,7 +12,7 @@ and TP takes whole groups; `linear_fc1` is [gate_r; up_r]; embedding/output rows
 heads replicated when infer TP > KV heads; `gate_up_proj` is [gate_r; up_r]; vocab rows are split
 over the padded vocabulary.
 
-DeepSeek-V3 (MLA, dense first layers, shared experts): resharding/deepseek_v3_layouts.py.
+DeepSeek-V3 (MLA, dense first layers, shared experts): models/deepseek_v3_layouts.py.
 
 MoE (Qwen3-MoE): each expert is its own 2-D HF tensor (`mlp.experts.{e}.gate_proj.weight`). vLLM
 fuses a layer's experts into 3-D parameters (`w13_weight` [E_local, 2F', H], `w2_weight`
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 
 from mindspeed_rl.models.qwen2 import Qwen2Spec, layers_of_stage
-from mindspeed_rl.resharding.layout_parts import (  # noqa: F401 (LocalTensor, Segment, tensor_view: this module's API)
+from mindspeed_rl.models.layout_parts import (  # noqa: F401 (LocalTensor, Segment, tensor_view: this module's API)
     LocalTensor, Segment, _even, _expert, _named, _stack, _vllm_moe, _whole, parameter_shapes, tensor_view)
 
 VLLM_VOCAB_PADDING = 64
@@ -39,7 +39,7 @@ def hf_shapes(spec: Qwen2Spec) -> dict[str, tuple[int, ...]]:
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         if spec.deepseek is not None:
-            from mindspeed_rl.resharding.deepseek_v3_layouts import layer_hf_shapes
+            from mindspeed_rl.models.deepseek_v3_layouts import layer_hf_shapes
 
             shapes.update(layer_hf_shapes(spec, i))
             continue
@@ -91,7 +91,7 @@ def megatron_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, pp: int, pp_rank:
     if pp_rank == 0:
         out.append(_even("embedding.word_embeddings.weight", "model.embed_tokens.weight", shapes["model.embed_tokens.weight"], 0, tp_rank, tp))
     if spec.deepseek is not None:
-        from mindspeed_rl.resharding.deepseek_v3_layouts import megatron_layers
+        from mindspeed_rl.models.deepseek_v3_layouts import megatron_layers
 
         out += megatron_layers(spec, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
     for local, layer in enumerate(layers_of_stage(spec, pp_rank, pp) if spec.deepseek is None else ()):
@@ -177,7 +177,7 @@ def vllm_layout(spec: Qwen2Spec, *, tp: int, tp_rank: int, dp: int = 1, dp_rank:
         out.append(vocab_shard("model.embed_tokens.weight", "model.embed_tokens.weight"))
     for layer in vllm_pp_layers(spec.num_layers, pp_rank, pp):
         if spec.deepseek is not None:
-            from mindspeed_rl.resharding.deepseek_v3_layouts import vllm_layer
+            from mindspeed_rl.models.deepseek_v3_layouts import vllm_layer
 
             out += vllm_layer(spec, layer, tp=tp, tp_rank=tp_rank, moe_size=tp * dp, moe_rank=dp_rank * tp + tp_rank,
                               expert_parallel=expert_parallel)
@@ -230,7 +230,7 @@ def _check_vllm_moe(spec: Qwen2Spec, size: int, expert_parallel: bool) -> None:
 
 def _check_vllm_tp(spec: Qwen2Spec, tp: int) -> None:
     if spec.deepseek is not None:
-        from mindspeed_rl.resharding.deepseek_v3_layouts import check_vllm_tp
+        from mindspeed_rl.models.deepseek_v3_layouts import check_vllm_tp
 
         return check_vllm_tp(spec, tp)
     kv = spec.num_query_groups

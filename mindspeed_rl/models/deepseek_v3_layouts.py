@@ -1,12 +1,12 @@
 """DeepSeek-V3's tensors in HF, Megatron (local spec) and vLLM (DeepseekV3ForCausalLM) layouts.
 
-Called by resharding/layouts.py when the spec has `deepseek` fields; the shard rules are in
+Called by models/layouts.py when the spec has `deepseek` fields; the shard rules are in
 models/deepseek_v3.py's docstring. Embedding, head and final norm are Qwen's and stay in layouts.py.
 """
 from __future__ import annotations
 
 from mindspeed_rl.models.qwen2 import Qwen2Spec, layers_of_stage
-from mindspeed_rl.resharding.layout_parts import LocalTensor, _even, _expert, _named, _stack, _vllm_moe, _whole
+from mindspeed_rl.models.layout_parts import LocalTensor, _even, _expert, _named, _stack, _vllm_moe, _whole
 
 
 def is_moe_layer(spec: Qwen2Spec, layer: int) -> bool:

@@ -1,5 +1,5 @@
-"""The parts both layouts are built from (resharding/layouts.py, and DeepSeek-V3's in
-resharding/deepseek_v3_layouts.py): a rank-local tensor as segments of full HF tensors, the ways to cut one
+"""The parts both layouts are built from (models/layouts.py, and DeepSeek-V3's in
+models/deepseek_v3_layouts.py): a rank-local tensor as segments of full HF tensors, the ways to cut one
 (whole, an even slice, a stack of ranges, one expert's slices) and vLLM's fused-expert MoE layer. Their own
 module so the model-specific layouts import them without importing each other.
 """
