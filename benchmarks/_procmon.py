@@ -24,7 +24,7 @@ def _system_busy_seconds() -> float:
 
 
 def _short_name(proc: psutil.Process) -> str:
-    """ray::ActorHybridWorkerBase, raylet, gcs_server, dashboard.py, log_monitor.py, train_grpo.py, ..."""
+    """ray::ActorHybridWorker, raylet, gcs_server, dashboard.py, log_monitor.py, train_grpo.py, ..."""
     try:
         cmd = proc.cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):

@@ -79,8 +79,8 @@ def classify(frames: list[str]) -> tuple[str, str]:
     funcs = [p[0] for p in parsed]
     if "train_grpo.py" in head:
         # One rank runs in the CLI's process (runtime.local_single_rank): its stacks are the rank's.
-        role = "rank" if any(f.endswith("actor_hybrid_worker.py") for f in files) else "driver"
-    elif "ray::ActorHybridWorker" in head:
+        role = "rank" if any("/workers/parts/" in f for f in files) else "driver"
+    elif re.search(r"ray::\w+Worker", head):
         role = "rank"
     else:
         name = re.sub(r"^process \d+:", "", head).strip('"')
@@ -91,7 +91,7 @@ def classify(frames: list[str]) -> tuple[str, str]:
     if role == "rank":
         for func, file in zip(funcs, files):
             name = func.rsplit(".", 1)[-1]
-            if file.endswith("actor_hybrid_worker.py") and name in RANK_PHASES:
+            if "/workers/parts/" in file and name in RANK_PHASES:
                 phase = RANK_PHASES[name]
                 if phase == "generate":
                     if any(f.endswith("vllm_engine.py") and fn.endswith("generate") for fn, f in zip(funcs, files)):

@@ -21,7 +21,7 @@ def main(assets: str) -> None:
     from mindspeed_rl.data.dataset import load_prompt_dataset
     from mindspeed_rl.trainer import setup
     from mindspeed_rl.trainer.rollout import forward_logprobs, generate
-    from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorkerBase
+    from mindspeed_rl.workers.roles import actor_worker
     from mindspeed_rl.workers.local_group import LocalActorGroup
     from mindspeed_rl.workers.processes import rank_env_vars
 
@@ -35,7 +35,7 @@ def main(assets: str) -> None:
                                   map_keys=dict(mt.map_keys), max_prompt_length=config.rl_config.max_prompt_length,
                                   show_progress=False)
     actor = LocalActorGroup(config=config, env_vars=rank_env_vars(1), model_dir=model_dir, ref_model_dir=ref_dir,
-                            threads=1, worker_class=ActorHybridWorkerBase)
+                            threads=1, worker_class=actor_worker(config))
     actor.initialize()
     batch, _ = generate(actor, dataset.records[:4], config)
     batch.columns["advantages"] = torch.randn(len(batch), generator=torch.Generator().manual_seed(0))

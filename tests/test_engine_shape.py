@@ -103,7 +103,7 @@ def test_the_walk_finds_a_cycle_when_there_is_one():
 
 def test_the_worker_never_imports_fault_injection():
     graph = _import_graph()
-    seen, frontier = set(), ["mindspeed_rl.workers.actor_hybrid_worker"]
+    seen, frontier = set(), ["mindspeed_rl.workers.roles"]
     while frontier:
         node = frontier.pop()
         if node not in seen:
@@ -140,16 +140,18 @@ def test_every_rank_group_implements_the_actor_group_protocol():
             assert list(got.parameters) == list(expected.parameters), (group.__name__, name, got, expected)
 
 
-@pytest.mark.parametrize("worker", ["ActorHybridWorkerBase", "TrainWorkerBase", "InferWorkerBase"])
-def test_every_rpc_that_runs_a_model_declares_a_phase_of_the_table(worker):
+def test_every_rpc_of_every_part_declares_a_phase_of_the_table_or_none_by_name():
     from mindspeed_rl.memory.residency import PHASES
-    from mindspeed_rl.workers import actor_hybrid_worker
+    from mindspeed_rl.workers.parts import declared_rpcs
+    from mindspeed_rl.workers.roles import ALL_PARTS
 
-    cls = getattr(actor_hybrid_worker, worker)
-    rpcs = ("generate_sequences", "compute_reward_scores", "compute_ref_log_prob", "compute_log_prob", "update",
-            "save_checkpoint", "load_checkpoint", "export_hf", "load_reference_checkpoint", "sync_weights")
-    for name in rpcs:
-        assert getattr(getattr(cls, name), "phase", None) in PHASES, name
+    for part in ALL_PARTS:
+        for name, rpc in declared_rpcs(part).items():
+            assert getattr(rpc, "phase", None) in PHASES or getattr(rpc, "rpc", False), (part.NAME, name)
+    rpcs = {name for part in ALL_PARTS for name in declared_rpcs(part)}
+    assert {"generate_sequences", "compute_reward_scores", "compute_ref_log_prob", "compute_log_prob", "update",
+            "save_checkpoint", "load_checkpoint", "export_hf", "load_reference_checkpoint", "switch",
+            "compute_values", "update_critic"} <= rpcs
 
 
 def test_the_residency_table_in_the_architecture_page_is_the_engines():

@@ -108,11 +108,11 @@ def test_a_stopped_rank_is_named_once_its_heartbeat_stops_whatever_the_rpc_deadl
 
 
 def test_a_killed_inference_rank_of_a_disaggregated_run_is_named_and_both_groups_end(tmp_path):
-    """Disaggregated: the inference rank dies while receiving the second push; the training rank,
-    blocked sending to it over the bridge, is not blamed, and nothing of either group is left."""
+    """Disaggregated: the inference rank dies as its second rollout starts, which would first receive the second push;
+    the training rank, blocked sending to it over the bridge, is not blamed, and nothing of either group is left."""
     run, code, seconds, shm_before = _run_into_fault(tmp_path, "grpo_tiny_cpu_disaggregated",
-                                                     "actor_infer/sync_weights:0:2:kill",
-                                                     "[fault] rank 0: kill in sync_weights")
+                                                     "actor_infer/generate_sequences:0:2:kill",
+                                                     "[fault] rank 0: kill in generate_sequences")
     assert code == 1
     line = _last_line(run)
     assert line.startswith("worker failure during iteration 2:"), line

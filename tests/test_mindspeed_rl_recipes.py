@@ -49,7 +49,7 @@ def test_their_7b_recipe_keeps_its_values() -> None:
 def test_their_32b_recipe_uses_math_verify_reward_and_a_sampling_seed() -> None:
     config = load_recipe("grpo_qwen25_32b_A2")
     assert config.rl_config.verifier_function == ["math_verify_reward"]
-    assert config.generate_config.sampling_config.seed == 1  # the rollouts' base seed (actor_hybrid_worker)
+    assert config.generate_config.sampling_config.seed == 1  # the rollouts' base seed (workers/parts/inference.py)
 
 
 def test_their_qwen3_moe_recipe_keeps_its_router_load_balancing() -> None:

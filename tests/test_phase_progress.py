@@ -11,11 +11,18 @@ import pytest
 
 from mindspeed_rl.config import ConfigError
 from mindspeed_rl.trainer.phase_progress import PhaseClock, ProgressReportingGroup
+from mindspeed_rl.workers.actor_group import RankGroupBase
+from mindspeed_rl.workers.rank_worker import compose
+from mindspeed_rl.workers.roles import ALL_PARTS
 
 LINE = re.compile(r"^\[progress\] iteration 3, (.+): \d+ s so far$")
 
 
-class SleepingGroup:
+class SleepingGroup(RankGroupBase):
+    """The real parts' declarations (the names the console shows), calls that sleep."""
+
+    worker_class = compose("", ALL_PARTS)
+
     def __init__(self, seconds: float):
         self.seconds, self.calls = seconds, []
 

@@ -396,7 +396,7 @@ def _train_once(engine, vocab: int, *, samples: int, prompt: int, response: int,
                 packing=None):
     from mindspeed_rl.algorithms.grpo import GRPOLossConfig
     from mindspeed_rl.protocol import RolloutBatch
-    from mindspeed_rl.workers.actor_hybrid_worker import train_on_mini_batch
+    from mindspeed_rl.workers.actor_steps import train_on_mini_batch
 
     generator = torch.Generator().manual_seed(1)
     batch = RolloutBatch.from_token_lists(

@@ -72,7 +72,7 @@ def cluster(tmp_path_factory):
                                   show_progress=False)
     setup.start_ray(config, "cpu", 1)
     actor = RayActorGroup(config=config, device="cpu", env_vars=rank_env_vars(1), model_dir=model_dir,
-                          ref_model_dir=ref_dir, worker_class=_probing_worker_class())
+                          ref_model_dir=ref_dir, worker_class=_probing_worker_class(config))
     try:
         actor.initialize()
         yield config, actor, tokenizer, dataset, tmp_path
@@ -81,7 +81,7 @@ def cluster(tmp_path_factory):
         ray.shutdown()
 
 
-def _probing_worker_class():
+def _probing_worker_class(config):
     """The production worker plus `rollout_probe` (sample with vLLM's current weights: no phase, so no push),
     which shows what a weight round trip did to them. Shipped to the Ray workers by value: they cannot import
     this test module."""
@@ -89,9 +89,9 @@ def _probing_worker_class():
 
     from ray import cloudpickle
 
-    from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorkerBase
+    from mindspeed_rl.workers.roles import actor_worker
 
-    class ProbingWorker(ActorHybridWorkerBase):
+    class ProbingWorker(actor_worker(config)):
         def rollout_probe(self, prompt_token_ids: list[list[int]], seed: int) -> tuple[list, dict[str, float]]:
             sampling = self.config.generate_config.sampling_config
             self.sharding_manager.reload_states(["inference_weights", "kv_cache"])  # whatever weights they hold

@@ -35,16 +35,20 @@ def test_a_fault_spec_names_method_rank_call_and_action():
 
 
 def test_a_fault_spec_with_a_role_wraps_only_that_groups_worker_class():
-    from mindspeed_rl.workers.actor_hybrid_worker import InferWorkerBase, TrainWorkerBase
     from mindspeed_rl.workers.fault_injection import worker_class_with_faults
+    from mindspeed_rl.workers.parts.inference import InferencePart
+    from mindspeed_rl.workers.parts.training import TrainingPart
+    from mindspeed_rl.workers.rank_worker import compose
 
-    spec = "actor_infer/sync_weights:0:2:kill"
-    assert FaultSpec.parse(spec) == FaultSpec(method="sync_weights", rank=0, call=2, action="kill", role="actor_infer")
-    assert worker_class_with_faults(spec, TrainWorkerBase) is TrainWorkerBase
-    faulty = worker_class_with_faults(spec, InferWorkerBase)
-    assert issubclass(faulty, InferWorkerBase) and faulty.sync_weights is not InferWorkerBase.sync_weights
-    assert worker_class_with_faults("sync_weights:0:2:kill", TrainWorkerBase) is not TrainWorkerBase
-    assert worker_class_with_faults(None, TrainWorkerBase) is TrainWorkerBase
+    train, infer = compose("actor_train", (TrainingPart,)), compose("actor_infer", (InferencePart,))
+    spec = "actor_infer/generate_sequences:0:2:kill"
+    assert FaultSpec.parse(spec) == FaultSpec(method="generate_sequences", rank=0, call=2, action="kill",
+                                              role="actor_infer")
+    assert worker_class_with_faults(spec, train) is train
+    faulty = worker_class_with_faults(spec, infer)
+    assert issubclass(faulty, infer) and faulty.generate_sequences is not infer.generate_sequences
+    assert worker_class_with_faults("update:0:2:kill", train) is not train
+    assert worker_class_with_faults(None, train) is train
 
 
 @pytest.fixture(scope="module")

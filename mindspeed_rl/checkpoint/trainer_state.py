@@ -1,6 +1,6 @@
 """Driver side of a checkpoint: trainer_state.json, HF config/tokenizer copies, save and resume steps.
 
-The workers write model/, optimizer/ and rng/ (ActorHybridWorkerBase.save_checkpoint); the driver writes the
+The workers write model/, optimizer/ and rng/ (the training part's save_checkpoint, workers/parts/training.py); the driver writes the
 rest and commits the directory (store.commit_save). Layout: FORMAT.md.
 """
 

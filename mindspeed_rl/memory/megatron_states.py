@@ -60,4 +60,9 @@ def register_megatron_states(offloader, actor, reference=None, *, keep_grads: bo
     offloader.register(TRAIN_GRADS, lambda: grad_buffer_tensors(actor.model), keep_contents=keep_grads)
     offloader.register(TRAIN_OPTIMIZER, lambda: optimizer_state_tensors(actor.optimizer))
     if reference is not None:
-        offloader.register(REF_PARAMS, lambda: param_tensors(reference.module))
+        register_reference_states(offloader, reference)
+
+
+def register_reference_states(offloader, reference) -> None:
+    """The reference model's params: its one state group."""
+    offloader.register(REF_PARAMS, lambda: param_tensors(reference.module))

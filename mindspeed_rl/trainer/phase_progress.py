@@ -3,7 +3,7 @@
 mistaken for a hang (the watchdog's deadlines are minutes; an iteration at 32k tokens can be too).
 
 One mechanism for every step: the actor group is wrapped once, and each call the driver blocks on (and the
-wait for a rollout) is timed under its phase's name. The lines come from a daemon thread, so they also appear
+wait for a rollout) is timed under the name its RPC declares (`@phase_rpc(..., progress=...)`). The lines come from a daemon thread, so they also appear
 while a single-rank run computes in this process (torch and vLLM release the GIL between kernels).
 """
 from __future__ import annotations
@@ -12,20 +12,6 @@ import contextlib
 import threading
 import time
 from typing import Any, Callable, Iterator
-
-# What the console calls each actor RPC the driver waits on; anything else by its method name.
-PHASE_NAMES = {
-    "compute_ref_log_prob": "reference log-probs",
-    "compute_log_prob": "old log-probs",
-    "compute_values": "critic values",
-    "compute_reward_scores": "reward model",
-    "update": "update",
-    "update_critic": "critic update",
-    "save_checkpoint": "checkpoint save",
-    "save_critic_checkpoint": "checkpoint save",
-    "export_hf": "HF export",
-}
-
 
 class PhaseClock:
     """The phase the driver is waiting on, and a thread that reports it once it has run `every_seconds`."""
@@ -86,8 +72,13 @@ class ProgressReportingGroup:
     def call(self, method: str, *args: Any, blocking: bool = True, **kwargs: Any) -> list[Any]:
         if not blocking:
             return self._group.call(method, *args, blocking=False, **kwargs)
-        with self._clock.phase(PHASE_NAMES.get(method, method)):
+        with self._clock.phase(self._name(method)):
             return self._group.call(method, *args, **kwargs)
+
+    def _name(self, method: str) -> str:
+        """What the console calls the RPC: its declaration's `progress` name (workers/parts/), else the method's."""
+        declared = self._group.declared(method) if hasattr(self._group, "declared") else None
+        return getattr(declared, "progress", None) or method
 
     def start_generate(self, *args: Any, **kwargs: Any) -> Any:
         # A one-rank run in this process generates here (its finish only hands the result over); a Ray group

@@ -51,9 +51,26 @@ class ActorGroup(Protocol):
 
 class RankGroupBase:
     """What the groups share. A subclass gives `call`, `wait`, `kill`; the single-world groups (local, Ray)
-    also `deadlines` and `shm_segments`; a group with more to close than its ranks' `shutdown`, `_close_ranks`."""
+    also `worker_class`, `deadlines` and `shm_segments`; a group with more to close than its ranks' `shutdown`,
+    `_close_ranks`."""
 
     _pending: list | None = None
+    worker_class: type | None = None
+
+    def declared(self, method: str):
+        """RPC `method` as this group's ranks declare it (workers/parts/: its phase, console name, whether it changes
+        the training weights), or None."""
+        if self.worker_class is not None:
+            return getattr(self.worker_class, method, None)
+        return next((rpc for group in getattr(self, "member_groups", ()) if (rpc := group.declared(method))), None)
+
+    def answers(self, method: str) -> bool:
+        """Whether one of this group's parts declares `method` (the rank base's own calls answer everywhere)."""
+        from mindspeed_rl.workers.parts import part_declaring
+
+        if self.worker_class is not None:
+            return part_declaring(self.worker_class.PARTS, method) is not None
+        return any(group.answers(method) for group in getattr(self, "member_groups", ()))
 
     def initialize(self) -> list[dict[str, float]]:
         """Every rank builds its engines; their shared-memory segments are noted for the cleanup."""
@@ -94,10 +111,13 @@ class RankGroupBase:
 
 class CompositeGroup(RankGroupBase):
     """A group made of groups, each with its own world (disaggregated: training and inference ranks; a critic on
-    devices of its own beside the actor's): ROLL's cluster-level state control runs on each. A subclass gives
-    `member_groups`."""
+    devices of its own beside the actor's): ROLL's cluster-level state control runs on each; a call goes to the member
+    whose parts declare it (the first member for the rank base's own calls). A subclass gives `member_groups`."""
 
     member_groups: tuple = ()
+
+    def member_for(self, method: str):
+        return next((group for group in self.member_groups if group.answers(method)), self.member_groups[0])
 
     def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
                        blocking: bool = True) -> list[Any]:

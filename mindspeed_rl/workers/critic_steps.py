@@ -5,8 +5,6 @@ its data-parallel slice of a batch is the actor's.
 """
 from __future__ import annotations
 
-import os
-import time
 from typing import Callable
 
 import torch
@@ -14,11 +12,9 @@ import torch
 from mindspeed_rl.algorithms.grpo import count_loss_units
 from mindspeed_rl.algorithms.ppo import clipped_value_loss
 from mindspeed_rl.config import GRPOConfig
-from mindspeed_rl.memory.residency import CRITIC_UPDATE, CRITIC_VALUES
-from mindspeed_rl.protocol import MicroBatch, RolloutBatch, Shard
+from mindspeed_rl.protocol import MicroBatch, RolloutBatch
 from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_agg_mode, lr_schedule, over_mini_batches,
                                             packing_for, train_dp_slice)
-from mindspeed_rl.workers.phase_rpc import phase_rpc
 
 CRITIC_SEED_OFFSET = 1  # the critic's mini-batch order and fresh head: a stream of their own
 
@@ -90,51 +86,3 @@ def update_critic(critic, config: GRPOConfig, batch: RolloutBatch, shuffler: Min
                                  packing=packing_for(rl, "update"))
 
     return over_mini_batches(batch, rl, shuffler, step, lr_key="critic/lr")[0]
-
-
-class CriticMethods:
-    """The rank worker's critic RPCs (mixed into workers/actor_hybrid_worker.ActorHybridWorkerBase, which gives
-    `critic`, `critic_shuffler`, `config`, `ledger`, `offloader`, `sharding_manager`), each in its residency row."""
-
-    @phase_rpc(CRITIC_VALUES)
-    def compute_values(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
-        in_phase = self.ledger.record(CRITIC_VALUES)
-        start, stop, values = critic_values(self.critic, self.config, batch)
-        return Shard(start=start, stop=stop, value=values if self._reports_train_results() else None), in_phase.metrics()
-
-    @phase_rpc(CRITIC_UPDATE)
-    def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
-        from mindspeed_rl.memory import ActivationMeter
-
-        with ActivationMeter(self.offloader.storage_keys()) as activations:
-            metrics = update_critic(self.critic, self.config, batch, self.critic_shuffler)
-            in_phase = self.ledger.record(CRITIC_UPDATE, extra={"activations": activations.peak_bytes})
-        return {**metrics, **in_phase.metrics()}
-
-    @phase_rpc(CRITIC_UPDATE, label="save_critic")
-    def save_critic_checkpoint(self, checkpoint_dir: str, *, with_optimizer: bool = True,
-                               with_rng: bool = True) -> tuple[dict | None, dict[str, float]]:
-        """Collective over the critic's ranks: its model, optimizer and mini-batch order under <checkpoint>/critic
-        (rng/ per rank); returns its scheduler state."""
-        from mindspeed_rl.checkpoint.rng_state import save_rng_state
-
-        started = time.perf_counter()
-        critic_dir = os.path.join(checkpoint_dir, "critic")
-        state = self.critic.save_sharded(critic_dir, with_optimizer=with_optimizer)
-        if with_rng:
-            save_rng_state(critic_dir, self.rank_info.rank, {"critic_shuffler": self.critic_shuffler.generator})
-        return state, {"timing/save_critic": time.perf_counter() - started}
-
-    @phase_rpc(CRITIC_UPDATE, label="load_critic")
-    def load_critic_checkpoint(self, checkpoint_dir: str, *, load_optimizer: bool, load_rng: bool,
-                               scheduler_state: dict | None) -> dict[str, float]:
-        """The inverse of save_critic_checkpoint. Where the critic shares the actor's ranks, the actor's RNG
-        states (loaded before) are the same ones again."""
-        from mindspeed_rl.checkpoint.rng_state import load_rng_state
-
-        started = time.perf_counter()
-        critic_dir = os.path.join(checkpoint_dir, "critic")
-        self.critic.load_sharded(critic_dir, load_optimizer=load_optimizer, scheduler_state=scheduler_state)
-        if load_rng:
-            load_rng_state(critic_dir, self.rank_info.rank, {"critic_shuffler": self.critic_shuffler.generator})
-        return {"timing/load_critic": time.perf_counter() - started}

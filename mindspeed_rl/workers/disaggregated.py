@@ -2,9 +2,10 @@
 
 Training ranks (Megatron actor and reference, taking turns on their devices as in the colocated mode)
 and inference ranks (vLLM, weights and KV cache always resident) are two Ray groups, each with its
-own torch.distributed world. After every change of the training weights, the next generate first
-runs the weight push on both rank sets (`sync_weights`: resharding/weight_push.py over the bridge),
-planned between the two rank sets: an inference rank receives exactly its shard, and nothing is
+own torch.distributed world. After a call that changes the training weights (its declaration says so:
+`changes_weights`), the next rollout asks the training ranks for the `switch` phase and tells the inference ranks
+their weights changed: both sharding managers then run their end of the push (resharding/weight_push.py over the
+bridge), planned between the two rank sets: an inference rank receives exactly its shard, and nothing is
 gathered whole. The driver sees one `ActorGroup`, so the GRPO loop is the same in both modes.
 """
 from __future__ import annotations
@@ -15,8 +16,6 @@ from typing import Any
 from mindspeed_rl.workers.actor_group import GRACEFUL_SHUTDOWN_SECONDS, CompositeGroup, merge_metrics
 from mindspeed_rl.workers.group import RayActorGroup, wait_all
 
-# Calls after which the inference weights are stale: the next generate pushes first.
-_CHANGES_WEIGHTS = frozenset({"update", "load_checkpoint"})
 
 
 class DisaggregatedActor(CompositeGroup):
@@ -35,7 +34,7 @@ class DisaggregatedActor(CompositeGroup):
         self.addresses = self.train.addresses + self.infer.addresses
         self.member_groups = (self.train, self.infer)
         self._weights_stale = True
-        self._pending = None  # (each inference rank's generate_sequences ref, the push's metrics)
+        self._pending = None  # (each inference rank's generate_sequences refs, the training ranks' switch refs)
 
     def initialize(self) -> list[dict[str, float]]:
         """Both groups build their engines at once, then join the bridge and plan the push."""
@@ -56,7 +55,7 @@ class DisaggregatedActor(CompositeGroup):
     def call(self, method: str, *args: Any, blocking: bool = True, **kwargs: Any) -> list[Any]:
         """Every call but the rollout runs on the training ranks (`start_generate` runs it on the others)."""
         results = self.train.call(method, *args, blocking=blocking, **kwargs)
-        if method in _CHANGES_WEIGHTS:
+        if getattr(self.train.declared(method), "changes_weights", False):
             self._weights_stale = True
         return results
 
@@ -66,39 +65,28 @@ class DisaggregatedActor(CompositeGroup):
     def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None, *,
                        n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None) -> None:
         """generate_sequences on the inference ranks, not waited for: the training ranks stay free, so the
-        next rollout can run during this update (async_generation_ratio: 1). Pushes first if the weights
-        changed; finish_generate collects it."""
+        next rollout can run during this update (async_generation_ratio: 1). Where the weights changed, the
+        training ranks enter the switch meanwhile and the inference ranks go through it before generating (the
+        push); finish_generate collects both."""
         assert self._pending is None, "a rollout is already running; finish_generate first"
-        pushed = self.sync_weights() if self._weights_stale else {}
-        refs = self.infer.call("generate_sequences", prompt_token_ids, iteration, n, greedy, max_tokens, blocking=False)
-        self._pending = (refs, pushed)
+        switching = self.train.call("switch", blocking=False) if self._weights_stale else None
+        refs = self.infer.call("generate_sequences", prompt_token_ids, iteration, n, greedy, max_tokens,
+                               meta_info={"weights_changed": self._weights_stale}, blocking=False)
+        self._weights_stale = False
+        self._pending = (refs, switching)
 
     def finish_generate(self) -> list[Any]:
         """The started rollout's results (each inference rank's), with the push's and the wait's metrics."""
         assert self._pending is not None, "no rollout was started"
-        (refs, pushed), self._pending = self._pending, None
+        (refs, switching), self._pending = self._pending, None
         started = time.perf_counter()
-        results = wait_all([(self.infer, "generate_sequences", refs)])[0]
+        calls = [(self.infer, "generate_sequences", refs)] + ([(self.train, "switch", switching)] if switching else [])
+        results, *sent = wait_all(calls)
         shard, metrics = results[0]
-        # rank 0's metrics are the iteration's (merge_metrics)
-        results[0] = (shard, {**metrics, **pushed, "timing/rollout_wait": time.perf_counter() - started})
+        # rank 0's metrics are the iteration's (merge_metrics); the push's sums over both rank sets.
+        results[0] = (shard, {**metrics, **(_push_totals([m for _, m in results], sent[0]) if sent else {}),
+                              "timing/rollout_wait": time.perf_counter() - started})
         return results
-
-    def sync_weights(self) -> dict[str, float]:
-        """Training weights -> every inference rank, through the plan; the push's metrics."""
-        assert self._pending is None, "the inference ranks are generating; finish_generate before a push"
-        started = time.perf_counter()
-        sent, received = wait_all([(group, "sync_weights", group.call("sync_weights", blocking=False))
-                                   for group in (self.train, self.infer)])
-        self._weights_stale = False
-        # The receivers' figures; memory as everywhere the largest rank, of either group.
-        metrics = merge_metrics(received) | {k: v for k, v in merge_metrics(sent + received).items()
-                                             if k.startswith("memory/")}
-        for key in ("resharding/bytes_received", "resharding/planned_bytes_received"):
-            metrics[key + "_all_ranks"] = sum(m[key] for m in received)
-        metrics["resharding/bytes_sent_all_ranks"] = sum(m["resharding/bytes_sent"] for m in sent)
-        metrics["timing/resharding_enter_infer"] = time.perf_counter() - started
-        return metrics
 
     def _close_ranks(self) -> None:
         """Both groups close at once: they leave the bridge together."""
@@ -112,3 +100,13 @@ class DisaggregatedActor(CompositeGroup):
             self.train.kill()
         finally:
             self.infer.kill()
+
+
+def _push_totals(received: list[dict[str, float]], sent: list[dict[str, float]]) -> dict[str, float]:
+    """The push's figures over every rank: bytes received and planned (inference ranks), sent (training ranks), and
+    the largest memory figure of either group."""
+    totals = {key + "_all_ranks": sum(m[key] for m in received)
+              for key in ("resharding/bytes_received", "resharding/planned_bytes_received")}
+    totals["resharding/bytes_sent_all_ranks"] = sum(m["resharding/bytes_sent"] for m in sent)
+    return totals | {k: v for k, v in merge_metrics(sent + received).items() if k.startswith("memory/")}
+

@@ -88,30 +88,33 @@ def train_spec(config: GRPOConfig, spec):
     return replace(spec, pipeline_stage_layers=config.actor_config.pipeline_stage_layers)
 
 
-def build_megatron_engines(config: GRPOConfig, accelerator, options, *, model_dir: str, ref_model_dir: str,
-                           progress: Callable[[str], None]):
-    """The actor (with Megatron's optimizer) and the reference (None without a KL term), from the HF checkpoints."""
+def build_actor(config: GRPOConfig, accelerator, options, *, checkpoint, progress: Callable[[str], None]):
+    """The actor (with Megatron's optimizer) from the HF checkpoint `checkpoint` = (spec, state)."""
     from mindspeed_rl.engines.megatron_engine import MegatronEngine
     from mindspeed_rl.workers.actor_steps import optimizer_settings
 
-    spec, actor_state = load_hf_checkpoint(model_dir)
-    spec = train_spec(config, spec)
-    progress("checkpoint read")
-    dtype = params_dtype(config)
-    actor = MegatronEngine(spec=spec, hf_state=actor_state, params_dtype=dtype, accelerator=accelerator,
-                           optimizer=optimizer_settings(config), options=options, lora=lora_settings(config),
-                           lora_filter=config.actor_config.lora_filter)
+    spec, state = checkpoint
+    actor = MegatronEngine(spec=train_spec(config, spec), hf_state=state, params_dtype=params_dtype(config),
+                           accelerator=accelerator, optimizer=optimizer_settings(config), options=options,
+                           lora=lora_settings(config), lora_filter=config.actor_config.lora_filter)
     if not config.uses_reference:
         progress("Megatron actor built (no reference: init_kl_coef is 0)")
-        return actor, None
-    if config.reference_is_backbone:
+    elif config.reference_is_backbone:
         progress("Megatron actor built with LoRA adapters (the reference is its backbone: share_backbone)")
-        return actor, None
-    ref_state = actor_state if ref_model_dir == model_dir else load_hf_checkpoint(ref_model_dir)[1]
-    reference = MegatronEngine(spec=spec, hf_state=ref_state, params_dtype=dtype, accelerator=accelerator,
-                               optimizer=None, options=options)
-    progress("Megatron actor and reference built")
-    return actor, reference
+    else:
+        progress("Megatron actor built")
+    return actor
+
+
+def build_reference(config: GRPOConfig, accelerator, options, *, checkpoint, progress: Callable[[str], None]):
+    """The reference model (no optimizer) from `checkpoint` = (spec, state), in the actor's layout."""
+    from mindspeed_rl.engines.megatron_engine import MegatronEngine
+
+    spec, state = checkpoint
+    reference = MegatronEngine(spec=train_spec(config, spec), hf_state=state, params_dtype=params_dtype(config),
+                               accelerator=accelerator, optimizer=None, options=options)
+    progress("Megatron reference built")
+    return reference
 
 
 def lora_settings(config: GRPOConfig):
@@ -155,20 +158,6 @@ def build_inference_model(config: GRPOConfig, accelerator, *, model_dir: str):
         on_cpu=accelerator.is_host, enable_expert_parallel=gen.infer_expert_parallel_size > 1,
         trust_remote_code=gen.trust_remote_code, enable_prefix_caching=gen.enable_prefix_caching,
     ))
-
-
-def register_training_states(offloader, actor, reference, reward_model, critic=None) -> None:
-    from mindspeed_rl.memory.megatron_states import register_megatron_states
-
-    register_megatron_states(offloader, actor, reference)
-    if critic is not None:
-        from mindspeed_rl.engines.critic import register_critic_states
-
-        register_critic_states(offloader, critic)
-    if reward_model is not None:
-        from mindspeed_rl.engines.reward_model import register_reward_states
-
-        register_reward_states(offloader, reward_model)
 
 
 def switch_layouts(config: GRPOConfig):

@@ -36,6 +36,7 @@ class RayActorGroup(RankGroupBase):
                  worker_class: type, world_size: int | None = None):
         runtime = config.runtime
         world_size = world_size or config.world_size
+        self.worker_class = worker_class
         cpus_per_rank = 1.0
         self.run_key = f"run-{uuid.uuid4().hex[:12]}"
         self.deadlines = Deadlines(rpc_timeout_seconds=runtime.rpc_timeout_seconds,

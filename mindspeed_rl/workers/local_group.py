@@ -107,6 +107,7 @@ class LocalActorGroup(RankGroupBase):
     def __init__(self, *, config, env_vars: dict[str, str], model_dir: str, ref_model_dir: str, threads: int,
                  worker_class: type, on_hang: Callable[[str], None] | None = None):
         runtime = config.runtime
+        self.worker_class = worker_class
         prepare_this_process(env_vars, threads)
         self.run_key = ""  # no heartbeats: the watchdog is a thread of this process
         self.deadlines = Deadlines(rpc_timeout_seconds=runtime.rpc_timeout_seconds,

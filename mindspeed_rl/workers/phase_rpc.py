@@ -6,7 +6,8 @@
 enters the phase before the call (the sharding manager brings exactly the phase's row onto the device)
 and leaves it after (what the next phase of the iteration needs too stays, memory/residency.py `after`).
 Per call, `batch.meta_info["is_offload_states"] = False` (or a `meta_info=` keyword for calls without a
-batch) skips the leave: the states stay on the device until the next call moves them.
+batch) skips the leave: the states stay on the device until the next call moves them; `weights_changed: True`
+tells an inference rank whose training weights live elsewhere that its generate goes through the switch first.
 """
 from __future__ import annotations
 
@@ -35,9 +36,13 @@ def _attach(result, metrics: dict[str, float]):
     raise TypeError(f"a phase RPC must return metrics or (value, metrics), got {type(result).__name__}")
 
 
-def phase_rpc(phase: str, *, label: str | None = None) -> Callable:
+def phase_rpc(phase: str, *, label: str | None = None, progress: str | None = None,
+              changes_weights: bool = False) -> Callable:
     """Decorate a worker method (the worker has `sharding_manager` and `ledger`). `label` names the call in
-    its metrics where it is not the phase itself (a checkpoint save runs in the update row).
+    its metrics where it is not the phase itself (a checkpoint save runs in the update row); `progress` is what the
+    console calls it while the driver waits (trainer/phase_progress.py; default: the method's name);
+    `changes_weights`: after it the inference weights are stale (a disaggregated actor pushes before its next
+    generate).
 
     Records `timing/<label>/{onload,execute,offload,total}`, the bytes copied each way, the sharding
     manager's timings and push figures, and the ledger after the call as `memory/after_<label>/...`.
@@ -47,7 +52,10 @@ def phase_rpc(phase: str, *, label: str | None = None) -> Callable:
     def decorate(method: Callable) -> Callable:
         @functools.wraps(method)
         def rpc(self, *args, meta_info: dict | None = None, **kwargs):
-            is_offload_states = bool(_meta_info(args, meta_info).get("is_offload_states", True))
+            info = _meta_info(args, meta_info)
+            is_offload_states = bool(info.get("is_offload_states", True))
+            if info.get("weights_changed"):
+                self.sharding_manager.weights_changed = True
             metrics: dict[str, float] = {}
             with state_offload_manager(PhaseStates(self.sharding_manager, phase), metrics, label,
                                        is_offload_states=is_offload_states):
@@ -59,7 +67,7 @@ def phase_rpc(phase: str, *, label: str | None = None) -> Callable:
         # wrapper's own, which accepts `meta_info`.
         rpc.__signature__ = _with_meta_info(inspect.signature(method))
         del rpc.__wrapped__
-        rpc.phase = phase
+        rpc.phase, rpc.progress, rpc.changes_weights = phase, progress, changes_weights
         return rpc
     return decorate
 

@@ -17,7 +17,7 @@ class RankInfo:
 
 
 class RankProcess:
-    """Mixed into workers/actor_hybrid_worker.ActorHybridWorkerBase, which gives `rank_info` and `ROLE`."""
+    """Mixed into workers/rank_worker.RankWorker, which gives `rank_info` and `ROLE`."""
 
     ROLE = ""
     rank_info: RankInfo

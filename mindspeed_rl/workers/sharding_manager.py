@@ -1,10 +1,14 @@
 """The sharding manager: the one place device states move, by the residency table (memory/residency.py).
 
 `enter(phase)` makes the resident state groups equal that phase's row: it offloads what the row leaves out
-first, then reloads what it needs (the KV cache last), so two phases' states never peak together. A rank
-that holds both ends of the weight push (colocated) goes into `generate` through the `switch` row, where
-the push (resharding/weight_push.py) writes the training weights into vLLM's live parameters. `leave(phase)`
+first, then reloads what it needs (the KV cache last), so two phases' states never peak together. `leave(phase)`
 keeps what the table says outlives the phase's call (`ResidencyPolicy.after`).
+
+The manager owns this rank's end of the weight push (resharding/weight_push.py), and one trigger runs it: the
+`switch` row. A rank with both ends (colocated) goes into `generate` through that row every time (vLLM's weights
+were dropped since); the inference rank of a disaggregated actor goes through it when the training weights changed
+since its last push (the call says so: `weights_changed`); the training rank of one enters it when asked for the
+phase. The driver asks for phases, never for a push.
 
 ROLL's manual control is built on the same move: `offload_states` / `reload_states` settle the device on
 the resident set less / plus the named states, and `PhaseStates` is ROLL's strategy object for one phase
@@ -44,26 +48,44 @@ class ShardingManager:
     def __init__(self, *, offloader: Offloader, policy: ResidencyPolicy, weight_push: WeightPush | None = None):
         self.offloader = offloader
         self.policy = policy
-        self.weight_push = weight_push  # set where this rank holds both ends of the push
-        # Disaggregated: this rank's end of the push over the bridge, which the sync_weights call (the switch row)
-        # runs; the manager reads only what it needs beyond that row.
-        self.bridge_push: WeightPush | None = None
+        self.push: WeightPush | None = None  # this rank's end(s) of the weight push
+        self.colocated = False  # both ends here: every generate goes through the switch
+        # An inference rank of a disaggregated actor: the training weights changed since its last push.
+        self.weights_changed = False
         self.metrics: dict[str, float] = {}  # timings and push figures since the last pop_metrics
+        if weight_push is not None:
+            self.attach_push(weight_push, colocated=True)
+
+    def attach_push(self, push: WeightPush, *, colocated: bool) -> None:
+        self.push, self.colocated = push, colocated
+        self.weights_changed = not colocated  # a destination starts with vLLM's dummy weights
+
+    def close_push(self) -> None:
+        if self.push is not None:
+            self.push.close()
+            self.push = None
 
     # -- phases ------------------------------------------------------------------------------------
     def enter(self, phase: str) -> Moved:
-        """Resident state groups := the phase's row (through the switch and its push into generate)."""
+        """Resident state groups := the phase's row; into the switch row (and through it into generate where this
+        rank's vLLM needs new weights) this rank's end of the push runs."""
         started = time.perf_counter()
         moved = Moved()
-        if phase == GENERATE and self.weight_push is not None:
-            moved += self._settle(self.policy.resident(SWITCH) | self.weight_push.states_needed(), phase_change=True)
-            self._add(self.weight_push.push())
-        needed = self.policy.resident(phase)
-        if phase == SWITCH and self.bridge_push is not None:
-            needed |= self.bridge_push.states_needed()
-        moved += self._settle(needed, phase_change=True)
+        through_switch = phase == GENERATE and self.push is not None and (self.colocated or self.weights_changed)
+        if phase == SWITCH or through_switch:
+            moved += self._switch()
+        if phase != SWITCH:
+            moved += self._settle(self.policy.resident(phase), phase_change=True)
         if phase in _ENTER_TIMINGS:
             self._add({_ENTER_TIMINGS[phase]: time.perf_counter() - started})
+        return moved
+
+    def _switch(self) -> Moved:
+        needed = self.policy.resident(SWITCH) | (self.push.states_needed() if self.push is not None else frozenset())
+        moved = self._settle(needed, phase_change=True)
+        if self.push is not None:
+            self._add(self.push.push())
+            self.weights_changed = False
         return moved
 
     def leave(self, phase: str) -> Moved:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+from mindspeed_rl.workers import roles
 from mindspeed_rl.workers.actor_group import ActorGroup
-from mindspeed_rl.workers.actor_hybrid_worker import ActorHybridWorkerBase, InferWorkerBase, TrainWorkerBase
 from mindspeed_rl.workers.fault_injection import FAULT_ENV_VAR, FAULT_LOG_ENV_VAR, worker_class_with_faults
 from mindspeed_rl.workers.processes import rank_env_vars
 
@@ -28,16 +28,16 @@ def start_actor_group(config, *, device: str, model_dir: str, ref_model_dir: str
     if in_process:
         from mindspeed_rl.workers.local_group import LocalActorGroup
 
-        return LocalActorGroup(worker_class=worker_class_with_faults(fault, ActorHybridWorkerBase), threads=threads,
-                               on_hang=on_hang, **common)
+        return LocalActorGroup(worker_class=worker_class_with_faults(fault, roles.actor_worker(config)),
+                               threads=threads, on_hang=on_hang, **common)
     actor = _start_ray_actor(fault=fault, device=device, **common)
     if not config.critic_has_own_devices:
         return actor
-    from mindspeed_rl.workers.critic_group import ActorWithOwnCritic, CriticWorkerBase
+    from mindspeed_rl.workers.critic_group import ActorWithOwnCritic
     from mindspeed_rl.workers.group import RayActorGroup
 
     try:
-        critic = RayActorGroup(worker_class=worker_class_with_faults(fault, CriticWorkerBase), device=device,
+        critic = RayActorGroup(worker_class=worker_class_with_faults(fault, roles.critic_worker(config)), device=device,
                                world_size=config.critic_world_size, **common)
     except BaseException:
         actor.kill()
@@ -47,12 +47,14 @@ def start_actor_group(config, *, device: str, model_dir: str, ref_model_dir: str
 
 def _start_ray_actor(*, fault: str | None, device: str, **common) -> ActorGroup:
     """The actor's ranks under Ray: one group switching between roles, or a training and an inference group."""
-    if common["config"].disaggregated:
+    config = common["config"]
+    if config.disaggregated:
         from mindspeed_rl.workers.disaggregated import DisaggregatedActor
 
-        return DisaggregatedActor(train_worker_class=worker_class_with_faults(fault, TrainWorkerBase),
-                                  infer_worker_class=worker_class_with_faults(fault, InferWorkerBase), device=device,
-                                  **common)
+        train, infer = roles.disaggregated_workers(config)
+        return DisaggregatedActor(train_worker_class=worker_class_with_faults(fault, train),
+                                  infer_worker_class=worker_class_with_faults(fault, infer), device=device, **common)
     from mindspeed_rl.workers.group import RayActorGroup
 
-    return RayActorGroup(worker_class=worker_class_with_faults(fault, ActorHybridWorkerBase), device=device, **common)
+    return RayActorGroup(worker_class=worker_class_with_faults(fault, roles.actor_worker(config)), device=device,
+                         **common)

@@ -1,0 +1,73 @@
+"""PPO's critic: the value model, its values of a rollout, its update and its checkpoints (under <checkpoint>/critic).
+On the actor's ranks (colocated or the training ranks of a disaggregated actor) or on ranks of its own
+(workers/critic_group.py), where its states stay on the device."""
+from __future__ import annotations
+
+import os
+import time
+
+from mindspeed_rl.memory.residency import CRITIC_STATES, CRITIC_UPDATE, CRITIC_VALUES
+from mindspeed_rl.protocol import RolloutBatch, Shard
+from mindspeed_rl.workers import critic_steps
+from mindspeed_rl.workers.critic_steps import critic_values, update_critic
+from mindspeed_rl.workers.parts import MEGATRON, Part
+from mindspeed_rl.workers.phase_rpc import phase_rpc
+
+
+class CriticPart(Part):
+    NAME = "critic"
+    STATES = CRITIC_STATES
+    STAGE = MEGATRON
+
+    def build_part(self, started: float) -> None:
+        from mindspeed_rl.engines.critic import register_critic_states
+
+        self.critic_shuffler = critic_steps.critic_shuffler(self.config)
+        alone = self.PARTS == (CriticPart,)
+        self.critic = critic_steps.build_critic(
+            self.config, self.accelerator, self.model_options(), model_dir=self.model_dir,
+            progress=lambda step: self._progress(f"critic ranks: {step}" if alone else step, started))
+        register_critic_states(self.offloader, self.critic)
+
+    @phase_rpc(CRITIC_VALUES, progress="critic values")
+    def compute_values(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
+        in_phase = self.ledger.record(CRITIC_VALUES)
+        start, stop, values = critic_values(self.critic, self.config, batch)
+        return Shard(start=start, stop=stop, value=values if self.reports_train_results() else None), in_phase.metrics()
+
+    @phase_rpc(CRITIC_UPDATE, progress="critic update")
+    def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
+        from mindspeed_rl.memory import ActivationMeter
+
+        with ActivationMeter(self.offloader.storage_keys()) as activations:
+            metrics = update_critic(self.critic, self.config, batch, self.critic_shuffler)
+            in_phase = self.ledger.record(CRITIC_UPDATE, extra={"activations": activations.peak_bytes})
+        return {**metrics, **in_phase.metrics()}
+
+    @phase_rpc(CRITIC_UPDATE, label="save_critic", progress="checkpoint save")
+    def save_critic_checkpoint(self, checkpoint_dir: str, *, with_optimizer: bool = True,
+                               with_rng: bool = True) -> tuple[dict | None, dict[str, float]]:
+        """Collective over the critic's ranks: its model, optimizer and mini-batch order under <checkpoint>/critic
+        (rng/ per rank); returns its scheduler state."""
+        from mindspeed_rl.checkpoint.rng_state import save_rng_state
+
+        started = time.perf_counter()
+        critic_dir = os.path.join(checkpoint_dir, "critic")
+        state = self.critic.save_sharded(critic_dir, with_optimizer=with_optimizer)
+        if with_rng:
+            save_rng_state(critic_dir, self.rank_info.rank, {"critic_shuffler": self.critic_shuffler.generator})
+        return state, {"timing/save_critic": time.perf_counter() - started}
+
+    @phase_rpc(CRITIC_UPDATE, label="load_critic", progress="checkpoint load")
+    def load_critic_checkpoint(self, checkpoint_dir: str, *, load_optimizer: bool, load_rng: bool,
+                               scheduler_state: dict | None) -> dict[str, float]:
+        """The inverse of save_critic_checkpoint. Where the critic shares the actor's ranks, the actor's RNG
+        states (loaded before) are the same ones again."""
+        from mindspeed_rl.checkpoint.rng_state import load_rng_state
+
+        started = time.perf_counter()
+        critic_dir = os.path.join(checkpoint_dir, "critic")
+        self.critic.load_sharded(critic_dir, load_optimizer=load_optimizer, scheduler_state=scheduler_state)
+        if load_rng:
+            load_rng_state(critic_dir, self.rank_info.rank, {"critic_shuffler": self.critic_shuffler.generator})
+        return {"timing/load_critic": time.perf_counter() - started}

@@ -1,0 +1,72 @@
+"""The inference engine: vLLM in this rank's process and torch.distributed world. Its rollout; the destination end of
+the weight push."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mindspeed_rl.accelerator.host_memory import return_free_heap
+from mindspeed_rl.memory.residency import GENERATE, INFER_WEIGHTS, KV_CACHE
+from mindspeed_rl.protocol import Shard
+from mindspeed_rl.workers.actor_steps import sampling_seed
+from mindspeed_rl.workers.parts import DESTINATION, VLLM, Part, part_rpc
+from mindspeed_rl.workers.phase_rpc import phase_rpc
+
+
+class InferencePart(Part):
+    NAME = "inference engine"
+    STATES = frozenset({INFER_WEIGHTS, KV_CACHE})
+    STAGE = VLLM
+    PUSH_END = DESTINATION
+
+    def build_part(self, started: float) -> None:
+        from mindspeed_rl.memory.vllm_states import register_inference_states
+        from mindspeed_rl.workers import engine_builders as build
+
+        self.inference_model = build.build_inference_model(self.config, self.accelerator, model_dir=self.model_dir)
+        self._progress("vLLM started", started)
+        register_inference_states(self.offloader, self.inference_model, self.accelerator)
+
+    @part_rpc
+    def inference_dtypes(self) -> dict:
+        """Parameter name -> dtype of vLLM's parameters: the wire dtypes the training ranks pack in."""
+        from mindspeed_rl.resharding.transfer import destination_dtypes
+
+        return destination_dtypes(self.inference_model.named_weights())
+
+    @phase_rpc(GENERATE, progress="generate")
+    def generate_sequences(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None,
+                           n: int | None = None, greedy: bool = False,
+                           max_tokens: list[int] | None = None) -> tuple[Shard, dict[str, float]]:
+        """Each inference-DP group samples its slice of the prompts; one rank per group reports it. `n` samples
+        per prompt (default rl_config.n_samples_per_prompt), greedily with `greedy` (evaluation), at most
+        `max_tokens[i]` tokens for prompt i (default sampling_config.max_tokens; a multi-turn turn's budgets).
+
+        With `iteration`, the sampling RNG is reseeded from f(seed, iteration, DP rank) first (seed:
+        sampling_config.seed, else megatron_training.seed), so an iteration samples the same whatever came before
+        (exact resume); without, it continues the running generator. vLLM's per-request seeds would do the same, but
+        its runner rewinds their offsets after a chunked prefill, which CPU generators cannot do."""
+        gen = self.config.generate_config
+        sampling = gen.sampling_config
+        dp_size = self.config.infer_data_parallel_size
+        # A TP x PP block of consecutive ranks (vLLM's order) serves one DP slice; all its ranks return the
+        # same samples (vLLM broadcasts the last stage's output), its first rank reports them.
+        dp_rank, block_rank = divmod(self.rank_info.rank, gen.infer_tensor_parallel_size * gen.infer_pipeline_parallel_size)
+        # Balanced slices: a multi-turn rollout's continuations need not divide by the DP size.
+        start, stop = len(prompt_token_ids) * dp_rank // dp_size, len(prompt_token_ids) * (dp_rank + 1) // dp_size
+        in_phase = self.ledger.record(GENERATE)
+        if iteration is not None:
+            base_seed = sampling.seed if sampling.seed is not None else self.config.megatron_training.seed
+            torch.manual_seed(sampling_seed(base_seed, iteration, dp_rank))
+        t0 = time.perf_counter()
+        generations = [] if start == stop else self.inference_model.generate(
+            prompt_token_ids[start:stop], n=n or self.config.rl_config.n_samples_per_prompt,
+            max_tokens=sampling.max_tokens if max_tokens is None else max_tokens[start:stop],
+            temperature=0.0 if greedy else sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            min_p=sampling.min_p, logprobs=sampling.logprobs, seed=None, detokenize=sampling.detokenize,
+        )
+        metrics = {"timing/rollout": time.perf_counter() - t0, **in_phase.metrics()}
+        value = [(start + g.prompt_index, g.token_ids, g.logprobs) for g in generations] if block_rank == 0 else None
+        return_free_heap()  # an inference-only rank (disaggregated) has no update to end its iteration
+        return Shard(start=start, stop=stop, value=value), metrics

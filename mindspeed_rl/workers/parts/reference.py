@@ -1,0 +1,46 @@
+"""The reference model: its log-probs for the KL term. With LoRA's shared backbone (rl_config.share_backbone) it is the
+training engine's backbone with the adapters off, and builds nothing of its own."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+from mindspeed_rl.memory.residency import REF_LOGPROB, REF_PARAMS
+from mindspeed_rl.protocol import RolloutBatch, Shard
+from mindspeed_rl.workers.parts import MEGATRON, Part
+from mindspeed_rl.workers.parts.training import forward_logprobs
+from mindspeed_rl.workers.phase_rpc import phase_rpc
+
+
+class ReferencePart(Part):
+    NAME = "reference"
+    STATES = frozenset({REF_PARAMS})
+    STAGE = MEGATRON
+
+    def build_part(self, started: float) -> None:
+        from mindspeed_rl.memory.megatron_states import register_reference_states
+        from mindspeed_rl.workers import engine_builders as build
+
+        if self.config.reference_is_backbone:
+            return
+        self.reference = build.build_reference(self.config, self.accelerator, self.model_options(),
+                                               checkpoint=self.hf_checkpoint(self.ref_model_dir),
+                                               progress=lambda step: self._progress(step, started))
+        register_reference_states(self.offloader, self.reference)
+
+    @phase_rpc(REF_LOGPROB, progress="reference log-probs")
+    def compute_ref_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
+        """The reference model's log-probs; with LoRA's shared backbone, the actor's with its adapters off."""
+        in_phase = self.ledger.record(REF_LOGPROB)
+        engine = self.reference or self.actor
+        with contextlib.nullcontext() if self.reference is not None else self.actor.adapters_disabled():
+            shard = forward_logprobs(self, engine, batch, reference=True)
+        return shard, in_phase.metrics()
+
+    @phase_rpc(REF_LOGPROB, label="load_reference", progress="reference load")
+    def load_reference_checkpoint(self, checkpoint_dir: str) -> dict[str, float]:
+        """Collective: the reference model's weights from one of our checkpoints (its model/ part), into
+        this rank's layout; the reference is resident only while they load."""
+        started = time.perf_counter()
+        self.reference.load_sharded(checkpoint_dir, load_optimizer=False, scheduler_state=None)
+        return {"timing/load_reference": time.perf_counter() - started}

@@ -1,0 +1,34 @@
+"""A reward model (rewards.<name>.model_path) on the actor's training ranks: its score of each sample."""
+from __future__ import annotations
+
+from mindspeed_rl.memory.residency import REWARD, REWARD_PARAMS
+from mindspeed_rl.protocol import RolloutBatch, Shard
+from mindspeed_rl.workers.actor_steps import train_dp_slice
+from mindspeed_rl.workers.parts import MEGATRON, Part
+from mindspeed_rl.workers.phase_rpc import phase_rpc
+
+
+class RewardModelPart(Part):
+    NAME = "reward model"
+    STATES = frozenset({REWARD_PARAMS})
+    STAGE = MEGATRON
+
+    def build_part(self, started: float) -> None:
+        from mindspeed_rl.engines.reward_model import register_reward_states
+        from mindspeed_rl.workers import engine_builders as build
+
+        self.reward_model = build.build_reward_model(self.config, self.accelerator, self.model_options(),
+                                                     progress=lambda step: self._progress(step, started))
+        register_reward_states(self.offloader, self.reward_model)
+
+    @phase_rpc(REWARD, progress="reward model")
+    def compute_reward_scores(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
+        """The reward model's score of each sample of this rank's train-DP slice (the last real token's head
+        output); the reward params are resident only during this call."""
+        in_phase = self.ledger.record(REWARD)
+        rl = self.config.rl_config
+        start, stop = train_dp_slice(len(batch))
+        scores = self.reward_model.compute_scores(
+            batch.select(slice(start, stop)),
+            micro_batch_size=rl.ref_forward_micro_batch_size or self.config.actor_config.micro_batch_size)
+        return Shard(start=start, stop=stop, value=scores if self.reports_train_results() else None), in_phase.metrics()

@@ -1,0 +1,131 @@
+"""The training engine: the actor's Megatron model and optimizer on this rank's shard. Its old log-probs, its update,
+its checkpoints and HF export; the source end of the weight push."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+from mindspeed_rl.accelerator.host_memory import return_free_heap
+from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, OLD_LOGPROB, SWITCH, TRAIN_GRADS, TRAIN_OPTIMIZER,
+                                           TRAIN_PARAMS, UPDATE)
+from mindspeed_rl.protocol import RolloutBatch, Shard
+from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_config_for, over_mini_batches, packing_for,
+                                            train_dp_slice, train_on_mini_batch)
+from mindspeed_rl.workers.parts import MEGATRON, SOURCE, Part
+from mindspeed_rl.workers.phase_rpc import phase_rpc
+
+
+class TrainingPart(Part):
+    NAME = "training engine"
+    STATES = frozenset({TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER})
+    STAGE = MEGATRON
+    PUSH_END = SOURCE
+
+    def build_part(self, started: float) -> None:
+        from mindspeed_rl.memory.megatron_states import register_megatron_states
+        from mindspeed_rl.workers import engine_builders as build
+
+        self.shuffler = MiniBatchShuffler(seed=self.config.megatron_training.seed,
+                                          shuffle=self.config.rl_config.shuffle_mini_batch)
+        self.actor = build.build_actor(self.config, self.accelerator, self.model_options(),
+                                       checkpoint=self.hf_checkpoint(self.model_dir),
+                                       progress=lambda step: self._progress(step, started))
+        register_megatron_states(self.offloader, self.actor)
+
+    @property
+    def model(self):
+        """The training model (Megatron DDP-wrapped GPTModel), MindSpeed-RL's `model` member."""
+        return self.actor.model
+
+    @property
+    def optimizer(self):
+        return self.actor.optimizer
+
+    @phase_rpc(OLD_LOGPROB, progress="old log-probs")
+    def compute_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
+        """The actor's log-probs; with `batch.meta_info["disable_adapter"]` (ROLL's LoRA reference call), its
+        backbone's, with the adapters off."""
+        in_phase = self.ledger.record(OLD_LOGPROB)
+        disabled = batch.meta_info.get("disable_adapter", False)
+        with self.actor.adapters_disabled() if disabled else contextlib.nullcontext():
+            shard = forward_logprobs(self, self.actor, batch, reference=False)
+        return shard, in_phase.metrics()
+
+    @phase_rpc(UPDATE, progress="update", changes_weights=True)
+    def update(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
+        """`epochs` passes over the batch in mini-batches, one optimizer step per mini-batch."""
+        from mindspeed_rl.memory import ActivationMeter
+
+        rl = self.config.rl_config
+        loss_config = loss_config_for(self.config, kl_coef)
+
+        def step(mini_batch: RolloutBatch) -> dict[str, float]:
+            return train_on_mini_batch(self.actor, mini_batch, loss_config,
+                                       micro_batch_size=self.config.actor_config.micro_batch_size,
+                                       temperature=self.config.generate_config.sampling_config.temperature,
+                                       packing=packing_for(rl, "update"))
+
+        with ActivationMeter(self.offloader.storage_keys()) as activations:
+            metrics, steps = over_mini_batches(batch, rl, self.shuffler, step, lr_key="actor/lr")
+            # Recorded after the steps: the optimizer creates its moments lazily at the first one.
+            in_phase = self.ledger.record(UPDATE, extra={"activations": activations.peak_bytes})
+        metrics["actor/optimizer_steps"] = float(steps)
+        return_free_heap()  # the update ends a rank's iteration
+        return {**metrics, **in_phase.metrics()}
+
+    @phase_rpc(SWITCH, progress="weight push")
+    def switch(self) -> dict[str, float]:
+        """The switch row on a rank whose vLLM is elsewhere: entering it sends this rank's end of the push (the
+        sharding manager runs it); nothing else to do."""
+        return {}
+
+    # -- checkpoints (mindspeed_rl/checkpoint/FORMAT.md) -------------------------------------------
+    # In the update row: train params and optimizer states are on the device whatever was offloaded before.
+    @phase_rpc(UPDATE, label="save_checkpoint", progress="checkpoint save")
+    def save_checkpoint(self, checkpoint_dir: str, *, with_optimizer: bool = True,
+                        with_rng: bool = True) -> tuple[dict | None, dict[str, float]]:
+        """Collective: model (+ optimizer) as Megatron dist checkpoints (+ this rank's RNG states); returns
+        the scheduler state (rank 0 writes it into trainer_state.json)."""
+        from mindspeed_rl.checkpoint.rng_state import save_rng_state
+
+        started = time.perf_counter()
+        scheduler_state = self.actor.save_sharded(checkpoint_dir, with_optimizer=with_optimizer)
+        if with_rng:
+            save_rng_state(checkpoint_dir, self.rank_info.rank, {"shuffler": self.shuffler.generator})
+        return scheduler_state, {"timing/save_checkpoint": time.perf_counter() - started}
+
+    @phase_rpc(UPDATE, label="load_checkpoint", progress="checkpoint load", changes_weights=True)
+    def load_checkpoint(self, checkpoint_dir: str, *, load_optimizer: bool, load_rng: bool,
+                        scheduler_state: dict | None) -> dict[str, float]:
+        """Collective: the inverse of save_checkpoint into this rank's layout (any TP/PP)."""
+        from mindspeed_rl.checkpoint.rng_state import load_rng_state
+
+        started = time.perf_counter()
+        self.actor.load_sharded(checkpoint_dir, load_optimizer=load_optimizer, scheduler_state=scheduler_state)
+        if load_rng:
+            load_rng_state(checkpoint_dir, self.rank_info.rank, {"shuffler": self.shuffler.generator})
+        return {"timing/load_checkpoint": time.perf_counter() - started}
+
+    # An export reads the train params only: the old_logprob row.
+    @phase_rpc(OLD_LOGPROB, label="export_hf", progress="HF export")
+    def export_hf(self, output_dir: str, config_dir: str) -> tuple[str | None, dict[str, float]]:
+        """Collective (megatron_training.save_hf): the actor's weights as an HF checkpoint at `output_dir`,
+        written atomically by global rank 0; returns the path there, None on the other ranks."""
+        from mindspeed_rl.checkpoint.hf_export import export_engine
+
+        started = time.perf_counter()
+        path = export_engine(self.actor, config_dir=config_dir, output_dir=output_dir)
+        return (str(path) if path is not None else None), {"timing/export_hf": time.perf_counter() - started}
+
+
+def forward_logprobs(rank, engine, batch: RolloutBatch, *, reference: bool) -> Shard:
+    """`engine`'s log-probs of this rank's train-DP slice of `batch`, in the reference's or the actor's
+    micro-batches and packing; reported by the rank that holds the results (train_results_rank)."""
+    rl = rank.config.rl_config
+    size = rl.ref_forward_micro_batch_size if reference else rl.actor_forward_micro_batch_size
+    start, stop = train_dp_slice(len(batch))
+    logprobs = engine.compute_logprobs(batch.select(slice(start, stop)),
+                                       micro_batch_size=size or rank.config.actor_config.micro_batch_size,
+                                       temperature=rank.config.generate_config.sampling_config.temperature,
+                                       packing=packing_for(rl, "ref" if reference else "actor"))
+    return Shard(start=start, stop=stop, value=logprobs if rank.reports_train_results() else None)
