@@ -154,12 +154,39 @@ def test_every_rpc_of_every_part_declares_a_phase_of_the_table_or_none_by_name()
             "compute_values", "update_critic"} <= rpcs
 
 
+def _page_table(heading: str) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the first table under `heading` in docs/architecture.md."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    section = page.split(f"\n{heading}\n", 1)[1]
+    lines = [line for line in section.split("\n\n#", 1)[0].splitlines() if line.startswith("| ")]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    return rows[0], rows[1:]
+
+
+def parts_table_rows() -> list[list[str]]:
+    """The parts table as the declarations give it (workers/parts/)."""
+    from mindspeed_rl.workers.parts import MEGATRON, declared_rpcs
+    from mindspeed_rl.workers.roles import ALL_PARTS
+
+    rows = []
+    for part in ALL_PARTS:
+        rpcs = ", ".join(f"`{name}` ({rpc.phase})" if hasattr(rpc, "phase") else f"`{name}`"
+                         for name, rpc in declared_rpcs(part).items())
+        rows.append([part.NAME, rpcs, ", ".join(sorted(part.STATES)), part.PUSH_END or "-",
+                     "before the device settles" if part.STAGE == MEGATRON else "after (vLLM sizes its KV cache)"])
+    return rows
+
+
+def test_the_parts_table_in_the_architecture_page_is_the_declarations():
+    header, body = _page_table("## The parts of a rank")
+    assert header == ["part", "RPCs (residency row)", "state groups", "push end", "built"]
+    assert body == parts_table_rows()
+
+
 def test_the_residency_table_in_the_architecture_page_is_the_engines():
     from mindspeed_rl.memory.residency import IDLE, PHASES, SWITCH, ResidencyPolicy
 
-    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
-    rows = [line.strip("|").split("|") for line in page.splitlines() if line.startswith("| ")]
-    header, body = [c.strip() for c in rows[0]], [[c.strip() for c in row] for row in rows[1:]]
+    header, body = _page_table("## The residency table as the engine runs it")
     policy = ResidencyPolicy.offloading(has_reward_model=True, has_critic=True)
     assert [row[0] for row in body] == list(PHASES)
     for row in body:

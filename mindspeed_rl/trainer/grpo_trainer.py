@@ -10,24 +10,22 @@ import copy
 import time
 from pathlib import Path
 
-import torch
-
 from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.checkpoint.lora_export import lora_record
 from mindspeed_rl.checkpoint.trainer_state import Contents, save_run_checkpoint
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler
-from mindspeed_rl.data.rewards import RuleRewards, compute_rule_rewards, correct_answers
+from mindspeed_rl.data.rewards import RuleRewards
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.trainer import setup
 from mindspeed_rl.trainer.advantage_step import AdvantageStep
 from mindspeed_rl.trainer.dynamic_sampling import ScoredRollouts
 from mindspeed_rl.trainer.evaluation import Evaluation, format_eval_line
+from mindspeed_rl.trainer.scoring import Scoring
 from mindspeed_rl.trainer.metrics import format_line, iteration_metrics
-from mindspeed_rl.trainer.multi_turn import ToolTurns, with_tool_call_bonus
+from mindspeed_rl.trainer.multi_turn import ToolTurns
 from mindspeed_rl.trainer.phase_progress import with_phase_progress
-from mindspeed_rl.trainer.rollout import decode_responses, forward_logprobs, rollout_batch
-from mindspeed_rl.trainer.reward_model import model_score_metrics, with_model_scores
+from mindspeed_rl.trainer.rollout import forward_logprobs, rollout_batch
 from mindspeed_rl.trainer.sinks import MetricsSinks
 from mindspeed_rl.trainer.trackers import build_trackers
 from mindspeed_rl.trainer.stopping import RunProgress
@@ -45,8 +43,9 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
                                       iteration=lambda: progress.iteration)
     tool_turns = ToolTurns(config, tokenizer) if config.rl_config.multi_turn_enable else None
     rollouts = Rollouts(actor_group, dataset, sampler or make_sampler(config, dataset), config, tool_turns)
-    sampling = ScoredRollouts(rollouts, Scoring(config, tokenizer, actor_group, reward_group), config)
-    evaluation = Evaluation(config, tokenizer, actor_group, eval_dataset, tool_turns)
+    scoring = Scoring(config, tokenizer, actor_group, reward_group)
+    sampling = ScoredRollouts(rollouts, scoring, config)
+    evaluation = Evaluation(config, scoring, eval_dataset, tool_turns)
     advantages = AdvantageStep(config, actor_group, kl_coef=kl_coef)  # PPO: the critic's values, GAE, its update
     record = Recorder(config, run_dir, prediction or setup.memory_prediction(
         config, setup.read_hf_config(hf_dir), quiet=True), start_iteration=start_iteration)
@@ -122,46 +121,6 @@ class Rollouts:
 
     def _draw(self) -> list:
         return [self.dataset.records[index] for index in self.sampler.next_indices()]
-
-
-class Scoring:
-    """The samples' rewards: the rule verifiers (in this process, or on the CPU reward workers), plus the
-    reward model's weighted score on the actor's ranks; and the exact-answer accuracy."""
-
-    def __init__(self, config: GRPOConfig, tokenizer, actor_group: ActorGroup, reward_group=None):
-        self.config, self.tokenizer, self.actor_group, self.reward_group = config, tokenizer, actor_group, reward_group
-
-    def score(self, prompts: list, batch: RolloutBatch) -> tuple[RuleRewards, torch.Tensor, dict]:
-        """The rewards, whether each sample's answer is exact (bool [samples]) and the scoring's metrics."""
-        rl = self.config.rl_config
-        responses = decode_responses(self.tokenizer, batch)
-        labels = [p.label for p in prompts for _ in range(rl.n_samples_per_prompt)]
-        metrics: dict[str, float] = {}
-        if self.reward_group is None:
-            rewards = compute_rule_rewards(responses, labels, rl.verifier_function, rl.verifier_weight,
-                                           timeout_seconds=rl.verifier_timeout_seconds)
-        else:  # in parallel on the CPU workers; a failed sample scores 0 and is counted
-            rewards, metrics["reward_workers/failed_samples"] = self.reward_group.score(responses, labels)
-        if self.config.reward_model is not None:  # on the actor's ranks, in the residency table's `reward` phase
-            scores, model_metrics = forward_logprobs(self.actor_group, "compute_reward_scores", batch)
-            rewards = with_model_scores(rewards, scores, self.config.reward_model[1].model_weight)
-            metrics |= model_metrics | model_score_metrics(scores)
-        if rl.multi_turn_enable:
-            rewards = with_tool_call_bonus(rewards, batch, rl)
-        if rl.overlong_buffer_enable:
-            rewards = self._with_overlong_penalty(rewards, batch, metrics)
-        return rewards, torch.tensor(correct_answers(responses, labels, rl.verifier_function), dtype=torch.bool), metrics
-
-    def _with_overlong_penalty(self, rewards: RuleRewards, batch: RolloutBatch, metrics: dict) -> RuleRewards:
-        """DAPO's soft overlong punishment added to the total (algorithms/dapo.py)."""
-        from mindspeed_rl.algorithms.dapo import overlong_penalty
-
-        rl = self.config.rl_config
-        penalty = overlong_penalty(batch.response_mask.sum(dim=1), max_length=rl.rollout_max_tokens,
-                                   buffer=rl.overlong_buffer, factor=rl.overlong_buffer_penalty_factor)
-        metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
-        metrics["reward/overlong_penalty/share"] = (penalty < 0).float().mean().item()
-        return RuleRewards(total=rewards.total + penalty, per_verifier=rewards.per_verifier)
 
 
 class Recorder:
