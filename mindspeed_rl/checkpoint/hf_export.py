@@ -177,7 +177,7 @@ def load_checkpoint_model(checkpoint: str | os.PathLike, *, key: str = "--checkp
     except (OSError, ValueError) as error:
         raise ConfigError(key, f"{hf_dir / 'config.json'} is unreadable: {error}") from None
     params_dtype = _saved_dtype(model_dir, key=key)
-    model = build_gpt_model(spec, params_dtype=params_dtype, tp=1, pp=1)
+    model = build_gpt_model(spec, params_dtype=params_dtype)  # TP1 PP1: the caller's state
     state_path = verified.path / TRAINER_STATE_NAME  # a run's save has one; a model-only checkpoint may not
     lora = json.loads(state_path.read_text()).get(LORA_STATE_KEY) if state_path.is_file() else None
     if lora is not None:

@@ -60,22 +60,20 @@ class CriticEngine(MegatronEngine):
     def __init__(self, *, spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], params_dtype: torch.dtype,
                  accelerator: Accelerator, optimizer: OptimizerSettings, options: ModelOptions = ModelOptions(),
                  head_seed: int = 0):
-        from megatron.core import parallel_state as ps
+        from mindspeed_rl.parallel import megatron_state
 
         if spec.is_moe:
             raise ValueError("critic: a MoE value model is not supported (dense Qwen2/Qwen3 only)")
         self.spec = spec
         self.accelerator = accelerator
-        self.tp = ps.get_tensor_model_parallel_world_size()
-        self.pp = ps.get_pipeline_model_parallel_world_size()
-        self.ep = 1
-        self.cp = ps.get_context_parallel_world_size()
+        self.parallel = megatron_state.current()
+        self.tp, self.pp, self.ep, self.cp = self.parallel.tp, self.parallel.pp, 1, self.parallel.cp
         self.logprob_chunk_tokens = options.logprob_chunk_tokens
         self.packed_sequences = options.packed_sequences
         with accelerator.megatron_context():
-            module = build_reward_gpt_model(spec, params_dtype=params_dtype, tp=self.tp, pp=self.pp, options=options,
+            module = build_reward_gpt_model(spec, params_dtype=params_dtype, parallel=self.parallel, options=options,
                                             trainable_head=True)
-            load_reward_weights(module, with_value_head(hf_state, spec, seed=head_seed), spec)
+            load_reward_weights(module, with_value_head(hf_state, spec, seed=head_seed), spec, parallel=self.parallel)
             module.to(accelerator.device)
             self.model, self.optimizer, self.scheduler = self._wrap_for_training(module, params_dtype, optimizer)
 

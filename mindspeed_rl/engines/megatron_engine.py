@@ -89,21 +89,18 @@ class MegatronEngine:
                  lora_filter: bool = False):
         """`lora`: adapters on the loaded weights, which are then frozen (models/lora.py); `lora_filter`:
         checkpoints hold the adapters only (the backbone is the HF checkpoint's)."""
-        from megatron.core import parallel_state as ps
+        from mindspeed_rl.parallel import megatron_state
 
         self.spec = spec
         self.accelerator = accelerator
-        self.tp = ps.get_tensor_model_parallel_world_size()
-        self.pp = ps.get_pipeline_model_parallel_world_size()
-        self.ep = ps.get_expert_model_parallel_world_size()
-        self.cp = ps.get_context_parallel_world_size()
+        self.parallel = megatron_state.current()  # this rank's place in the training layout, its groups
+        self.tp, self.pp, self.ep, self.cp = self.parallel.tp, self.parallel.pp, self.parallel.ep, self.parallel.cp
         self.logprob_chunk_tokens = options.logprob_chunk_tokens
         self.packed_sequences = options.packed_sequences
         self.lora, self.lora_filter = lora, lora_filter
         with accelerator.megatron_context():
-            module = build_gpt_model(spec, params_dtype=params_dtype, tp=self.tp, pp=self.pp, ep=self.ep,
-                                     options=options)
-            load_hf_into_megatron(module, hf_state, spec)
+            module = build_gpt_model(spec, params_dtype=params_dtype, parallel=self.parallel, options=options)
+            load_hf_into_megatron(module, hf_state, spec, parallel=self.parallel)
             if lora is not None:
                 from mindspeed_rl.models.lora import add_lora
 
@@ -193,8 +190,6 @@ class MegatronEngine:
     def _forward(self, model, mb: MicroBatch, seq_length: int, width: int) -> torch.Tensor:
         """The model's output for `mb` on this rank: padded rows padded to `seq_length` and the logits cut back to
         `width`; under context parallelism this rank's chunks, whose logits stay local."""
-        from megatron.core import parallel_state as ps
-
         packed_seq_params = self._packed_seq_params(mb) if mb.packed else None
         ids, positions = (mb.input_ids, mb.position_ids) if mb.packed else mb.padded_to(seq_length)
         if self.cp > 1:
@@ -202,7 +197,7 @@ class MegatronEngine:
 
             return model(*this_ranks_tokens(mb, ids, positions), None, packed_seq_params=packed_seq_params)
         output = model(ids, positions, None, packed_seq_params=packed_seq_params)
-        if not mb.packed and ps.is_pipeline_last_stage() and seq_length != width:
+        if not mb.packed and self.parallel.last_stage and seq_length != width:
             output = output[:, :width]
         return output
 
@@ -258,13 +253,12 @@ class MegatronEngine:
     def _optimizer_step(self, batch: RolloutBatch, micro_batch_size: int, packing: Packing | None,
                         loss_from_output: Callable, metrics_prefix: str = "actor") -> dict[str, float]:
         """The step behind `train_step`: loss_from_output(mb, model output) -> (loss, stats) per micro-batch."""
-        from megatron.core import parallel_state as ps
         from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
         assert self.optimizer is not None, "train_step on a model built without optimizer"
         micro_batches = self._micro_batches(batch, micro_batch_size, packing)
         num_micro_batches = len(micro_batches)
-        dp_size = ps.get_data_parallel_world_size()
+        dp_size = self.parallel.dp
 
         def loss_func(mb: MicroBatch, output: torch.Tensor):
             loss, stats = loss_from_output(mb, output)
@@ -300,22 +294,17 @@ class MegatronEngine:
 
     # -- pipeline helpers ----------------------------------------------------------------------
     def _from_last_stage(self, tensor: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
-        from megatron.core import parallel_state as ps
-
         if self.pp == 1:
             return tensor.cpu()
         buffer = tensor if tensor is not None else torch.empty(shape, dtype=torch.float32, device=self.accelerator.device)
-        dist.broadcast(buffer, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(buffer, src=self.parallel.pp_last_rank, group=self.parallel.pp_group)
         return buffer.cpu()
 
     def _stats_from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
-        from megatron.core import parallel_state as ps
-
         if self.pp == 1:
             return stats
-        box = [stats if ps.is_pipeline_last_stage() else None]
-        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                   group=ps.get_pipeline_model_parallel_group())
+        box = [stats if self.parallel.last_stage else None]
+        dist.broadcast_object_list(box, src=self.parallel.pp_last_rank, group=self.parallel.pp_group)
         return box[0]
 
     def _sum_over_data_parallel(self, stats: dict[str, float]) -> dict[str, float]:
@@ -323,13 +312,11 @@ class MegatronEngine:
         mini-batch's count); their sum over the DP group is the mini-batch value. Summed here,
         where the DP split is known (the loss itself undoes DDP's averaging above), so every rank
         returns the true value; a driver-side merge cannot tell DP replicas from TP/PP copies."""
-        from megatron.core import parallel_state as ps
-
-        if ps.get_data_parallel_world_size() == 1 or not stats:
+        if self.parallel.dp == 1 or not stats:
             return stats
         keys = sorted(stats)
         values = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
-        dist.all_reduce(values, group=ps.get_data_parallel_group())
+        dist.all_reduce(values, group=self.parallel.dp_group)
         return dict(zip(keys, values.tolist()))
 
     # -- weights -------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from mindspeed_rl.accelerator import Accelerator
 from mindspeed_rl.engines.megatron_engine import MegatronEngine
 from mindspeed_rl.models.megatron_build import params_to_dtype, qwen_layer_spec
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, transformer_config
+from mindspeed_rl.parallel import megatron_state
+from mindspeed_rl.parallel.megatron_state import RankGroups
 from mindspeed_rl.protocol import MicroBatch, RolloutBatch
 
 SCORE_WEIGHT = "score.weight"
@@ -64,26 +66,25 @@ def check_reward_checkpoint(spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], 
         raise ValueError(f"{model_dir}: a MoE reward model is not supported (dense Qwen2 only)")
 
 
-def build_reward_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, options: ModelOptions,
+def build_reward_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, parallel: RankGroups, options: ModelOptions,
                            trainable_head: bool = False):
     """The GPTModel trunk with the score head as its output layer (on the last stage). The reward model runs
     without sequence parallel whatever the actor uses (a forward-only pass has no activations worth splitting);
     the critic (`trainable_head`) trains with the actor's setting, which splits its activations over TP."""
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     if not trainable_head:
         options = replace(options, sequence_parallel=False)
-    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp,
-                                cp=parallel_state.get_context_parallel_world_size(), options=options)
+    config = transformer_config(spec, params_dtype=params_dtype, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp,
+                                options=options)
     # Every parameter is loaded from the checkpoint; without initialisation the vocabulary-sized output
     # layer GPTModel makes (and this function drops) is never written, so its pages are never touched.
     config.perform_initialization = False
-    layer_spec = qwen_layer_spec(spec, config, options, pp)  # the actor's: packed, CP and SP as it is built
-    post_process = parallel_state.is_pipeline_last_stage()
+    layer_spec = qwen_layer_spec(spec, config, options, parallel)  # the actor's: packed, CP and SP as it is built
+    post_process = parallel.last_stage
     model = GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab_size,
                      max_sequence_length=spec.max_position_embeddings,
-                     pre_process=parallel_state.is_pipeline_first_stage(), post_process=post_process,
+                     pre_process=parallel.first_stage, post_process=post_process,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      rotary_base=int(spec.rope_theta))
     if post_process:
@@ -93,20 +94,17 @@ def build_reward_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: in
     return model
 
 
-def load_reward_weights(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], spec: Qwen2Spec) -> None:
+def load_reward_weights(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], spec: Qwen2Spec, *,
+                        parallel: RankGroups) -> None:
     """The trunk's shard through the engine's layout (as the actor's), the score head whole."""
-    from megatron.core import parallel_state as ps
-
     from mindspeed_rl.models.layouts import megatron_layout
 
     params = dict(model.named_parameters())
     expected = set(params)
     untied = replace(spec, tie_word_embeddings=False)  # the layout of the trunk without a tied head
     with torch.no_grad():
-        for local in megatron_layout(untied, tp=ps.get_tensor_model_parallel_world_size(),
-                                     tp_rank=ps.get_tensor_model_parallel_rank(),
-                                     pp=ps.get_pipeline_model_parallel_world_size(),
-                                     pp_rank=ps.get_pipeline_model_parallel_rank()):
+        for local in megatron_layout(untied, tp=parallel.tp, tp_rank=parallel.tp_rank, pp=parallel.pp,
+                                     pp_rank=parallel.pp_rank):
             if local.name == "output_layer.weight":
                 continue  # the language-model head: this model has the score head instead
             target = params[local.name]
@@ -134,20 +132,16 @@ class RewardModelEngine(MegatronEngine):
 
     def __init__(self, *, spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], params_dtype: torch.dtype,
                  accelerator: Accelerator, options: ModelOptions = ModelOptions(), model_dir: str = ""):
-        from megatron.core import parallel_state as ps
-
         check_reward_checkpoint(spec, hf_state, model_dir or "the reward model")
         self.spec = spec
         self.accelerator = accelerator
-        self.tp = ps.get_tensor_model_parallel_world_size()
-        self.pp = ps.get_pipeline_model_parallel_world_size()
-        self.ep = 1
-        self.cp = ps.get_context_parallel_world_size()
+        self.parallel = megatron_state.current()
+        self.tp, self.pp, self.ep, self.cp = self.parallel.tp, self.parallel.pp, 1, self.parallel.cp
         self.optimizer = None
         self.scheduler = None
         with accelerator.megatron_context():
-            module = build_reward_gpt_model(spec, params_dtype=params_dtype, tp=self.tp, pp=self.pp, options=options)
-            load_reward_weights(module, hf_state, spec)
+            module = build_reward_gpt_model(spec, params_dtype=params_dtype, parallel=self.parallel, options=options)
+            load_reward_weights(module, hf_state, spec, parallel=self.parallel)
             self.model = module.to(accelerator.device)
 
     @torch.no_grad()

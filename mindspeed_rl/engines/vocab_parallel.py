@@ -30,7 +30,7 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
     (`MicroBatch.scored_rows`, a copy in the logits' dtype); the vocabulary stays sharded and the fp32 work
     is chunked (engines/vocab_parallel.py).
     """
-    from megatron.core import parallel_state as ps
+    from mindspeed_rl.parallel import megatron_state
 
     vocab_local = logits.shape[-1]
     if mb.context_parallel_length:  # this CP rank's positions; every entry then comes from one rank
@@ -40,7 +40,8 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
     else:
         rows = mb.scored_rows()
         targets = mb.input_ids.reshape(-1)[rows + 1]
-    group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+    parallel = megatron_state.current()
+    group = parallel.tp_group if parallel.tp > 1 else None
     token_logprobs, token_entropy = vocab_parallel_logprobs(
         logits.reshape(-1, vocab_local)[rows], targets, temperature=temperature, chunk_tokens=chunk_tokens,
         group=group, with_entropy=with_entropy)

@@ -44,9 +44,10 @@ def this_ranks_tokens(mb, ids: torch.Tensor, positions: torch.Tensor) -> tuple[t
     """The token ids and positions of micro-batch `mb` this CP rank feeds the model: its two chunks of each padded row
     (a multiple of 2 CP long) or of each sample of a pack. Records the whole length in `mb.context_parallel_length`,
     which tells the log-prob step (engines/vocab_parallel.py) which positions this rank's logits hold."""
-    from megatron.core import parallel_state as ps
+    from mindspeed_rl.parallel import megatron_state
 
-    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    parallel = megatron_state.current()
+    cp, cp_rank = parallel.cp, parallel.cp_rank
     mb.context_parallel_length = ids.shape[1]
     if mb.packed:
         return tuple(split_packed(x, mb.cu_seqlens, cp_rank=cp_rank, cp=cp) for x in (ids, positions))
@@ -106,9 +107,9 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 def sum_over_context_parallel(tensor: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
+    from mindspeed_rl.parallel import megatron_state
 
-    return _SumOverGroup.apply(tensor, ps.get_context_parallel_group())
+    return _SumOverGroup.apply(tensor, megatron_state.current().cp_group)
 
 
 def from_the_holding_ranks(local_values: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
@@ -121,9 +122,10 @@ def from_the_holding_ranks(local_values: torch.Tensor, held: torch.Tensor) -> to
 def last_token_outputs(output: torch.Tensor, mb, index: torch.Tensor) -> torch.Tensor:
     """Under CP, the [b] outputs (a head of width 1: [b, s / CP, 1], padded rows) at each sample's position `index`,
     taken where it lives and summed over the CP ranks (the reward model's score at the last token)."""
-    from megatron.core import parallel_state as ps
+    from mindspeed_rl.parallel import megatron_state
 
-    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    parallel = megatron_state.current()
+    cp, cp_rank = parallel.cp, parallel.cp_rank
     offsets = local_offsets(index, torch.full_like(index, mb.context_parallel_length), cp_rank, cp)
     held = offsets >= 0
     rows = torch.arange(len(index), device=output.device)[held]
@@ -147,9 +149,9 @@ class ContextParallelAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        from megatron.core import parallel_state as ps
+        from mindspeed_rl.parallel import megatron_state
 
-        group = ps.get_context_parallel_group()
+        group = megatron_state.current().cp_group
         cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         if packed_seq_params is None:  # [s / CP, b, h, d]: one segment per row
             keys, values = (_in_global_order(_GatherParts.apply(x, group), cp) for x in (key, value))
@@ -198,9 +200,10 @@ def with_context_parallel_attention(layer_spec):
 def scored_rows_of_this_rank(mb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Under CP, for the response tokens in `response_mask` order: the rows of this rank's flattened
     [b x s / CP, vocab] logits that score those it holds, their target ids, and which ones it holds ([n] bool)."""
-    from megatron.core import parallel_state as ps
+    from mindspeed_rl.parallel import megatron_state
 
-    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    parallel = megatron_state.current()
+    cp, cp_rank = parallel.cp, parallel.cp_rank
     samples, scoring = mb.scored_positions()
     if mb.packed:  # segment j holds cu[j + 1] - cu[j] tokens, of which this rank's part starts at cu[j] / CP
         starts = mb.cu_seqlens.long()[samples]

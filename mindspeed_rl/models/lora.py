@@ -129,13 +129,14 @@ def add_lora(model: torch.nn.Module, settings: LoRASettings) -> None:
 
 
 def _attach(module: torch.nn.Module, leaf: str, layer_number: int, settings: LoRASettings) -> None:
-    from megatron.core import parallel_state as ps
+    from mindspeed_rl.parallel import megatron_state
 
     kind = type(module)
     if kind not in _LORA_CLASSES or (leaf in COLUMN_TARGETS) != (kind is ColumnParallelLinear):
         raise TypeError(f"{leaf} of layer {layer_number} is a {kind.__name__}: LoRA here wraps Megatron's local "
                         "ColumnParallelLinear (linear_qkv, linear_fc1) and RowParallelLinear (linear_proj, linear_fc2)")
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    parallel = megatron_state.current()
+    tp, tp_rank = parallel.tp, parallel.tp_rank
     weight = module.weight
     column = kind is ColumnParallelLinear
     assert not (column and module.gather_output), "an adapter on a gathered output is not needed by GPT's layers"

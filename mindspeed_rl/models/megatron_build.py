@@ -6,28 +6,31 @@ from __future__ import annotations
 
 import torch
 
-from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, layers_of_stage, transformer_config
 from mindspeed_rl.models.layouts import megatron_shard_from_hf
+from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, layers_of_stage, transformer_config
+from mindspeed_rl.parallel import megatron_state
+from mindspeed_rl.parallel.megatron_state import RankGroups
 
 
-def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, tp: int, pp: int, ep: int = 1,
+def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, parallel: RankGroups | None = None,
                     options: ModelOptions = ModelOptions()):
-    from megatron.core import parallel_state
+    """The model on this rank's shard of `parallel` (default: Megatron's state as it is, parallel/megatron_state.py)."""
     from megatron.core.models.gpt import GPTModel
 
-    cp = parallel_state.get_context_parallel_world_size()
-    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, pp=pp, ep=ep, cp=cp, options=options)
+    parallel = parallel or megatron_state.current()
+    config = transformer_config(spec, params_dtype=params_dtype, tp=parallel.tp, pp=parallel.pp, ep=parallel.ep,
+                                cp=parallel.cp, options=options)
     if spec.deepseek is not None:
         layer_spec = _deepseek_block_spec(config, options)
     else:
-        layer_spec = qwen_layer_spec(spec, config, options, pp)
+        layer_spec = qwen_layer_spec(spec, config, options, parallel)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel.first_stage,
+        post_process=parallel.last_stage,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         # MLA layers build their own rotary embedding (models/deepseek_v3.py); GPTModel's would go unused.
         position_embedding_type="none" if spec.deepseek is not None else "rope",
@@ -48,10 +51,9 @@ def params_to_dtype(model: torch.nn.Module, params_dtype: torch.dtype) -> None:
                 param.data = param.data.to(params_dtype)
 
 
-def qwen_layer_spec(spec: Qwen2Spec, config, options: ModelOptions, pp: int):
+def qwen_layer_spec(spec: Qwen2Spec, config, options: ModelOptions, parallel: RankGroups):
     """The local layer spec of a Qwen-architecture model as `config` builds it: packed attention, CP's core
     attention, SP-capable norms (the actor's, the reference's, the critic's and the reward model's trunks)."""
-    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
@@ -67,7 +69,7 @@ def qwen_layer_spec(spec: Qwen2Spec, config, options: ModelOptions, pp: int):
     if config.sequence_parallel:
         from mindspeed_rl.accelerator.megatron_cpu import with_sequence_parallel_norms
 
-        stage = layers_of_stage(spec, parallel_state.get_pipeline_model_parallel_rank(), pp)
+        stage = layers_of_stage(spec, parallel.pp_rank, parallel.pp)
         layer_spec = with_sequence_parallel_norms(layer_spec, len(stage))
     return layer_spec
 
@@ -79,15 +81,11 @@ def _deepseek_block_spec(config, options: ModelOptions):
                               packed=options.packed_sequences)
 
 
-def load_hf_into_megatron(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], spec: Qwen2Spec) -> None:
-    from megatron.core import parallel_state as ps
-
-    shard = megatron_shard_from_hf(
-        hf_state, spec,
-        tp_rank=ps.get_tensor_model_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_world_size(),
-        ep_rank=ps.get_expert_model_parallel_rank(), ep=ps.get_expert_model_parallel_world_size(),
-    )
+def load_hf_into_megatron(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], spec: Qwen2Spec, *,
+                          parallel: RankGroups | None = None) -> None:
+    p = parallel or megatron_state.current()
+    shard = megatron_shard_from_hf(hf_state, spec, tp_rank=p.tp_rank, tp=p.tp, pp_rank=p.pp_rank, pp=p.pp,
+                                   ep_rank=p.ep_rank, ep=p.ep)
     params = {**dict(model.named_parameters()), **layout_buffers(model)}
     missing = sorted(set(params) - set(shard))
     unexpected = sorted(set(shard) - set(params))

@@ -39,9 +39,10 @@ def load_full_hf(destinations: dict[str, torch.Tensor], hf: dict[str, torch.Tens
 def gather_full_hf(params: dict[str, torch.Tensor], spec: Qwen2Spec) -> tuple[dict[str, torch.Tensor], int]:
     """Full HF tensors of every layer on every rank: all-gather over TP, then broadcast each
     pipeline stage over PP. Returns the tensors and the bytes this rank received."""
-    from megatron.core import parallel_state as ps
+    from mindspeed_rl.parallel import megatron_state
 
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    parallel = megatron_state.current()
+    tp, pp = parallel.tp, parallel.pp
     received = 0
     if tp == 1:
         shards = [params]
@@ -49,16 +50,16 @@ def gather_full_hf(params: dict[str, torch.Tensor], spec: Qwen2Spec) -> tuple[di
         shards = [dict() for _ in range(tp)]
         for name, tensor in params.items():
             gathered = [torch.empty_like(tensor) for _ in range(tp)]
-            dist.all_gather(gathered, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+            dist.all_gather(gathered, tensor.contiguous(), group=parallel.tp_group)
             received += (tp - 1) * tensor.numel() * tensor.element_size()
             for rank, piece in enumerate(gathered):
                 shards[rank][name] = piece
-    pp_rank = ps.get_pipeline_model_parallel_rank()
+    pp_rank = parallel.pp_rank
     stage = hf_from_megatron_shards(shards, spec, pp_rank=pp_rank, pp=pp)
     if pp == 1:
         return stage, received
     full: dict[str, torch.Tensor] = {}
-    group = ps.get_pipeline_model_parallel_group()
+    group = parallel.pp_group
     ranks = dist.get_process_group_ranks(group)
     for owner in range(pp):
         names = _stage_hf_names(spec, owner, pp)

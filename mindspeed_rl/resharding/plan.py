@@ -15,41 +15,7 @@ from dataclasses import dataclass, field
 from mindspeed_rl.models.pipeline_stages import stage_layer_range
 from mindspeed_rl.models.qwen2 import Qwen2Spec
 from mindspeed_rl.models.layouts import LocalTensor, hf_shapes, megatron_layout, vllm_layout
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainLayout:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1  # MoE expert parallelism; expert TP = TP (megatron's default)
-
-    def coordinates(self, rank: int, world_size: int) -> tuple[int, int]:
-        """(tp_rank, pp_rank) in Megatron's default order tp-cp-ep-dp-pp (tp fastest, pp slowest)."""
-        dp = world_size // (self.tp * self.pp)
-        return rank % self.tp, rank // (self.tp * dp)
-
-    def ep_rank(self, rank: int) -> int:
-        """Megatron builds expert groups from the same order with tp := expert TP and ep in place:
-        the rank within its pipeline stage is etp_rank + ETP * (ep_rank + EP * expert_dp_rank)."""
-        return (rank // self.tp) % self.ep
-
-
-@dataclass(frozen=True, kw_only=True)
-class InferLayout:
-    """vLLM's rank order (parallel_state.initialize_model_parallel): ExternalDP x DP x PP x TP, TP fastest."""
-
-    tp: int = 1
-    pp: int = 1  # pipeline stages; vLLM's own layer partition (layouts.vllm_pp_layers)
-    expert_parallel: bool = False  # vLLM's enable_expert_parallel: EP = TP x DP (per stage), whole experts per rank
-
-    def tp_rank(self, rank: int) -> int:
-        return rank % self.tp  # vLLM's TP groups are blocks of consecutive ranks
-
-    def pp_rank(self, rank: int) -> int:
-        return rank // self.tp % self.pp
-
-    def dp_rank(self, rank: int) -> int:
-        return rank // (self.tp * self.pp)
+from mindspeed_rl.parallel.layout import InferLayout, TrainLayout  # noqa: F401 (the plan's API names them)
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,10 @@ def sampling_seed(seed: int, iteration: int | tuple[int, int], stream: int) -> i
 
 def train_dp_slice(num_samples: int) -> tuple[int, int]:
     """This rank's [start, stop) of a batch split evenly over the train DP ranks."""
-    from megatron.core import parallel_state as ps
+    from mindspeed_rl.parallel import megatron_state
 
-    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    parallel = megatron_state.current()
+    dp_size, dp_rank = parallel.dp, parallel.dp_rank
     per_rank = num_samples // dp_size
     return dp_rank * per_rank, (dp_rank + 1) * per_rank
 

@@ -16,20 +16,16 @@ def init_distributed(accelerator, *, rank: int, world_size: int, config: GRPOCon
     vLLM, under external_launcher, builds its own groups over the world it finds."""
     import torch.distributed as dist
 
-    runtime, actor_config = config.runtime, config.actor_config
+    runtime = config.runtime
     dist.init_process_group(accelerator.distributed_backend, rank=rank, world_size=world_size,
                             timeout=set_collective_timeout(runtime.collective_timeout_seconds))
     if not megatron_groups:
         return
-    from megatron.core import parallel_state as ps
+    from mindspeed_rl.parallel import megatron_state
+    from mindspeed_rl.parallel.layout import ParallelLayout
 
-    ps.initialize_model_parallel(
-        distributed_timeout_minutes=max(1, round(runtime.collective_timeout_seconds / 60)),
-        tensor_model_parallel_size=actor_config.tensor_model_parallel_size,
-        pipeline_model_parallel_size=actor_config.pipeline_model_parallel_size,
-        expert_model_parallel_size=actor_config.expert_model_parallel_size,
-        context_parallel_size=actor_config.context_parallel_size,
-    )
+    megatron_state.initialize(ParallelLayout.from_config(config).train, rank=rank, world_size=world_size,
+                              timeout_minutes=max(1, round(runtime.collective_timeout_seconds / 60)))
     accelerator.seed_model_parallel_rng(config.megatron_training.seed)
 
 

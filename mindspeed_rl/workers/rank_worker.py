@@ -138,9 +138,10 @@ class RankWorker(RankProcess):
 
     def reports_train_results(self) -> bool:
         """The rank that reports a train-DP slice's results: TP rank 0 of the last pipeline stage."""
-        from megatron.core import parallel_state as ps
+        from mindspeed_rl.parallel import megatron_state
 
-        return ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage()
+        parallel = megatron_state.current()
+        return parallel.tp_rank == 0 and parallel.last_stage
 
     # -- the weight push across rank sets (disaggregated) ------------------------------------------
     def connect_bridge(self, host: str, port: int, *, train_world_size: int, infer_world_size: int,
