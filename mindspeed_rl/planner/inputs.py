@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from mindspeed_rl.memory.residency import ResidencyPolicy
+from mindspeed_rl.parallel.layout import InferLayout, TrainLayout
 from mindspeed_rl.planner.arch import Architecture
-
-if TYPE_CHECKING:
-    from mindspeed_rl.resharding.plan import InferLayout
 
 ACTIVATION_PROFILES = ("cpu", "accelerator")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -114,11 +110,14 @@ class PlanInputs:
         return self.world_size // (self.infer_tp * self.infer_pp)
 
     @property
-    def infer_layout(self) -> "InferLayout":
-        """The engine's own inference layout: its rank order is the one the planner's coordinates follow."""
-        from mindspeed_rl.resharding.plan import InferLayout
-
+    def infer_layout(self) -> InferLayout:
+        """The engine's own inference layout (parallel/layout.py): the planner's coordinates follow its rank order."""
         return InferLayout(tp=self.infer_tp, pp=self.infer_pp, expert_parallel=self.infer_expert_parallel)
+
+    @property
+    def train_layout(self) -> TrainLayout:
+        """The engine's training layout (parallel/layout.py), in Megatron's rank order."""
+        return TrainLayout(tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
 
     @property
     def sequence_parallel_effective(self) -> bool:
@@ -146,10 +145,9 @@ class PlanInputs:
 
     def rank_coordinates(self, rank: int) -> dict[str, int]:
         """Megatron's order tp-cp-ep-dp-pp (the engine's TrainLayout) and vLLM's DP x PP x TP (InferLayout)."""
-        tp_rank, pp_rank = rank % self.tp, rank // (self.tp * self.dp)
-        dp_rank = (rank // self.tp) % self.dp
-        ep_rank = dp_rank % self.ep
+        c = self.train_layout.of(rank, self.world_size)
         infer = self.infer_layout
-        return dict(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, ep_rank=ep_rank,
-                    expert_dp_rank=dp_rank // self.ep, infer_tp_rank=infer.tp_rank(rank),
+        # dp_rank: the index among the ranks that hold the same weights (DP x CP), what the optimizer shards over.
+        return dict(tp_rank=c.tp_rank, pp_rank=c.pp_rank, dp_rank=c.cp_rank + self.cp * c.dp_rank, ep_rank=c.ep_rank,
+                    expert_dp_rank=c.expert_dp_rank, infer_tp_rank=infer.tp_rank(rank),
                     infer_pp_rank=infer.pp_rank(rank), infer_dp_rank=infer.dp_rank(rank))

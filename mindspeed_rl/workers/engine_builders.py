@@ -157,15 +157,11 @@ def build_inference_model(config: GRPOConfig, accelerator, *, model_dir: str):
 
 
 def switch_layouts(config: GRPOConfig):
-    """The training layout the weight push reads and the inference layout it writes."""
-    from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
+    """The training layout the weight push reads and the inference layout it writes (the run's one layout)."""
+    from mindspeed_rl.parallel.layout import ParallelLayout
 
-    actor_config, gen = config.actor_config, config.generate_config
-    train = TrainLayout(tp=actor_config.tensor_model_parallel_size, pp=actor_config.pipeline_model_parallel_size,
-                        ep=actor_config.expert_model_parallel_size)
-    infer = InferLayout(tp=gen.infer_tensor_parallel_size, pp=gen.infer_pipeline_parallel_size,
-                        expert_parallel=gen.infer_expert_parallel_size > 1)
-    return train, infer
+    layout = ParallelLayout.from_config(config)
+    return layout.train, layout.infer
 
 
 def bucket_bytes(config: GRPOConfig) -> int:

@@ -47,12 +47,14 @@ class InferencePart(Part):
         sampling_config.seed, else megatron_training.seed), so an iteration samples the same whatever came before
         (exact resume); without, it continues the running generator. vLLM's per-request seeds would do the same, but
         its runner rewinds their offsets after a chunked prefill, which CPU generators cannot do."""
-        gen = self.config.generate_config
-        sampling = gen.sampling_config
-        dp_size = self.config.infer_data_parallel_size
+        from mindspeed_rl.parallel.layout import ParallelLayout
+
+        sampling = self.config.generate_config.sampling_config
+        layout = ParallelLayout.from_config(self.config)
+        dp_size, rank = layout.infer_dp, self.rank_info.rank
         # A TP x PP block of consecutive ranks (vLLM's order) serves one DP slice; all its ranks return the
         # same samples (vLLM broadcasts the last stage's output), its first rank reports them.
-        dp_rank, block_rank = divmod(self.rank_info.rank, gen.infer_tensor_parallel_size * gen.infer_pipeline_parallel_size)
+        dp_rank, block_rank = layout.infer.dp_rank(rank), rank % (layout.infer.tp * layout.infer.pp)
         # Balanced slices: a multi-turn rollout's continuations need not divide by the DP size.
         start, stop = len(prompt_token_ids) * dp_rank // dp_size, len(prompt_token_ids) * (dp_rank + 1) // dp_size
         in_phase = self.ledger.record(GENERATE)
