@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from mindspeed_rl.config import ConfigError
+from mindspeed_rl.config.device_mapping import format_devices, parse_device_mapping
 from mindspeed_rl.config.resources import (
     COLOCATED,
     DISAGGREGATED,
@@ -20,11 +21,9 @@ from mindspeed_rl.config.resources import (
     ReferenceResources,
     RewardResources,
     build_resource_plan,
-    check_supported,
-    format_devices,
-    parse_device_mapping,
     role_resources,
 )
+from mindspeed_rl.config.supported import check_supported
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_config import QWEN_7B, TINY, config_error, load  # noqa: E402

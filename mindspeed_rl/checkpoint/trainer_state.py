@@ -34,20 +34,22 @@ class Contents:
     expert_parallel_size: int = 1
 
 
+def checkpointed(actor_group) -> list:
+    """What each part of the group that trains saves and loads (workers/parts: `CHECKPOINT`), the actor's first."""
+    return [part.CHECKPOINT for part in actor_group.parts() if part.CHECKPOINT is not None]
+
+
 def save_run_checkpoint(*, actor_group, save_root: str, iteration: int, sampler, kl_coef: float, seed: int,
-                        hf_dir: str, keep_last_n: int | None, with_critic: bool = False,
-                        lora: dict | None = None, contents: Contents = Contents()) -> Path:
-    """Every rank writes its shards into a temporary dir, the driver adds its state and commits it."""
+                        hf_dir: str, keep_last_n: int | None, lora: dict | None = None,
+                        contents: Contents = Contents()) -> Path:
+    """Every rank writes its parts' shards into a temporary dir, the driver adds its state and commits it."""
     tmp = begin_save(save_root, iteration)
     parts = dict(with_optimizer=contents.optimizer, with_rng=contents.rng)
     with disk_error_named(tmp):
-        results = actor_group.call("save_checkpoint", str(tmp), **parts)
-        critic = actor_group.call("save_critic_checkpoint", str(tmp), **parts) if with_critic else None
-    scheduler_state = results[0][0]
-    state = {"iteration": iteration, "sampler": sampler.state_dict(), "scheduler": scheduler_state,
+        schedulers = {saved.state_key: actor_group.call(saved.save, str(tmp), **parts)[0][0]
+                      for saved in checkpointed(actor_group)}
+    state = {"iteration": iteration, "sampler": sampler.state_dict(), **schedulers,
              "kl_coef": kl_coef, "seed": seed, CONTENTS_KEY: dataclasses.asdict(contents)}
-    if critic is not None:
-        state["critic_scheduler"] = critic[0][0]
     if lora is not None:  # the adapters' settings and backbone (checkpoint/lora_export.py)
         state["lora"] = lora
     (tmp / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=1, sort_keys=True))
@@ -96,11 +98,10 @@ def saved_contents(point: ResumePoint) -> Contents:
     return Contents(**point.state.get(CONTENTS_KEY, {}))
 
 
-def resume_actor(actor_group, point: ResumePoint, *, finetune: bool, no_load_optim: bool, no_load_rng: bool,
-                 with_critic: bool = False) -> None:
-    """Load weights (and, resuming, optimizer/scheduler/RNG) into every rank; the critic's too when the run has
-    one and the checkpoint holds one (a GRPO checkpoint starting PPO leaves the critic as critic_config made it).
-    A checkpoint saved without optimizer or RNG states resumes without them, said in one line each."""
+def resume_actor(actor_group, point: ResumePoint, *, finetune: bool, no_load_optim: bool, no_load_rng: bool) -> None:
+    """Load weights (and, resuming, optimizer/scheduler/RNG) into every rank: each part that trains and whose state
+    the checkpoint holds (a GRPO checkpoint starting PPO leaves the critic as critic_config made it). A checkpoint
+    saved without optimizer or RNG states resumes without them, said in one line each."""
     resuming, saved = not finetune, saved_contents(point)
     load_optimizer = resuming and not no_load_optim and saved.optimizer
     load_rng = resuming and not no_load_rng and saved.rng
@@ -109,11 +110,10 @@ def resume_actor(actor_group, point: ResumePoint, *, finetune: bool, no_load_opt
         print(line, flush=True)
     # The scheduler's position is in trainer_state.json whatever no_save_optim says: the learning rate continues.
     scheduler = resuming and not no_load_optim
-    actor_group.call("load_checkpoint", str(point.path), load_optimizer=load_optimizer, load_rng=load_rng,
-                     scheduler_state=point.state["scheduler"] if scheduler else None)
-    if with_critic and "critic_scheduler" in point.state:
-        actor_group.call("load_critic_checkpoint", str(point.path), load_optimizer=load_optimizer, load_rng=load_rng,
-                         scheduler_state=point.state["critic_scheduler"] if scheduler else None)
+    for saved in checkpointed(actor_group):
+        if saved.state_key in point.state:
+            actor_group.call(saved.load, str(point.path), load_optimizer=load_optimizer, load_rng=load_rng,
+                             scheduler_state=point.state[saved.state_key] if scheduler else None)
 
 
 def _missing_state_lines(point: ResumePoint, saved: Contents, *, resuming: bool, no_load_optim: bool,

@@ -26,8 +26,8 @@ from mindspeed_rl.config.resources import (
     ResourcePlan,
     RewardResources,
     RoleResources,
-    parse_device_mapping,
 )
+from mindspeed_rl.config.device_mapping import parse_device_mapping
 from mindspeed_rl.config.rl import IntegratedModeConfig, ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 

@@ -19,16 +19,18 @@ from mindspeed_rl.config.resources import (
     RewardResources,
     actor_world_size,
     build_resource_plan,
-    check_supported,
 )
-from mindspeed_rl.config.algorithm_checks import (check_critic, check_dynamic_sampling, check_evaluation, check_packing,
+from mindspeed_rl.config.algorithm_checks import (check_dynamic_sampling, check_evaluation, check_packing,
                                                   check_num_layer_list, check_recompute_layers)
+from mindspeed_rl.config.critic import (check_critic, critic_has_own_devices, critic_role_sections, critic_world_size,
+                                        own_critic_ranks)
 from mindspeed_rl.config.layout_checks import (check_context_parallel, check_infer_layout, check_model_sharding,
                                                check_train_layout)
 from mindspeed_rl.config.lora import check_lora_run
 from mindspeed_rl.config.multi_turn import check_multi_turn
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
+from mindspeed_rl.config.supported import check_supported
 from mindspeed_rl.registries import SYNTHETIC_REWARD_MODEL
 
 # Architecture fields the synthetic generator writes into the demo checkpoint; the model block
@@ -82,7 +84,7 @@ class GRPOConfig:
             use_integrated_worker=self.rl_config.use_integrated_worker,
             infer_tensor_parallel_size=generate.infer_tensor_parallel_size,
             infer_pipeline_parallel_size=generate.infer_pipeline_parallel_size,
-            critic=self.critic, has_critic=self.critic_config is not None,
+            more_roles=critic_role_sections(self),
         )
 
     @property
@@ -105,24 +107,17 @@ class GRPOConfig:
 
     @property
     def critic_has_own_devices(self) -> bool:
-        """PPO's critic on devices of its own (ROLL's `critic.device_mapping` apart from actor_train's): its ranks
-        are a group of their own, training while the actor does; otherwise it takes turns on the training ranks."""
-        if self.critic_config is None:
-            return False
-        plan = self.resource_plan
-        return not set(plan.role("critic").devices) & set(plan.role("actor_train").devices)
+        return critic_has_own_devices(self)  # config/critic.py
 
     @property
     def critic_world_size(self) -> int:
-        """The critic's ranks: its own devices', or the training ranks it shares."""
-        return len(self.resource_plan.role("critic").devices) if self.critic_has_own_devices else self.world_size
+        return critic_world_size(self)
 
     @property
     def num_rank_processes(self) -> int:
         """Device ranks the run starts: the shared ones, or the training ranks plus the inference ranks; plus the
         critic's where it has devices of its own."""
-        critic = self.critic_world_size if self.critic_has_own_devices else 0
-        return self.world_size + (self.infer_world_size if self.disaggregated else 0) + critic
+        return self.world_size + (self.infer_world_size if self.disaggregated else 0) + own_critic_ranks(self)
 
     @property
     def infer_data_parallel_size(self) -> int:

@@ -28,7 +28,7 @@ The sections (all optional, top level, as in ROLL's YAMLs)::
   devices are an error.
 
 :func:`build_resource_plan` runs all of that and gives a :class:`ResourcePlan` (per role its devices and
-world size, the mode, the cluster size, a device -> roles table). :func:`check_supported` then refuses
+world size, the mode, the cluster size, a device -> roles table). config/supported.py then refuses
 what the engine does not run yet: anything but colocated roles on the same devices ``0..N-1`` (or
 actor_infer on the next ones), a reward model off the actor's devices, more than one reward model or rule
 role.
@@ -36,157 +36,18 @@ role.
 
 from __future__ import annotations
 
-import ast
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
+from mindspeed_rl.config.device_mapping import format_devices, parse_device_mapping
 from mindspeed_rl.errors import ConfigError
 
-ACCEPTED_FORMS = (
-    "a list of device indices such as [0,1,2,3], range(4,8), range(0,16,2), range(8), list(range(0,16)), "
-    "or lists joined with + such as list(range(0,4)) + [6,7]"
-)
-# Longer strings and larger mappings are not device lists; refusing them keeps the parser's work bounded.
-MAX_MAPPING_TEXT = 4096
-MAX_DEVICES = 1 << 16
 INFER_ROLE = "actor_infer"
 NUM_NPUS_KEY = "rl_config.actor_resource.num_npus"
 INTEGRATED_KEY = "rl_config.use_integrated_worker"
 COLOCATED, DISAGGREGATED = "colocated", "disaggregated"
-
-
-# --- the parser ------------------------------------------------------------------------------------
-
-
-class _Refused(Exception):
-    """A part of the mapping outside the accepted forms; the message says which part."""
-
-
-def parse_device_mapping(value: Any, key: str) -> tuple[int, ...]:
-    """The device indices of a ``device_mapping`` value: a string in one of :data:`ACCEPTED_FORMS`, or a
-    YAML list of indices. Raises ConfigError naming ``key``. The string is parsed into a syntax tree and
-    only list literals, ``range``, ``list`` and ``+`` are interpreted; nothing is evaluated or imported."""
-    if isinstance(value, bool) or not isinstance(value, (str, list, tuple)):
-        hint = f" (did you mean [{value}] or range({value})?)" if isinstance(value, int) and value >= 0 else ""
-        raise ConfigError(key, f"expected {ACCEPTED_FORMS}; got {value!r}{hint}")
-    if isinstance(value, str):
-        devices = _parse_text(value, key)
-    else:
-        try:
-            devices = [_as_index(item) for item in value]
-        except _Refused as refused:
-            raise ConfigError(key, f"{refused} in {list(value)!r}; expected {ACCEPTED_FORMS}") from None
-    if not devices:
-        raise ConfigError(key, f"lists no device: {value!r}")
-    seen: set[int] = set()
-    for device in devices:
-        if device < 0:
-            raise ConfigError(key, f"device indices must be >= 0, got {device} in {value!r}")
-        if device in seen:
-            raise ConfigError(key, f"lists device {device} twice in {value!r}: a worker owns its devices")
-        seen.add(device)
-    return tuple(devices)
-
-
-def _parse_text(text: str, key: str) -> list[int]:
-    shown = text if len(text) <= 120 else text[:117] + "..."
-    if len(text) > MAX_MAPPING_TEXT:
-        raise ConfigError(key, f"is {len(text)} characters long, more than {MAX_MAPPING_TEXT}; expected {ACCEPTED_FORMS}")
-    try:
-        tree = ast.parse(text.strip(), mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        raise ConfigError(key, f"cannot read {shown!r}: expected {ACCEPTED_FORMS}") from None
-    try:
-        # A bare range() is a mapping (ROLL's eval gives a range, which it lists); inside + only lists join.
-        return _range_value(tree.body) if _is_call(tree.body, "range") else _list_value(tree.body)
-    except (_Refused, RecursionError) as refused:
-        why = str(refused) if isinstance(refused, _Refused) else "nested too deeply"
-        raise ConfigError(key, f"cannot read {shown!r}: {why}; expected {ACCEPTED_FORMS} (the string is parsed, "
-                               "never run)") from None
-
-
-def _list_value(node: ast.AST) -> list[int]:
-    """A term that Python would evaluate to a list: a list literal, list(...), or list + list."""
-    if isinstance(node, ast.List):
-        return [_as_index(_int_literal(element)) for element in node.elts]
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        # As in Python, + joins lists only: range(0,4) + [4] is a TypeError there, so it is refused here.
-        return _list_value(node.left) + _list_value(node.right)
-    if _is_call(node, "list"):
-        if len(node.args) != 1:
-            raise _Refused(f"list() takes one range or list, got {len(node.args)} arguments")
-        inner = node.args[0]
-        return _range_value(inner) if _is_call(inner, "range") else _list_value(inner)
-    if _is_call(node, "range"):
-        raise _Refused("range() joined with + is a TypeError in Python: write list(range(...))")
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-        raise _Refused(f"{node.func.id}() is not accepted (only range and list)")
-    if isinstance(node, ast.Call):
-        raise _Refused("only range() and list() may be called")
-    if isinstance(node, ast.BinOp):
-        raise _Refused(f"operator {type(node.op).__name__} is not accepted (only + between lists)")
-    raise _Refused(f"{_describe(node)} is not accepted")
-
-
-def _range_value(node: ast.AST) -> list[int]:
-    assert isinstance(node, ast.Call)
-    if not 1 <= len(node.args) <= 3:
-        raise _Refused(f"range() takes 1 to 3 integers, got {len(node.args)}")
-    bounds = [_int_literal(argument) for argument in node.args]
-    try:
-        steps = range(*bounds)
-    except ValueError as error:  # a step of 0
-        raise _Refused(f"range{tuple(bounds)}: {error}") from None
-    if len(steps) > MAX_DEVICES:
-        raise _Refused(f"range{tuple(bounds)} has {len(steps)} devices, more than {MAX_DEVICES}")
-    return list(steps)
-
-
-def _is_call(node: ast.AST, name: str) -> bool:
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
-            and not node.keywords and not any(isinstance(a, ast.Starred) for a in node.args))
-
-
-def _int_literal(node: ast.AST) -> int:
-    """An integer written as a literal, optionally negative (a range's step)."""
-    negative = isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
-    operand = node.operand if negative else node
-    if isinstance(operand, ast.Constant) and type(operand.value) is int:
-        return -operand.value if negative else operand.value
-    raise _Refused(f"{_describe(node)} is not an integer")
-
-
-def _as_index(item: Any) -> int:
-    if type(item) is not int:
-        raise _Refused(f"{item!r} is not a device index")
-    return item
-
-
-def _describe(node: ast.AST) -> str:
-    try:
-        text = ast.unparse(node)
-    except Exception:  # pragma: no cover - unparse handles every node ast.parse makes
-        text = type(node).__name__
-    return repr(text if len(text) <= 60 else text[:57] + "...")
-
-
-def format_devices(devices: tuple[int, ...] | list[int]) -> str:
-    """Indices as spans, e.g. ``0-3,6,7``; ``cpu`` for none."""
-    if not devices:
-        return "cpu"
-    ordered = sorted(devices)
-    spans, start, previous = [], ordered[0], ordered[0]
-    for device in ordered[1:] + [None]:
-        if device is not None and device == previous + 1:
-            previous = device
-            continue
-        spans.append(str(start) if start == previous else f"{start}-{previous}" if previous > start + 1
-                     else f"{start},{previous}")
-        if device is not None:
-            start = previous = device
-    return ",".join(spans)
 
 
 # --- the role sections -----------------------------------------------------------------------------
@@ -515,13 +376,12 @@ def build_resource_plan(*, actor_train: Optional[RoleResourceConfig], actor_infe
                         reference: Optional[RoleResourceConfig], rewards: Mapping[str, RewardResources],
                         num_gpus_per_node: Optional[int], num_npus: Optional[int], use_integrated_worker: bool,
                         infer_tensor_parallel_size: int, infer_pipeline_parallel_size: int,
-                        critic: Optional[RoleResourceConfig] = None, has_critic: bool = False) -> ResourcePlan:
+                        more_roles: Mapping[str, Optional[RoleResourceConfig]] = {}) -> ResourcePlan:
     """Every role's devices and world size with the seed's checks (divisibility, vLLM's devices per
-    worker, workers within a node, shared devices under a declared disaggregated layout). Pure: what
-    the engine runs today is :func:`check_supported`'s business."""
-    sections = {"actor_train": actor_train, "actor_infer": actor_infer, "reference": reference}
-    if has_critic or critic is not None:  # PPO: a fourth role on devices
-        sections["critic"] = critic
+    worker, workers within a node, shared devices under a declared disaggregated layout). `more_roles`: training
+    roles a run adds (PPO's critic, config/critic.py), each a section or None (the actor's devices). Pure: what the
+    engine runs today is config/supported.py's business."""
+    sections = {"actor_train": actor_train, "actor_infer": actor_infer, "reference": reference, **more_roles}
     mapped = [key for key, section in sections.items() if section is not None and section.device_mapping is not None]
     mapped += [f"rewards.{name}" for name, section in rewards.items() if section.device_mapping is not None]
     if not use_integrated_worker and not mapped:
@@ -533,16 +393,14 @@ def build_resource_plan(*, actor_train: Optional[RoleResourceConfig], actor_infe
     world, world_key = actor_world_size(actor_train, num_npus)
     actor_devices = tuple(range(world))
     tp, pp = infer_tensor_parallel_size, infer_pipeline_parallel_size
+    training = (1, "1 (a training role has one device per worker)")
     gpus_per_worker = {
-        "actor_train": (1, "1 (a training role has one device per worker)"),
-        "reference": (1, "1 (a training role has one device per worker)"),
-        "critic": (1, "1 (a training role has one device per worker)"),
         "actor_infer": (tp * pp, f"generate_config.infer_tensor_parallel_size * infer_pipeline_parallel_size = "
                                  f"{tp} * {pp} = {tp * pp} (vLLM's devices per worker)"),
     }
     roles = []
     for key, section in sections.items():
-        required, desc = gpus_per_worker[key]
+        required, desc = gpus_per_worker.get(key, training)
         if section is not None and section.device_mapping is not None:
             role = role_resources(key, device_mapping=section.device_mapping,
                                   num_gpus_per_worker=section.num_gpus_per_worker, world_size=section.world_size,
@@ -581,76 +439,3 @@ def _check_workers_within_nodes(roles: list[RoleResources], num_gpus_per_node: i
                                   f"worker {index} spans nodes {nodes}: its devices {format_devices(devices)} "
                                   f"cross a node boundary (num_gpus_per_node={num_gpus_per_node}); a worker's "
                                   "devices must be on one node")
-
-
-def _critic_on_following_devices(plan: ResourcePlan) -> bool:
-    """The critic on devices of its own: those after every other role's (ranks start in that order); a critic on
-    other devices than those or actor_train's is refused."""
-    critic, train = plan.role("critic"), plan.role("actor_train")
-    if not set(critic.devices) & set(train.devices):
-        taken = max(d for role in plan.roles if role.key != "critic" for d in role.devices) + 1
-        following = tuple(range(taken, taken + len(critic.devices)))
-        if critic.devices != following:
-            raise ConfigError(critic.source, f"a critic on devices of its own takes those after the other roles', "
-                                             f"list(range({following[0]},{following[-1] + 1})), got "
-                                             f"{format_devices(critic.devices)}: its ranks start after the others, "
-                                             "on the devices Ray gives them")
-        return True
-    return False
-
-
-def check_supported(plan: ResourcePlan, rewards: Mapping[str, RewardResources]) -> None:
-    """What the engine runs today: actor_train and reference on devices 0..N-1 (N the actor's world size);
-    actor_infer on the same devices (colocated) or on the next ones, N..N+M-1 (disaggregated); rule rewards
-    in the driver or on CPU workers. Anything else was parsed and checked by build_resource_plan and is
-    refused here, naming the key."""
-    train, infer = plan.role("actor_train"), plan.role(INFER_ROLE)
-    expected = tuple(range(plan.world_size))
-    if train.devices != expected:
-        raise ConfigError(train.source,
-                          f"must be list(range(0,{plan.world_size})) today, got {format_devices(train.devices)}: the "
-                          f"engine starts its {plan.world_size} ranks on the devices Ray gives it; choosing which "
-                          "devices is not supported yet")
-    if plan.mode == DISAGGREGATED:
-        following = tuple(range(plan.world_size, plan.world_size + len(infer.devices)))
-        if infer.devices != following:
-            raise ConfigError(infer.source,
-                              f"must be the devices after actor_train's, list(range({following[0]},{following[-1] + 1})), "
-                              f"got {format_devices(infer.devices)}: disaggregated ranks are started training ranks "
-                              "first, then inference ranks, on the devices Ray gives them")
-    shared_roles = ("reference",) if plan.mode == DISAGGREGATED else ("actor_infer", "reference")
-    if any(role.key == "critic" for role in plan.roles) and not _critic_on_following_devices(plan):
-        shared_roles += ("critic",)
-    for key in shared_roles:
-        role = plan.role(key)
-        if role.devices != train.devices:
-            raise ConfigError(role.source,
-                              f"must be actor_train's devices ({format_devices(train.devices)}) today, got "
-                              f"{format_devices(role.devices)}: roles that share only some devices are not "
-                              f"supported yet (the {key} runs on the training ranks)")
-    models = [name for name, section in rewards.items() if section.is_model]
-    for name in models:
-        # A reward model is colocated: built on the actor's ranks in its TP/PP layout, time-shared.
-        key, role = f"rewards.{name}", plan.role(f"rewards.{name}")
-        if plan.mode == DISAGGREGATED:
-            raise ConfigError(f"{key}.model_path", "a reward model runs colocated with actor_train, actor_infer and "
-                                                   "the reference; disaggregated roles with a reward model are not "
-                                                   "supported yet")
-        if role.devices != train.devices:
-            raise ConfigError(f"{key}.device_mapping",
-                              f"must be actor_train's devices ({format_devices(train.devices)}) or left out, got "
-                              f"{format_devices(role.devices)}: a reward model runs on the actor's ranks in its "
-                              "TP/PP layout, taking turns with the other roles")
-    if len(models) > 1:
-        raise ConfigError(f"rewards.{models[1]}.model_path",
-                          f"one reward model is supported: rewards.{models[0]} has one already")
-    rules = [name for name in rewards if name not in models]
-    for name in rules:
-        if rewards[name].device_mapping is not None:
-            raise ConfigError(f"rewards.{name}.device_mapping",
-                              "rule verifiers run on CPU workers (world_size), not on devices; a reward role on "
-                              "devices is a reward model (model_path)")
-    if len(rules) > 1:
-        raise ConfigError(f"rewards.{rules[1]}",
-                          f"one rule-reward role is supported yet: the verifiers of rl_config.verifier_function run "
-                          f"in rewards.{rules[0]}; per-role verifiers are not supported")

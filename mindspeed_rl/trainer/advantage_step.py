@@ -1,36 +1,26 @@
-"""The advantages of an iteration, and PPO's critic around them.
-
-Critic-free estimators (group_norm, rloo, reinforce_plus_plus) read the outcome rewards only. PPO
-(`adv_estimator: gae`, a critic_config) reads the critic's values of the rollout, puts the outcome score on the
-last response token and, with `use_kl_in_reward`, the KL to the reference on every token (its coefficient fixed
-or adaptive), and takes GAE; the critic then trains toward the returns after the actor's update.
+"""The advantages of an iteration. Critic-free estimators (group_norm, rloo, reinforce_plus_plus) read the outcome
+rewards only; PPO's (`adv_estimator: gae`, a critic_config) is trainer/critic_step.py's, with the critic around it.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
 from mindspeed_rl.algorithms.advantages import compute_advantages
-from mindspeed_rl.algorithms.grpo import masked_mean
-from mindspeed_rl.algorithms.ppo import (apply_kl_penalty, gae_advantages_and_returns, kl_controller,
-                                         token_level_rewards)
+from mindspeed_rl.algorithms.ppo import kl_controller
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.rewards import RuleRewards
 from mindspeed_rl.protocol import RolloutBatch
-from mindspeed_rl.trainer.rollout import forward_logprobs
-from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics
+from mindspeed_rl.workers.actor_group import ActorGroup
 
 
 class AdvantageStep:
-    """`estimate` writes the batch's advantages (PPO: also its values and returns); `start_critic_update` trains
-    the critic on them (nothing without one). `kl_coef`: a resumed run's KL coefficient (adaptive control)."""
+    """`estimate` writes the batch's advantages from the outcome rewards; `start_critic_update` has no critic to train
+    (trainer/critic_step.py's CriticAdvantageStep has: PPO). `kl_coef`: a resumed run's KL coefficient (adaptive
+    control)."""
 
     def __init__(self, config: GRPOConfig, actor_group: ActorGroup, *, kl_coef: float | None = None):
         rl = config.rl_config
         self.rl, self.actor_group = rl, actor_group
-        self.has_critic = config.critic_config is not None
-        self.critic_has_own_devices = config.critic_has_own_devices
         self.kl = kl_controller(rl.kl_ctrl_type, init_kl_coef=rl.init_kl_coef if kl_coef is None else kl_coef,
                                 kl_target=rl.kl_target, kl_horizon=rl.kl_horizon)
 
@@ -45,41 +35,8 @@ class AdvantageStep:
         return self.kl.value if self.rl.use_kl_in_reward else self.rl.init_kl_coef
 
     def estimate(self, batch: RolloutBatch, rewards: RuleRewards) -> dict[str, float]:
-        if not self.has_critic:
-            batch.columns["advantages"] = compute_advantages(self.rl, rewards.total, batch.loss_mask())
-            return {}
-        values, metrics = forward_logprobs(self.actor_group, "compute_values", batch)
-        token_rewards = token_level_rewards(rewards.total, batch.response_mask)
-        if self.rl.use_kl_in_reward:
-            token_rewards, current_kl = apply_kl_penalty(
-                token_rewards, batch.columns["old_logprobs"], batch.columns["ref_logprobs"], batch.response_mask,
-                kl_coef=self.kl.value, kind=self.rl.kl_penalty)
-            metrics |= {"critic/reward_kl": current_kl, "critic/kl_coef": self.kl.value}
-            self.kl.update(current_kl, n_steps=len(batch))
-        advantages, returns = gae_advantages_and_returns(token_rewards, values, batch.response_mask,
-                                                         gamma=self.rl.gamma, lam=self.rl.lam)
-        batch.columns.update(advantages=advantages, returns=returns, values=values)
-        mask = batch.response_mask
-        return metrics | {"critic/values/mean": masked_mean(values, mask).item(),
-                          "critic/returns/mean": masked_mean(returns, mask).item(),
-                          "critic/explained_variance": _explained_variance(values, returns, mask)}
+        batch.columns["advantages"] = compute_advantages(self.rl, rewards.total, batch.loss_mask())
+        return {}
 
     def start_critic_update(self, batch: RolloutBatch) -> Callable[[], dict[str, float]]:
-        """The critic's update toward the batch's returns; the returned call finishes it and gives its metrics. On
-        devices of its own the critic trains while the actor's update runs (both read only the batch); sharing the
-        training ranks, it trains when finished, after the actor's update."""
-        if not self.has_critic:
-            return dict
-        if self.critic_has_own_devices:
-            pending = self.actor_group.call("update_critic", batch, blocking=False)
-            return lambda: merge_metrics(self.actor_group.wait("update_critic", pending))
-        return lambda: merge_metrics(self.actor_group.call("update_critic", batch))
-
-
-def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over the response tokens: how much of the returns the critic predicts (verl's
-    critic/vf_explained_var)."""
-    residual = returns - values
-    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
-    return float(1.0 - var_residual / var_returns.clamp(min=1e-8))
+        return dict

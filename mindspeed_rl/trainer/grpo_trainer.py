@@ -19,6 +19,7 @@ from mindspeed_rl.data.rewards import RuleRewards
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.trainer import setup
 from mindspeed_rl.trainer.advantage_step import AdvantageStep
+from mindspeed_rl.trainer.critic_step import CriticAdvantageStep
 from mindspeed_rl.trainer.dynamic_sampling import ScoredRollouts
 from mindspeed_rl.trainer.evaluation import Evaluation, format_eval_line
 from mindspeed_rl.trainer.scoring import Scoring
@@ -33,6 +34,10 @@ from mindspeed_rl.trainer.summary import summary_lines
 from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics
 
 
+# The advantage step of an estimator that brings more than the outcome rewards (PPO's GAE: the critic).
+ADVANTAGE_STEPS = {"gae": CriticAdvantageStep}
+
+
 def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: PromptDataset, run_dir: Path, *,
           sampler: PromptSampler | None = None, start_iteration: int = 1, hf_dir: str | None = None,
           progress: RunProgress | None = None, prediction=None, reward_group=None,
@@ -41,12 +46,9 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
     progress = progress or RunProgress(save_root=config.actor_config.save)
     actor_group = with_phase_progress(actor_group, every_seconds=config.runtime.progress_seconds,
                                       iteration=lambda: progress.iteration)
-    tool_turns = ToolTurns(config, tokenizer) if config.rl_config.multi_turn_enable else None
-    rollouts = Rollouts(actor_group, dataset, sampler or make_sampler(config, dataset), config, tool_turns)
-    scoring = Scoring(config, tokenizer, actor_group, reward_group)
-    sampling = ScoredRollouts(rollouts, scoring, config)
-    evaluation = Evaluation(config, scoring, eval_dataset, tool_turns)
-    advantages = AdvantageStep(config, actor_group, kl_coef=kl_coef)  # PPO: the critic's values, GAE, its update
+    rollouts, sampling, evaluation = _rollout_steps(config, actor_group, tokenizer, dataset, sampler, reward_group,
+                                                    eval_dataset)
+    advantages = ADVANTAGE_STEPS.get(config.rl_config.adv_estimator, AdvantageStep)(config, actor_group, kl_coef=kl_coef)
     record = Recorder(config, run_dir, prediction or setup.memory_prediction(
         config, setup.read_hf_config(hf_dir), quiet=True), start_iteration=start_iteration)
     try:
@@ -75,6 +77,16 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
         record.close()
         actor_group.stop_reporting()
     return record.finish(actor_group, hf_dir)
+
+
+def _rollout_steps(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: PromptDataset,
+                   sampler: PromptSampler | None, reward_group, eval_dataset: PromptDataset | None):
+    """The rollouts (with the tools under multi-turn), their scoring with dynamic sampling's refills, and the
+    evaluation, which rolls out and scores the same way."""
+    tool_turns = ToolTurns(config, tokenizer) if config.rl_config.multi_turn_enable else None
+    rollouts = Rollouts(actor_group, dataset, sampler or make_sampler(config, dataset), config, tool_turns)
+    scoring = Scoring(config, tokenizer, actor_group, reward_group)
+    return rollouts, ScoredRollouts(rollouts, scoring, config), Evaluation(config, scoring, eval_dataset, tool_turns)
 
 
 class Rollouts:
@@ -195,8 +207,8 @@ def save_checkpoint(config: GRPOConfig, actor_group: ActorGroup, iteration: int,
                     progress: RunProgress, hf_dir: str, *, kl_coef: float) -> None:
     path = save_run_checkpoint(actor_group=actor_group, save_root=config.actor_config.save, iteration=iteration,
                                sampler=sampler, kl_coef=kl_coef, seed=config.megatron_training.seed, hf_dir=hf_dir,
-                               keep_last_n=config.actor_config.keep_last_n, with_critic=config.critic_config is not None,
-                               lora=lora_record(config, hf_dir), contents=checkpoint_contents(config))
+                               keep_last_n=config.actor_config.keep_last_n, lora=lora_record(config, hf_dir),
+                               contents=checkpoint_contents(config))
     progress.last_checkpoint = str(path)
     print(f"[checkpoint] saved {path}", flush=True)
 

@@ -205,7 +205,7 @@ def restore(config: GRPOConfig, run: PreparedRun, actor_group: ActorGroup, run_d
     if run.resume is not None:
         progress.phase = "checkpoint load"
         resume_actor(actor_group, run.resume, finetune=ac.finetune, no_load_optim=ac.no_load_optim,
-                     no_load_rng=ac.no_load_rng, with_critic=config.critic_config is not None)
+                     no_load_rng=ac.no_load_rng)
         progress.last_checkpoint = str(run.resume.path)
         if run.resume.iteration:
             run.sampler.load_state_dict(run.resume.state["sampler"])

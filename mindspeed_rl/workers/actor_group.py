@@ -64,6 +64,13 @@ class RankGroupBase:
             return getattr(self.worker_class, method, None)
         return next((rpc for group in getattr(self, "member_groups", ()) if (rpc := group.declared(method))), None)
 
+    def parts(self) -> tuple:
+        """Every part its ranks compose (of every member group), in the roles' order, each once."""
+        if self.worker_class is not None:
+            return tuple(self.worker_class.PARTS)
+        found = [part for group in getattr(self, "member_groups", ()) for part in group.parts()]
+        return tuple(dict.fromkeys(found))
+
     def answers(self, method: str) -> bool:
         """Whether one of this group's parts declares `method` (the rank base's own calls answer everywhere)."""
         from mindspeed_rl.workers.parts import part_declaring

@@ -7,6 +7,8 @@ reward model, the critic. Each part declares, on its own class:
 - `PUSH_END`: its end of the weight push ("source": it holds the training weights; "destination": vLLM's);
 - `STAGE`: built before the sharding manager settles the device (Megatron engines) or after (vLLM, which sizes its
   KV cache by what is free);
+- `CHECKPOINT`: the RPCs that save and load its trained state in a run's checkpoint, and where its LR schedule's
+  state goes in trainer_state.json (None: nothing of it is saved);
 - `build_part(rank, started)`: builds its engine(s) on the rank.
 
 A role is a tuple of parts (workers/roles.py). Routing a call to a rank group, the calls after which the inference
@@ -15,10 +17,22 @@ declarations; nothing keeps a second list of RPC names.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 MEGATRON, VLLM = "megatron", "vllm"  # STAGE values
 SOURCE, DESTINATION = "source", "destination"  # PUSH_END values
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    """A part's share of a run's checkpoint: `save(dir, with_optimizer=, with_rng=)` returns its scheduler state,
+    `load(dir, load_optimizer=, load_rng=, scheduler_state=)` restores it; `state_key` names that state in
+    trainer_state.json."""
+
+    save: str
+    load: str
+    state_key: str
 
 
 class Part:
@@ -26,6 +40,7 @@ class Part:
     STATES: ClassVar[frozenset[str]] = frozenset()
     STAGE: ClassVar[str] = MEGATRON
     PUSH_END: ClassVar[str | None] = None
+    CHECKPOINT: ClassVar[Checkpointed | None] = None
 
     def build_part(self, started: float) -> None:
         raise NotImplementedError

@@ -10,7 +10,7 @@ from mindspeed_rl.memory.residency import CRITIC_STATES, CRITIC_UPDATE, CRITIC_V
 from mindspeed_rl.protocol import RolloutBatch, Shard
 from mindspeed_rl.workers import critic_steps
 from mindspeed_rl.workers.critic_steps import critic_values, update_critic
-from mindspeed_rl.workers.parts import MEGATRON, Part
+from mindspeed_rl.workers.parts import MEGATRON, Checkpointed, Part
 from mindspeed_rl.workers.phase_rpc import phase_rpc
 
 
@@ -18,6 +18,7 @@ class CriticPart(Part):
     NAME = "critic"
     STATES = CRITIC_STATES
     STAGE = MEGATRON
+    CHECKPOINT = Checkpointed(save="save_critic_checkpoint", load="load_critic_checkpoint", state_key="critic_scheduler")
 
     def build_part(self, started: float) -> None:
         from mindspeed_rl.engines.critic import register_critic_states

@@ -11,7 +11,7 @@ from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, OLD_LOGPROB, SWITCH, 
 from mindspeed_rl.protocol import RolloutBatch, Shard
 from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_config_for, over_mini_batches, packing_for,
                                             train_dp_slice, train_on_mini_batch)
-from mindspeed_rl.workers.parts import MEGATRON, SOURCE, Part
+from mindspeed_rl.workers.parts import MEGATRON, SOURCE, Checkpointed, Part
 from mindspeed_rl.workers.phase_rpc import phase_rpc
 
 
@@ -20,6 +20,7 @@ class TrainingPart(Part):
     STATES = frozenset({TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER})
     STAGE = MEGATRON
     PUSH_END = SOURCE
+    CHECKPOINT = Checkpointed(save="save_checkpoint", load="load_checkpoint", state_key="scheduler")
 
     def build_part(self, started: float) -> None:
         from mindspeed_rl.memory.megatron_states import register_megatron_states
