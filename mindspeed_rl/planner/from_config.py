@@ -18,6 +18,7 @@ from mindspeed_rl.config import ConfigError, GRPOConfig
 from mindspeed_rl.config.tolerated import longest_sample_tokens, sequence_parallel_in_effect
 from mindspeed_rl.memory.residency import ResidencyPolicy
 from mindspeed_rl.planner.arch import Architecture, ArchitectureError, from_hf_config, hf_config_from_model_block
+from mindspeed_rl.planner.critic import critic_inputs
 from mindspeed_rl.planner.inputs import GIB, KVCacheSpec, PlanInputs
 from mindspeed_rl.planner.memory import MemoryPlan, plan_memory
 from mindspeed_rl.planner.switch import SwitchPlan, plan_switch
@@ -80,18 +81,8 @@ def reward_architecture(config: GRPOConfig) -> Architecture | None:
     return architecture(ModelSource(_read_json(path, key), f"{path} ({key})"), key)
 
 
-def _critic_inputs(config: GRPOConfig) -> dict:
-    """PlanInputs' critic fields: its architecture from critic_config.load's config.json where that is an HF
-    directory on this machine (else the actor's), its micro-batch size and recompute."""
-    critic = config.critic_config
-    if critic is None:
-        return {}
-    path = Path(critic.load) / "config.json" if critic.load else None
-    arch = (architecture(ModelSource(_read_json(path, "critic_config.load"), f"{path} (critic_config.load)"),
-                         "critic_config.load") if path is not None and path.is_file() else None)
-    return dict(critic_arch=arch, critic_micro_batch_size=critic.micro_batch_size,
-                critic_recompute=(critic.recompute_granularity, critic.recompute_method, critic.recompute_num_layers),
-                critic_world_size=config.critic_world_size if config.critic_has_own_devices else 0)
+def _architecture_at(path: Path, key: str) -> Architecture:
+    return architecture(ModelSource(_read_json(path, key), f"{path} ({key})"), key)
 
 
 def on_cpu(config: GRPOConfig, device_memory: int | None, device: str | None = None) -> bool:
@@ -120,7 +111,7 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
         policy=ResidencyPolicy.for_run(config, has_reward_model=config.reward_model is not None,
                                        has_critic=config.critic_config is not None),
         lora_rank=ac.lora_r if ac.uses_lora else 0, lora_targets=tuple(ac.lora_target_modules),
-        reward_arch=reward_architecture(config), **_critic_inputs(config),
+        reward_arch=reward_architecture(config), **critic_inputs(config, _architecture_at),
         kv=KVCacheSpec(on_cpu=cpu, cpu_bytes=int(gen.cpu_kvcache_space_gb * GIB),
                        gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
                        max_model_len=gen.max_model_len),

@@ -14,15 +14,15 @@ import math
 from dataclasses import dataclass, replace
 
 from mindspeed_rl.memory.ledger import ACTIVATIONS
-from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER, CRITIC_PARAMS, CRITIC_UPDATE,
+from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_UPDATE,
                                            INFER_WEIGHTS, KV_CACHE, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS, SWITCH,
                                            TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
 from mindspeed_rl.planner.activations import activation_bytes
+from mindspeed_rl.planner.critic import CRITIC_ACTIVATIONS, critic_activations, critic_states
 from mindspeed_rl.planner.inputs import DTYPE_BYTES, GIB, PlanInputs
-from mindspeed_rl.planner.params import (reward_model_bytes, stage_critic_bytes, stage_lora_train_bytes,
+from mindspeed_rl.planner.params import (reward_model_bytes, stage_lora_train_bytes,
                                          stage_train_bytes, vllm_numel, vllm_stage_layers)
 
-CRITIC_ACTIVATIONS = "critic_activations"  # the critic's update's; drawn as activations in its phase
 
 
 # -- per rank -------------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
         if inputs.policy.has_reward_model else 0,
         INFER_WEIGHTS: infer, KV_CACHE: kv_cache_bytes(inputs, infer, c["infer_pp_rank"]),
         ACTIVATIONS: activation_bytes(inputs, c["pp_rank"]),
-        **_critic_states(inputs, c, on_this_rank=not inputs.critic_world_size),
+        **critic_states(inputs, c, on_this_rank=not inputs.critic_world_size),
     }
     return RankBytes(rank, states, switch_staging)
 
@@ -95,22 +95,9 @@ def critic_device_bytes(inputs: PlanInputs, index: int) -> RankBytes:
     """Device `index` of the critic's own devices, after the others (numbered on from the training ranks): the
     critic's states in every phase (nothing else is there to take turns with), its update's activations."""
     states = {category: 0 for category in (*STATE_GROUPS, ACTIVATIONS)}
-    states |= _critic_states(inputs, inputs.for_critic().rank_coordinates(index), on_this_rank=True)
+    states |= critic_states(inputs, inputs.for_critic().rank_coordinates(index), on_this_rank=True)
     policy = replace(inputs.policy, offload_critic=False, has_reference=False, has_reward_model=False)
     return RankBytes(inputs.world_size + index, states, policy=policy)
-
-
-def _critic_states(inputs: PlanInputs, c: dict, *, on_this_rank: bool) -> dict[str, int]:
-    """The critic's three state groups and its update's activations (0 without a critic, or on the training ranks
-    of a critic with devices of its own)."""
-    if not inputs.policy.has_critic or not on_this_rank:
-        return {CRITIC_PARAMS: 0, CRITIC_GRADS: 0, CRITIC_OPTIMIZER: 0, CRITIC_ACTIVATIONS: 0}
-    critic = inputs.for_critic()
-    state = stage_critic_bytes(critic.arch, tp=inputs.tp, pp=inputs.pp, pp_rank=c["pp_rank"], dp=critic.dp,
-                               bf16=inputs.bf16, distributed_optimizer=inputs.distributed_optimizer,
-                               dp_rank=c["dp_rank"])
-    return {CRITIC_PARAMS: state.params, CRITIC_GRADS: state.grads, CRITIC_OPTIMIZER: state.optimizer,
-            CRITIC_ACTIVATIONS: activation_bytes(critic, c["pp_rank"], logits=False)}
 
 
 # -- the plan -------------------------------------------------------------------------------------------
@@ -198,13 +185,10 @@ class MemoryPlan:
 def _with_activations(inputs: PlanInputs, rank: RankBytes) -> RankBytes:
     """`rank` with the update's and the critic update's activations of `inputs` (its sequence length)."""
     states = dict(rank.states)
-    own_critic_device = rank.policy is not None
-    if not own_critic_device:
+    own_devices = rank.policy is not None  # a part alone on devices of its own (no actor there)
+    if not own_devices:
         states[ACTIVATIONS] = activation_bytes(inputs, inputs.rank_coordinates(rank.rank)["pp_rank"])
-    if states.get(CRITIC_ACTIVATIONS):
-        critic = inputs.for_critic()
-        index = rank.rank - inputs.world_size if own_critic_device else rank.rank
-        states[CRITIC_ACTIVATIONS] = activation_bytes(critic, critic.rank_coordinates(index)["pp_rank"], logits=False)
+    states |= critic_activations(inputs, rank.rank, states, own_devices=own_devices)
     return replace(rank, states=states)
 
 

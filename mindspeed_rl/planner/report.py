@@ -6,6 +6,7 @@ from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_GRADS, CRITIC_
                                            TRAIN_PARAMS)
 from mindspeed_rl.planner.from_config import Suggestion
 from mindspeed_rl.planner.activations import activation_terms
+from mindspeed_rl.planner.critic import critic_devices_text, critic_layout_lines
 from mindspeed_rl.planner.inputs import DTYPE_BYTES
 from mindspeed_rl.planner.memory import (ACTIVATIONS, MemoryPlan, format_bytes,
                                          kv_needed_bytes)
@@ -27,6 +28,10 @@ ROWS = (
     ("switch_staging", "switch staging buffers"),
 )
 
+
+# The rows of parts a run may not have (LoRA's adapters, a reward model, PPO's critic) and the push's staging: shown
+# only where some phase holds bytes in them.
+OPTIONAL_ROWS = (ADAPTER_PARAMS, REWARD_PARAMS, CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER, "switch_staging")
 
 def count_text(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
@@ -63,18 +68,7 @@ def _layout_line(plan: MemoryPlan) -> list[str]:
             f"  offload_train_param/grad/optimizer: {flags}; reference model: "
             f"{'yes' if i.policy.has_reference else 'no'}; reward: "
             + ("rule-based + a reward model (on the device in the reward phase only)" if i.policy.has_reward_model
-               else "rule-based (no reward model on the device)")] + _critic_line(i)
-
-
-def _critic_line(i) -> list[str]:
-    if not i.policy.has_critic:
-        return []
-    if not i.critic_world_size:
-        return ["  critic: on the training ranks, taking turns (its states on the device in its two phases only)"]
-    first, last = i.world_size, i.world_size + i.critic_world_size - 1
-    numbers = f"rank {first}" if first == last else f"ranks {first}-{last}"
-    return [f"  critic: {i.critic_world_size} device(s) of its own ({numbers} below), TP{i.tp} x PP{i.pp} x "
-            f"DP{i.for_critic().dp}; its states stay there in every phase"]
+               else "rule-based (no reward model on the device)")] + critic_layout_lines(i)
 
 
 def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: SwitchPlan | None,
@@ -86,7 +80,7 @@ def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
              f"  numbers from {source}",
              f"  {arch.support}",
              f"layout: {i.world_size} device{'s' if i.world_size > 1 else ''}"
-             + (f" + {i.critic_world_size} of the critic's" if i.critic_world_size else "")]
+             + critic_devices_text(i)]
     lines += _layout_line(plan)
     table, totals = plan.table(), plan.totals()
     width = max(len(label) for _, label in ROWS) + 2
@@ -96,8 +90,7 @@ def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
               f"{'':<{width}}{header}"]
     for key, label in ROWS:
         values = [table[p].get(key, 0) for p in phases]
-        if key in (ADAPTER_PARAMS, REWARD_PARAMS, CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER, "switch_staging") \
-                and not any(values):
+        if key in OPTIONAL_ROWS and not any(values):
             if key == REWARD_PARAMS:
                 lines.append(f"{label:<{width}}" + "".join(f"{'-':>14}" for _ in phases))
             continue
