@@ -37,6 +37,9 @@ def parse_dtype(name: str, *, key: str = "--dtype") -> torch.dtype:
         raise ConfigError(key, f"unknown dtype {name!r}, expected one of {sorted(_DTYPES)}")
     return _DTYPES[name]
 
+# trainer_state.json key -> how a feature's checkpoint loads into a TP1 PP1 model (LoRA: its adapters, and the
+# backbone from the checkpoint or its base).
+FEATURE_LOADERS = {LORA_STATE_KEY: load_lora_model}
 
 @dataclass(frozen=True, kw_only=True)
 class ExportOptions:
@@ -179,9 +182,11 @@ def load_checkpoint_model(checkpoint: str | os.PathLike, *, key: str = "--checkp
     params_dtype = _saved_dtype(model_dir, key=key)
     model = build_gpt_model(spec, params_dtype=params_dtype)  # TP1 PP1: the caller's state
     state_path = verified.path / TRAINER_STATE_NAME  # a run's save has one; a model-only checkpoint may not
-    lora = json.loads(state_path.read_text()).get(LORA_STATE_KEY) if state_path.is_file() else None
-    if lora is not None:
-        return load_lora_model(model, spec, model_dir, lora, base=base, key=key), spec, hf_dir, lora
+    trainer_state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    for record_key, load_feature_model in FEATURE_LOADERS.items():  # a feature's own way of loading its checkpoints
+        record = trainer_state.get(record_key)
+        if record is not None:
+            return load_feature_model(model, spec, model_dir, record, base=base, key=key), spec, hf_dir, record
     try:
         state = dist_checkpointing.load(model_sharded_state_dict(model), str(model_dir), strict="raise_all")
     except Exception as error:  # Megatron raises several types for a foreign/corrupt checkpoint
@@ -218,10 +223,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
         raise ConfigError("--output", f"{out} exists and is not an empty directory; choose a new path")
     model, spec, hf_dir, lora = load_checkpoint_model(checkpoint, base=base)
     if peft:
-        if lora is None:
-            raise ConfigError("--peft", "the checkpoint has no LoRA adapters (actor_config.lora_target_modules): "
-                                        "export the whole model without --peft")
         return write_peft_adapter(model, spec, lora, out, base=base, dtype=options.dtype)
-    named = MergedWeights(model) if lora is not None else {name: p.data for name, p in model.named_parameters()}
-    state = hf_weights_from_megatron(named, spec)
+    state = hf_weights_from_megatron(MergedWeights(model), spec)  # with LoRA, each adapter merged into its weight
     return write_hf_checkpoint(state, config_dir=hf_dir, output_dir=out, options=options)

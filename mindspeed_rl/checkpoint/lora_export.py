@@ -23,14 +23,14 @@ LORA_STATE_KEY = "lora"
 ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 
 
-def lora_record(config, backbone_dir: str) -> dict | None:
-    """What a checkpoint keeps of the run's LoRA (None without one)."""
+def lora_record(config, backbone_dir: str) -> dict:
+    """What a checkpoint keeps of the run's LoRA, under LORA_STATE_KEY in trainer_state.json (nothing without one)."""
     actor = config.actor_config
     if not actor.uses_lora:
-        return None
-    return {"rank": actor.lora_r, "alpha": actor.lora_alpha, "target_modules": list(actor.lora_target_modules),
-            "filter": actor.lora_filter, "seed": config.megatron_training.seed,
-            "backbone": os.path.abspath(backbone_dir)}
+        return {}
+    return {LORA_STATE_KEY: {"rank": actor.lora_r, "alpha": actor.lora_alpha,
+                             "target_modules": list(actor.lora_target_modules), "filter": actor.lora_filter,
+                             "seed": config.megatron_training.seed, "backbone": os.path.abspath(backbone_dir)}}
 
 
 def load_lora_model(model, spec, model_dir: Path, record: dict, *, base: str | None, key: str):
@@ -62,9 +62,13 @@ def load_lora_model(model, spec, model_dir: Path, record: dict, *, base: str | N
     return model
 
 
-def write_peft_adapter(model, spec, record: dict, output_dir: str | os.PathLike, *, base: str | None,
+def write_peft_adapter(model, spec, record: dict | None, output_dir: str | os.PathLike, *, base: str | None,
                        dtype: torch.dtype | None = None) -> Path:
-    """The adapters of `model` (TP1 PP1) as a PEFT adapter directory at `output_dir` (new or empty), atomically."""
+    """The adapters of `model` (TP1 PP1) as a PEFT adapter directory at `output_dir` (new or empty), atomically;
+    `record` is the checkpoint's LoRA record (None: it has no adapters, refused)."""
+    if record is None:
+        raise ConfigError("--peft", "the checkpoint has no LoRA adapters (actor_config.lora_target_modules): "
+                                    "export the whole model without --peft")
     from peft import LoraConfig
     from safetensors.torch import save_file
 

@@ -40,18 +40,17 @@ def checkpointed(actor_group) -> list:
 
 
 def save_run_checkpoint(*, actor_group, save_root: str, iteration: int, sampler, kl_coef: float, seed: int,
-                        hf_dir: str, keep_last_n: int | None, lora: dict | None = None,
+                        hf_dir: str, keep_last_n: int | None, records: dict | None = None,
                         contents: Contents = Contents()) -> Path:
-    """Every rank writes its parts' shards into a temporary dir, the driver adds its state and commits it."""
+    """Every rank writes its parts' shards into a temporary dir, the driver adds its state (and `records`: what a
+    feature keeps of its settings, e.g. LoRA's, checkpoint/lora_export.py) and commits it."""
     tmp = begin_save(save_root, iteration)
     parts = dict(with_optimizer=contents.optimizer, with_rng=contents.rng)
     with disk_error_named(tmp):
         schedulers = {saved.state_key: actor_group.call(saved.save, str(tmp), **parts)[0][0]
                       for saved in checkpointed(actor_group)}
     state = {"iteration": iteration, "sampler": sampler.state_dict(), **schedulers,
-             "kl_coef": kl_coef, "seed": seed, CONTENTS_KEY: dataclasses.asdict(contents)}
-    if lora is not None:  # the adapters' settings and backbone (checkpoint/lora_export.py)
-        state["lora"] = lora
+             "kl_coef": kl_coef, "seed": seed, CONTENTS_KEY: dataclasses.asdict(contents), **(records or {})}
     (tmp / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=1, sort_keys=True))
     (tmp / HF_SUBDIR).mkdir()
     for name in HF_FILES:

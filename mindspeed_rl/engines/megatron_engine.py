@@ -6,6 +6,7 @@ go through the same path as on a cluster.
 """
 from __future__ import annotations
 
+from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -18,6 +19,7 @@ from mindspeed_rl.accelerator import Accelerator
 from mindspeed_rl.engines.vocab_parallel import response_logprobs_from_logits
 from mindspeed_rl.models.megatron_build import (  # noqa: F401 (build_gpt_model, load_hf_into_megatron: API)
     build_gpt_model, layout_buffers, load_hf_into_megatron)
+from mindspeed_rl.models.lora import MergedWeights, saved_state, with_adapters
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec
 from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
 
@@ -101,10 +103,7 @@ class MegatronEngine:
         with accelerator.megatron_context():
             module = build_gpt_model(spec, params_dtype=params_dtype, parallel=self.parallel, options=options)
             load_hf_into_megatron(module, hf_state, spec, parallel=self.parallel)
-            if lora is not None:
-                from mindspeed_rl.models.lora import add_lora
-
-                add_lora(module, lora)
+            with_adapters(module, lora)
             module.to(accelerator.device)
             self.optimizer = None
             self.scheduler = None
@@ -321,13 +320,9 @@ class MegatronEngine:
 
     # -- weights -------------------------------------------------------------------------------
     def named_weights(self) -> Mapping[str, torch.Tensor]:
-        """This rank's Megatron shards, by `named_parameters()` name (the resharding sources); with LoRA the
-        backbone's names, each adapted weight merged with its adapter when read."""
-        if self.lora is not None:
-            from mindspeed_rl.models.lora import MergedWeights
-
-            return MergedWeights(self.module)
-        return {**{name: param.data for name, param in self.module.named_parameters()}, **layout_buffers(self.module)}
+        """This rank's Megatron shards, by `named_parameters()` name (the resharding sources), and the buffers the
+        layouts move; with LoRA the backbone's names, each adapted weight merged with its adapter when read."""
+        return ChainMap(layout_buffers(self.module), MergedWeights(self.module))
 
     def adapters_disabled(self):
         """The backbone without the adapters while the context lasts (LoRA's shared-backbone reference)."""
@@ -340,12 +335,7 @@ class MegatronEngine:
         MindSpeed-RL's lora_ckpt_filter, the adapters only."""
         from mindspeed_rl.engines.dist_checkpoint import model_sharded_state_dict
 
-        state = model_sharded_state_dict(self.module)
-        if self.lora_filter:
-            from mindspeed_rl.models.lora import is_lora_param
-
-            state = {key: value for key, value in state.items() if is_lora_param(key)}
-        return state
+        return saved_state(model_sharded_state_dict(self.module), adapters_only=self.lora_filter)
 
     # -- distributed checkpoints (mindspeed_rl/checkpoint/FORMAT.md) ------------------------------
     def save_sharded(self, checkpoint_dir: str, *, with_optimizer: bool) -> dict | None:

@@ -116,6 +116,26 @@ def _sharded(module, prefix, axis_map, sharded_offsets, metadata):
                                                dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
 
+def lora_settings_of(actor_config, *, seed: int) -> LoRASettings | None:
+    """actor_config's LoRA (its lora_* keys), or None without one."""
+    if not actor_config.uses_lora:
+        return None
+    return LoRASettings(rank=actor_config.lora_r, alpha=actor_config.lora_alpha,
+                        target_modules=tuple(actor_config.lora_target_modules), seed=seed)
+
+
+def with_adapters(model: torch.nn.Module, settings: LoRASettings | None) -> None:
+    """`add_lora` where the run has LoRA (`settings`); a model without it keeps every weight trainable."""
+    if settings is not None:
+        add_lora(model, settings)
+
+
+def saved_state(state: dict, *, adapters_only: bool) -> dict:
+    """A model's sharded state as a checkpoint holds it: whole, or with MindSpeed-RL's lora_ckpt_filter the adapters
+    only (the backbone is the HF checkpoint's)."""
+    return {key: value for key, value in state.items() if is_lora_param(key)} if adapters_only else state
+
+
 def add_lora(model: torch.nn.Module, settings: LoRASettings) -> None:
     """Adapters on every target linear of this rank's stage of a GPTModel; every other parameter frozen (no
     gradient, so DDP gives it no grad buffer and the optimizer no state)."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mindspeed_rl.planner.lora import lora_first_stage, lora_layer_change
 from mindspeed_rl.planner.params import stage_layers
 
 if TYPE_CHECKING:
@@ -74,32 +75,14 @@ def activation_terms(inputs: PlanInputs) -> ActivationTerms:
     else:
         attention = 4 * e * h / h_split + (2 * e * arch.q_width + 2 * e * arch.kv_width) / t + scores
         mlp_per_width = 3 * e
-    dense = attention + mlp_per_width * arch.intermediate_size / t
-    first_stage = 8.0
-    if inputs.lora_targets:
-        dense += _lora_layer_change(inputs, e, h_split)
-        first_stage = -(7 if inputs.activation_profile == "cpu" else 1) * e * h / h_split
+    dense = attention + mlp_per_width * arch.intermediate_size / t + lora_layer_change(inputs, e, h_split)
+    first_stage = lora_first_stage(inputs, e, h_split, default=8.0)
     moe = attention
     if arch.is_moe:
         moe += mlp_per_width * (arch.moe_topk * arch.moe_intermediate_size + arch.shared_expert_size) / t
         moe += 8 * arch.num_experts + 2 * e * arch.moe_topk * h
     return ActivationTerms(dense_layer=dense, moe_layer=moe, first_stage=first_stage, last_stage=(8 + e) * h,
                            last_stage_per_response_token=e * arch.vocab_size / t + 24)
-
-
-def _lora_layer_change(inputs: PlanInputs, e: int, h_split: int) -> float:
-    """Bytes per token a LoRA layer keeps beyond the full-parameter one: each frozen linear's input not kept, each
-    adapter's A output kept (and a column-parallel adapter's input gathered over sequence parallel)."""
-    arch, t, h = inputs.arch, inputs.tp, inputs.arch.hidden_size
-    linear_inputs = {"linear_qkv": (e * h / h_split, True), "linear_proj": (e * arch.q_width / t, False),
-                     "linear_fc1": (e * h / h_split, True), "linear_fc2": (e * arch.intermediate_size / t, False)}
-    change = 0.0
-    for target, (input_bytes, column) in linear_inputs.items():
-        if target not in inputs.lora_targets:
-            change -= input_bytes
-        else:
-            change += e * inputs.lora_rank + (e * h - input_bytes if column else 0.0)
-    return change
 
 
 def activation_bytes(inputs: PlanInputs, pp_rank: int, *, logits: bool = True) -> int:

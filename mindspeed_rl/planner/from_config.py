@@ -19,6 +19,7 @@ from mindspeed_rl.config.tolerated import longest_sample_tokens, sequence_parall
 from mindspeed_rl.memory.residency import ResidencyPolicy
 from mindspeed_rl.planner.arch import Architecture, ArchitectureError, from_hf_config, hf_config_from_model_block
 from mindspeed_rl.planner.critic import critic_inputs
+from mindspeed_rl.planner.lora import lora_inputs
 from mindspeed_rl.planner.inputs import GIB, KVCacheSpec, PlanInputs
 from mindspeed_rl.planner.memory import MemoryPlan, plan_memory
 from mindspeed_rl.planner.switch import SwitchPlan, plan_switch
@@ -110,8 +111,7 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
         response_length=config.response_length_limit,
         policy=ResidencyPolicy.for_run(config, has_reward_model=config.reward_model is not None,
                                        has_critic=config.critic_config is not None),
-        lora_rank=ac.lora_r if ac.uses_lora else 0, lora_targets=tuple(ac.lora_target_modules),
-        reward_arch=reward_architecture(config), **critic_inputs(config, _architecture_at),
+        **lora_inputs(config), reward_arch=reward_architecture(config), **critic_inputs(config, _architecture_at),
         kv=KVCacheSpec(on_cpu=cpu, cpu_bytes=int(gen.cpu_kvcache_space_gb * GIB),
                        gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
                        max_model_len=gen.max_model_len),

@@ -20,8 +20,8 @@ from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_UPDATE,
 from mindspeed_rl.planner.activations import activation_bytes
 from mindspeed_rl.planner.critic import CRITIC_ACTIVATIONS, critic_activations, critic_states
 from mindspeed_rl.planner.inputs import DTYPE_BYTES, GIB, PlanInputs
-from mindspeed_rl.planner.params import (reward_model_bytes, stage_lora_train_bytes,
-                                         stage_train_bytes, vllm_numel, vllm_stage_layers)
+from mindspeed_rl.planner.lora import actor_train_bytes
+from mindspeed_rl.planner.params import reward_model_bytes, vllm_numel, vllm_stage_layers
 
 
 
@@ -66,14 +66,7 @@ def kv_needed_bytes(inputs: PlanInputs, infer_pp_rank: int | None = None) -> int
 
 def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> RankBytes:
     c = inputs.rank_coordinates(rank)
-    if inputs.lora_targets:
-        train = stage_lora_train_bytes(inputs.arch, tp=inputs.tp, pp=inputs.pp, pp_rank=c["pp_rank"], dp=inputs.dp,
-                                       bf16=inputs.bf16, distributed_optimizer=inputs.distributed_optimizer,
-                                       dp_rank=c["dp_rank"], rank=inputs.lora_rank, targets=inputs.lora_targets)
-    else:
-        train = stage_train_bytes(inputs.arch, tp=inputs.tp, pp=inputs.pp, pp_rank=c["pp_rank"], ep=inputs.ep,
-                                  dp=inputs.dp, bf16=inputs.bf16, distributed_optimizer=inputs.distributed_optimizer,
-                                  dp_rank=c["dp_rank"])
+    train = actor_train_bytes(inputs, c)
     infer = vllm_numel(inputs.arch, tp=inputs.infer_tp, tp_rank=c["infer_tp_rank"], dp=inputs.infer_dp,
                        dp_rank=c["infer_dp_rank"], expert_parallel=inputs.infer_expert_parallel,
                        pp=inputs.infer_pp, pp_rank=c["infer_pp_rank"]) * DTYPE_BYTES[inputs.infer_dtype]

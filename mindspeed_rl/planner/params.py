@@ -175,30 +175,6 @@ def _stage_buffers(arch: Architecture, tp: int, pp: int, pp_rank: int, ep: int, 
                        distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=dp // ep)
 
 
-@lru_cache(maxsize=1024)
-def stage_lora_train_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, dp: int, bf16: bool,
-                           distributed_optimizer: bool, dp_rank: int, rank: int,
-                           targets: tuple[str, ...]) -> TrainStateBytes:
-    """The actor with LoRA (models/lora.py): the frozen backbone's shard (no DDP buffer, grads or optimizer state)
-    plus the adapters of the stage's target linears, trained as params are: A [r, columns] and B [rows, r] of
-    each target weight shard [rows, columns] (column-parallel [out/t, in], row-parallel [out, in/t]). No
-    reference params: the reference is the backbone."""
-    from mindspeed_rl.models.layouts import megatron_layout
-
-    adapters = []
-    for tensor in megatron_layout(arch.to_spec(), tp=tp, tp_rank=0, pp=pp, pp_rank=pp_rank):
-        module = tensor.name.removesuffix(".weight")
-        if tensor.name.endswith(".weight") and module.rsplit(".", 1)[-1] in targets:
-            rows, columns = tensor.shape
-            adapters += [Param(f"{module}.lora_A", rank * columns), Param(f"{module}.lora_B", rows * rank)]
-    e = 2 if bf16 else 4
-    frozen = sum(p.numel for p in _stage_params(arch, tp, pp, pp_rank, 1)) * e
-    trained = train_state_bytes(tuple(adapters), bf16=bf16, distributed_optimizer=distributed_optimizer, dp=dp,
-                                expert_dp=dp, dp_rank=dp_rank, expert_dp_rank=dp_rank)
-    return TrainStateBytes(params=frozen, grads=trained.grads, optimizer=trained.optimizer, reference=0,
-                           adapter_params=trained.params)
-
-
 def reward_model_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, bf16: bool) -> int:
     """One rank's reward-model params (engines/reward_model.py): the trunk's shard of stage `pp_rank` in the
     actor's layout, without a language-model head, and on the last stage the replicated hidden -> 1 score

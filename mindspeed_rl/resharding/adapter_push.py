@@ -135,3 +135,22 @@ def bridge_adapter_push(*, spec, lora, train: TrainLayout, infer: InferLayout, t
                        infer_world_size=infer_world_size, group=bridge, dtypes=dtypes, adapter_dtype=adapter_dtype,
                        read_backbone=read_backbone, read_adapters=read_adapters, inference_model=inference_model,
                        bucket_bytes=bucket_bytes, check_weights=check_weights)
+
+
+def colocated_push_of(actor, **plan):
+    """The push of `actor` into the vLLM of the same ranks: the adapters only with LoRA, else every weight through
+    the plan (resharding/weight_push.py)."""
+    from mindspeed_rl.resharding.weight_push import colocated_push
+
+    return (colocated_push if actor.lora is None else colocated_adapter_push)(actor=actor, **plan)
+
+
+def bridge_push_of(*, lora, actor, adapter_dtype, **bridge):
+    """This rank's end of the push over the bridge: LoRA's adapters only (`lora` settings), else every weight; a
+    training rank gives its `actor`, an inference rank None."""
+    from mindspeed_rl.resharding.weight_push import bridge_push
+
+    if lora is None:
+        return bridge_push(read_sources=actor.named_weights if actor is not None else None, **bridge)
+    return bridge_adapter_push(lora=lora, adapter_dtype=adapter_dtype, actor=actor, **bridge)
+

@@ -207,7 +207,7 @@ def save_checkpoint(config: GRPOConfig, actor_group: ActorGroup, iteration: int,
                     progress: RunProgress, hf_dir: str, *, kl_coef: float) -> None:
     path = save_run_checkpoint(actor_group=actor_group, save_root=config.actor_config.save, iteration=iteration,
                                sampler=sampler, kl_coef=kl_coef, seed=config.megatron_training.seed, hf_dir=hf_dir,
-                               keep_last_n=config.actor_config.keep_last_n, lora=lora_record(config, hf_dir),
+                               keep_last_n=config.actor_config.keep_last_n, records=lora_record(config, hf_dir),
                                contents=checkpoint_contents(config))
     progress.last_checkpoint = str(path)
     print(f"[checkpoint] saved {path}", flush=True)

@@ -115,13 +115,9 @@ def build_reference(config: GRPOConfig, accelerator, options, *, checkpoint, pro
 
 def lora_settings(config: GRPOConfig):
     """actor_config's LoRA, or None without one."""
-    actor = config.actor_config
-    if not actor.uses_lora:
-        return None
-    from mindspeed_rl.models.lora import LoRASettings
+    from mindspeed_rl.models.lora import lora_settings_of
 
-    return LoRASettings(rank=actor.lora_r, alpha=actor.lora_alpha, target_modules=tuple(actor.lora_target_modules),
-                        seed=config.megatron_training.seed)
+    return lora_settings_of(config.actor_config, seed=config.megatron_training.seed)
 
 
 def build_reward_model(config: GRPOConfig, accelerator, options, *, progress: Callable[[str], None]):

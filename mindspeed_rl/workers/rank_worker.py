@@ -108,14 +108,12 @@ class RankWorker(RankProcess):
     def _wire_colocated_push(self) -> None:
         """Both ends of the push on this rank: through the plan into the local vLLM; LoRA's moves only the adapters
         (resharding/adapter_push.py)."""
-        from mindspeed_rl.resharding.adapter_push import colocated_adapter_push
-        from mindspeed_rl.resharding.weight_push import colocated_push
+        from mindspeed_rl.resharding.adapter_push import colocated_push_of
         from mindspeed_rl.workers import engine_builders as build
 
         train, infer = build.switch_layouts(self.config)
-        push = colocated_push if self.actor.lora is None else colocated_adapter_push
-        self.sharding_manager.attach_push(push(
-            actor=self.actor, inference_model=self.inference_model, train=train, infer=infer,
+        self.sharding_manager.attach_push(colocated_push_of(
+            self.actor, inference_model=self.inference_model, train=train, infer=infer,
             rank=self.rank_info.rank, world_size=self.rank_info.world_size, bucket_bytes=build.bucket_bytes(self.config),
             check_weights=self.config.generate_config.check_weights_after_switch), colocated=True)
 
@@ -149,8 +147,7 @@ class RankWorker(RankProcess):
         """Join the bridge (training ranks first, then inference ranks) and plan this rank's end of the push: a LoRA
         actor's moves the adapters only (resharding/adapter_push.py), else the weights go through the plan."""
         from mindspeed_rl.models.checkpoint import read_spec
-        from mindspeed_rl.resharding.adapter_push import bridge_adapter_push
-        from mindspeed_rl.resharding.weight_push import bridge_push
+        from mindspeed_rl.resharding.adapter_push import bridge_push_of
         from mindspeed_rl.workers import engine_builders as build
 
         train, infer = build.switch_layouts(self.config)
@@ -164,12 +161,8 @@ class RankWorker(RankProcess):
             timeout_seconds=self.config.runtime.collective_timeout_seconds,
             backend=self.accelerator.distributed_backend, bucket_bytes=build.bucket_bytes(self.config),
             check_weights=self.config.generate_config.check_weights_after_switch)
-        lora = build.lora_settings(self.config)
-        if lora is None:
-            push = bridge_push(read_sources=self.actor.named_weights if source else None, **common)
-        else:
-            push = bridge_adapter_push(lora=lora, adapter_dtype=build.params_dtype(self.config),
-                                       actor=self.actor if source else None, **common)
+        push = bridge_push_of(lora=build.lora_settings(self.config), actor=self.actor if source else None,
+                              adapter_dtype=build.params_dtype(self.config), **common)
         self.sharding_manager.attach_push(push, colocated=False)
 
     # -- manual state control (ROLL), through the sharding manager -----------------------------------
