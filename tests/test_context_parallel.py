@@ -35,7 +35,9 @@ def test_the_cp2_demo_has_one_data_parallel_rank_on_two_ranks():
 
 
 def test_context_parallel_that_does_not_divide_the_ranks_is_a_config_error():
-    with pytest.raises(ConfigError, match="actor_config.context_parallel_size: tensor . pipeline . context parallel size"):
+    with pytest.raises(ConfigError, match=r"actor_config.context_parallel_size: tensor_model_parallel_size \* "
+                                          r"pipeline_model_parallel_size \* context_parallel_size = 1 \* 1 \* 3 = 3 "
+                                          r"must divide"):
         load("grpo_tiny_cpu_cp2", "actor_config.context_parallel_size=3")
 
 

@@ -24,8 +24,8 @@ from mindspeed_rl.config.algorithm_checks import (check_dynamic_sampling, check_
                                                   check_num_layer_list, check_recompute_layers)
 from mindspeed_rl.config.critic import (check_critic, critic_has_own_devices, critic_role_sections, critic_world_size,
                                         own_critic_ranks)
-from mindspeed_rl.config.layout_checks import (check_context_parallel, check_infer_layout, check_model_sharding,
-                                               check_train_layout)
+from mindspeed_rl.config.context_parallel import check_context_parallel
+from mindspeed_rl.config.layout_checks import check_infer_layout, check_model_sharding, check_train_layout
 from mindspeed_rl.config.lora import check_lora_run
 from mindspeed_rl.config.multi_turn import check_multi_turn
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig

@@ -2,6 +2,8 @@
 `config` is the GRPOConfig (not imported here: it imports this module)."""
 from __future__ import annotations
 
+import math
+
 from mindspeed_rl.config.checks import require_divides
 from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.config.model_arch import ModelArchConfig
@@ -9,44 +11,27 @@ from mindspeed_rl.config.model_arch import ModelArchConfig
 WORLD_DESC_KEY = "rl_config.actor_resource.num_npus"
 
 
+# Each size, with the sizes before it in Megatron's rank order, must divide the actor's devices.
+_TRAIN_PRODUCTS = (
+    ("pipeline_model_parallel_size", ("tensor_model_parallel_size", "pipeline_model_parallel_size")),
+    ("context_parallel_size", ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")),
+    ("expert_model_parallel_size", ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                    "expert_model_parallel_size")),
+)
+
+
 def check_train_layout(config) -> None:
     actor, world = config.actor_config, config.world_size
-    tp, pp, ep = (
-        actor.tensor_model_parallel_size,
-        actor.pipeline_model_parallel_size,
-        actor.expert_model_parallel_size,
-    )
     world_desc = f"{WORLD_DESC_KEY}={world}"
-    require_divides("actor_config.tensor_model_parallel_size", tp, world, world_desc)
-    if world % (tp * pp) != 0:
-        raise ConfigError(
-            "actor_config.pipeline_model_parallel_size",
-            f"tensor_model_parallel_size * pipeline_model_parallel_size = {tp} * {pp} = {tp * pp} "
-            f"must divide {world_desc}, got pipeline_model_parallel_size={pp}",
-        )
-    cp = actor.context_parallel_size
-    if world % (tp * pp * cp) != 0:
-        raise ConfigError(
-            "actor_config.context_parallel_size",
-            f"tensor * pipeline * context parallel size = {tp} * {pp} * {cp} = {tp * pp * cp} "
-            f"must divide {world_desc}, got context_parallel_size={cp}",
-        )
-    if world % (tp * pp * ep) != 0:
-        raise ConfigError(
-            "actor_config.expert_model_parallel_size",
-            f"tensor * pipeline * expert parallel size = {tp} * {pp} * {ep} = {tp * pp * ep} "
-            f"must divide {world_desc}, got expert_model_parallel_size={ep}",
-        )
-
-
-def check_context_parallel(config) -> None:
-    """Context parallelism covers every model here (actor, reference, critic, reward model; Qwen and DeepSeek-V3's
-    MLA), without attention dropout."""
-    if config.actor_config.context_parallel_size == 1:
-        return
-    if config.megatron_training.attention_dropout > 0:
-        raise ConfigError("actor_config.context_parallel_size", "> 1 runs without attention dropout: it needs "
-                                                               "megatron_training.attention_dropout: 0")
+    require_divides("actor_config.tensor_model_parallel_size", actor.tensor_model_parallel_size, world, world_desc)
+    for key, factors in _TRAIN_PRODUCTS:
+        sizes = [getattr(actor, name) for name in factors]
+        if world % math.prod(sizes) != 0:
+            raise ConfigError(
+                f"actor_config.{key}",
+                f"{' * '.join(factors)} = {' * '.join(map(str, sizes))} = {math.prod(sizes)} "
+                f"must divide {world_desc}, got {key}={getattr(actor, key)}",
+            )
 
 
 def check_infer_layout(config) -> None:

@@ -42,13 +42,10 @@ def response_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     """[b, response_width] fp32 values of the response tokens from the head's output [b, s, 1] (packed:
     [1, t, 1]; under CP this rank's chunks, each value read where its position lives), 0 where `mb.response_mask`
     is 0."""
-    if mb.context_parallel_length:
-        from mindspeed_rl.models.context_parallel import from_the_holding_ranks, scored_rows_of_this_rank
+    from mindspeed_rl.models.context_parallel import everywhere, scored_rows
 
-        rows, _, held = scored_rows_of_this_rank(mb)
-        values = from_the_holding_ranks(output.reshape(-1)[rows].float(), held)
-    else:
-        values = output.reshape(-1)[mb.scored_rows()].float()
+    rows, _, held = scored_rows(mb)
+    values = everywhere(output.reshape(-1)[rows].float(), held)
     out = torch.zeros(mb.response_mask.shape, dtype=torch.float32, device=output.device)
     return out.masked_scatter(mb.response_mask.bool(), values)
 

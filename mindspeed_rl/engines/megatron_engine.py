@@ -19,6 +19,7 @@ from mindspeed_rl.accelerator import Accelerator
 from mindspeed_rl.engines.vocab_parallel import response_logprobs_from_logits
 from mindspeed_rl.models.megatron_build import (  # noqa: F401 (build_gpt_model, load_hf_into_megatron: API)
     build_gpt_model, layout_buffers, load_hf_into_megatron)
+from mindspeed_rl.models.context_parallel import cut_padding, model_inputs
 from mindspeed_rl.models.lora import MergedWeights, saved_state, with_adapters
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec
 from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
@@ -81,7 +82,7 @@ class MegatronEngine:
     # No adapters unless the constructor adds them (the critic and the reward model build themselves).
     lora: "LoRASettings | None" = None
     lora_filter = False
-    # Context parallelism is the actor's and the reference's (config/layout_checks.check_context_parallel): the
+    # Context parallelism is the actor's and the reference's (config/context_parallel.check_context_parallel): the
     # critic and the reward model build themselves without it.
     cp = 1
 
@@ -161,10 +162,9 @@ class MegatronEngine:
         # into 2 CP chunks; tokens appended after the last one change no earlier logit (causal), so pad and cut
         # the logits back. Packed rows come padded to the multiple already, and the stages exchange each one's
         # shape (variable_seq_lengths).
-        multiple = (self.tp if self.module.config.sequence_parallel and not packed else 1) * (
-            2 * self.cp if self.cp > 1 else 1)
         width = max(mb.input_ids.shape[1] for mb in micro_batches)
-        seq_length = -(-width // multiple) * multiple
+        seq_length = self.parallel.layout.padded_length(
+            width, sequence_parallel=self.module.config.sequence_parallel and not packed)
 
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             mb = next(data_iterator)
@@ -191,14 +191,8 @@ class MegatronEngine:
         `width`; under context parallelism this rank's chunks, whose logits stay local."""
         packed_seq_params = self._packed_seq_params(mb) if mb.packed else None
         ids, positions = (mb.input_ids, mb.position_ids) if mb.packed else mb.padded_to(seq_length)
-        if self.cp > 1:
-            from mindspeed_rl.models.context_parallel import this_ranks_tokens
-
-            return model(*this_ranks_tokens(mb, ids, positions), None, packed_seq_params=packed_seq_params)
-        output = model(ids, positions, None, packed_seq_params=packed_seq_params)
-        if not mb.packed and self.parallel.last_stage and seq_length != width:
-            output = output[:, :width]
-        return output
+        output = model(*model_inputs(mb, ids, positions), None, packed_seq_params=packed_seq_params)
+        return cut_padding(output, mb, width) if self.parallel.last_stage else output
 
     @staticmethod
     def _packed_seq_params(mb: MicroBatch):
@@ -287,7 +281,7 @@ class MegatronEngine:
             # With sequence parallel every packed row splits evenly over the TP ranks; with context parallelism
             # every sample into 2 CP chunks, and a rank's part of the row again over its TP ranks.
             tp_multiple = self.tp if self.module.config.sequence_parallel else 1
-            sample_multiple = 2 * self.cp if self.cp > 1 else 1
+            sample_multiple = self.parallel.layout.sequence_chunks
             packing = replace(packing, multiple=tp_multiple * sample_multiple, sample_multiple=sample_multiple)
         return batch.micro_batches(micro_batch_size, self.accelerator.device, packing)
 

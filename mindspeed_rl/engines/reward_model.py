@@ -149,12 +149,9 @@ class RewardModelEngine(MegatronEngine):
         """[num_samples] float32 scores, on every rank."""
 
         def collect(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = True):
-            index = last_token_index(mb)
-            if mb.context_parallel_length:  # this rank's chunks: the score where the last token lives
-                from mindspeed_rl.models.context_parallel import last_token_outputs
+            from mindspeed_rl.models.context_parallel import last_token_scores
 
-                return last_token_outputs(output, mb, index)
-            return output[torch.arange(output.shape[0], device=output.device), index, 0].float()
+            return last_token_scores(output, mb, last_token_index(mb))
 
         self.model.eval()
         micro_batches = batch.micro_batches(micro_batch_size, self.accelerator.device)

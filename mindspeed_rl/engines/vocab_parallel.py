@@ -32,22 +32,16 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
     """
     from mindspeed_rl.parallel import megatron_state
 
-    vocab_local = logits.shape[-1]
-    if mb.context_parallel_length:  # this CP rank's positions; every entry then comes from one rank
-        from mindspeed_rl.models.context_parallel import from_the_holding_ranks, scored_rows_of_this_rank
+    from mindspeed_rl.models.context_parallel import everywhere, scored_rows
 
-        rows, targets, held = scored_rows_of_this_rank(mb)
-    else:
-        rows = mb.scored_rows()
-        targets = mb.input_ids.reshape(-1)[rows + 1]
+    vocab_local = logits.shape[-1]
+    rows, targets, held = scored_rows(mb)  # under CP this rank's positions; every entry then comes from one rank
     parallel = megatron_state.current()
     group = parallel.tp_group if parallel.tp > 1 else None
     token_logprobs, token_entropy = vocab_parallel_logprobs(
         logits.reshape(-1, vocab_local)[rows], targets, temperature=temperature, chunk_tokens=chunk_tokens,
         group=group, with_entropy=with_entropy)
-    if mb.context_parallel_length:
-        token_logprobs, token_entropy = (None if values is None else from_the_holding_ranks(values, held)
-                                         for values in (token_logprobs, token_entropy))
+    token_logprobs, token_entropy = everywhere(token_logprobs, held), everywhere(token_entropy, held)
     selected = mb.response_mask.bool()
 
     def place(values: torch.Tensor) -> torch.Tensor:

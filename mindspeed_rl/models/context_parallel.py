@@ -40,6 +40,54 @@ def split_packed(tensor: torch.Tensor, cu_seqlens: torch.Tensor, *, cp_rank: int
                       for start, stop in zip(bounds[:-1], bounds[1:]) if stop > start], dim=1)
 
 
+def model_inputs(mb, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What this rank feeds the model of micro-batch `mb`: under CP its chunks (`this_ranks_tokens`), else all."""
+    from mindspeed_rl.parallel import megatron_state
+
+    if megatron_state.current().cp == 1:
+        return ids, positions
+    return this_ranks_tokens(mb, ids, positions)
+
+
+def cut_padding(output: torch.Tensor, mb, width: int) -> torch.Tensor:
+    """The last stage's output of padded rows cut back to `width` tokens; packed rows, and under CP this rank's
+    chunks, stay as they are."""
+    if mb.packed or mb.context_parallel_length or output.shape[1] == width:
+        return output
+    return output[:, :width]
+
+
+def scored_rows(mb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The rows of this rank's flattened logits that score `mb`'s response tokens, their targets, and under CP which
+    of them this rank holds (None without CP: every one)."""
+    if mb.context_parallel_length:
+        return scored_rows_of_this_rank(mb)
+    rows = mb.scored_rows()
+    return rows, mb.input_ids.reshape(-1)[rows + 1], None
+
+
+def everywhere(values: torch.Tensor | None, held: torch.Tensor | None) -> torch.Tensor | None:
+    """`from_the_holding_ranks` where this rank holds only some (`held`), else the values as they are."""
+    return values if values is None or held is None else from_the_holding_ranks(values, held)
+
+
+def last_token_scores(output: torch.Tensor, mb, index: torch.Tensor) -> torch.Tensor:
+    """The [b] outputs of a width-1 head at each sample's position `index` (under CP where it lives)."""
+    if mb.context_parallel_length:
+        return last_token_outputs(output, mb, index)
+    return output[torch.arange(output.shape[0], device=output.device), index, 0].float()
+
+
+def core_attention_class(cp: int, otherwise):
+    """ContextParallelAttention under CP (cp > 1), else `otherwise`."""
+    return ContextParallelAttention if cp > 1 else otherwise
+
+
+def with_context_parallel(layer_spec, cp: int):
+    """The layer spec with ContextParallelAttention as every layer's core attention under CP (cp > 1)."""
+    return with_context_parallel_attention(layer_spec) if cp > 1 else layer_spec
+
+
 def this_ranks_tokens(mb, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The token ids and positions of micro-batch `mb` this CP rank feeds the model: its two chunks of each padded row
     (a multiple of 2 CP long) or of each sample of a pack. Records the whole length in `mb.context_parallel_length`,

@@ -172,12 +172,11 @@ def decoder_block_spec(config, sequence_parallel_norms: bool, packed: bool = Fal
 
     _mla_without_transformer_engine()
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    if config.context_parallel_size > 1:  # Megatron's MLA rotates this rank's chunks itself (its cp_group)
-        from mindspeed_rl.models.context_parallel import ContextParallelAttention
+    from mindspeed_rl.models.context_parallel import core_attention_class
 
-        core_attention = ContextParallelAttention
-    else:
-        core_attention = mla_core_attention_class(packed=packed)
+    # Under CP, Megatron's MLA rotates this rank's chunks itself (its cp_group).
+    core_attention = core_attention_class(config.context_parallel_size,
+                                          otherwise=mla_core_attention_class(packed=packed))
     for layer in block.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = core_attention
     if sequence_parallel_norms:

@@ -62,10 +62,9 @@ def qwen_layer_spec(spec: Qwen2Spec, config, options: ModelOptions, parallel: Ra
         from mindspeed_rl.models.packed_attention import with_packed_attention
 
         layer_spec = with_packed_attention(layer_spec)
-    if config.context_parallel_size > 1:  # padded and packed
-        from mindspeed_rl.models.context_parallel import with_context_parallel_attention
+    from mindspeed_rl.models.context_parallel import with_context_parallel
 
-        layer_spec = with_context_parallel_attention(layer_spec)
+    layer_spec = with_context_parallel(layer_spec, config.context_parallel_size)  # padded and packed
     if config.sequence_parallel:
         from mindspeed_rl.accelerator.megatron_cpu import with_sequence_parallel_norms
 

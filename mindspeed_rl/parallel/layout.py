@@ -27,8 +27,25 @@ class TrainLayout:
     ep: int = 1  # MoE expert parallelism; expert TP = TP (Megatron's default)
     cp: int = 1
 
+    @property
+    def ranks_per_replica(self) -> int:
+        """The ranks that together hold one copy of the weights and one sequence (TP x CP x PP)."""
+        return self.tp * self.cp * self.pp
+
     def dp(self, world_size: int) -> int:
-        return world_size // (self.tp * self.cp * self.pp)
+        return world_size // self.ranks_per_replica
+
+    @property
+    def sequence_chunks(self) -> int:
+        """What a sequence's length must be a multiple of to split into 2 chunks per CP rank (1 without CP;
+        models/context_parallel.py)."""
+        return 2 * self.cp if self.cp > 1 else 1
+
+    def padded_length(self, seq_length: int, *, sequence_parallel: bool) -> int:
+        """`seq_length` rounded up to what splits evenly: over the TP ranks under sequence parallelism, and into
+        the CP chunks."""
+        multiple = (self.tp if sequence_parallel else 1) * self.sequence_chunks
+        return -(-seq_length // multiple) * multiple
 
     def of(self, rank: int, world_size: int) -> TrainCoordinates:
         """`rank`'s coordinates in a world of `world_size` training ranks."""

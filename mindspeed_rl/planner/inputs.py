@@ -87,8 +87,9 @@ class PlanInputs:
     def __post_init__(self) -> None:
         if self.activation_profile not in ACTIVATION_PROFILES:
             raise ValueError(f"activation_profile must be one of {ACTIVATION_PROFILES}, got {self.activation_profile!r}")
-        if self.world_size % (self.tp * self.pp * self.cp):
-            raise ValueError(f"train TP*PP*CP={self.tp * self.pp * self.cp} must divide the world size {self.world_size}")
+        if self.world_size % self.train_layout.ranks_per_replica:
+            raise ValueError(f"train TP*PP*CP={self.train_layout.ranks_per_replica} must divide the world size "
+                             f"{self.world_size}")
         if self.world_size % (self.infer_tp * self.infer_pp):
             raise ValueError(f"infer TP*PP={self.infer_tp}*{self.infer_pp}={self.infer_tp * self.infer_pp} must "
                              f"divide the world size {self.world_size}")
@@ -140,8 +141,7 @@ class PlanInputs:
 
     @property
     def padded_seq_length(self) -> int:
-        multiple = (self.tp if self.sequence_parallel_effective else 1) * (2 * self.cp if self.cp > 1 else 1)
-        return -(-self.seq_length // multiple) * multiple
+        return self.train_layout.padded_length(self.seq_length, sequence_parallel=self.sequence_parallel_effective)
 
     def rank_coordinates(self, rank: int) -> dict[str, int]:
         """Megatron's order tp-cp-ep-dp-pp (the engine's TrainLayout) and vLLM's DP x PP x TP (InferLayout)."""

@@ -39,8 +39,9 @@ def count_text(count: int) -> str:
 
 def _layout_line(plan: MemoryPlan) -> list[str]:
     i = plan.inputs
-    train = (f"train TP{i.tp} x PP{i.pp}" + (f" x CP{i.cp}" if i.cp > 1 else "") + f" x DP{i.data_parallel_size}"
-             + (f" (EP{i.ep})" if i.arch.is_moe else ""))
+    # CP shows where it is used; EP wherever there are experts.
+    sizes = [f"TP{i.tp}", f"PP{i.pp}", *[f"CP{i.cp}"][:i.cp > 1], f"DP{i.data_parallel_size}"]
+    train = f"train {' x '.join(sizes)}" + (f" (EP{i.ep})" if i.arch.is_moe else "")
     extras = ["bf16" if i.bf16 else "fp32"]
     if i.distributed_optimizer:
         extras.append("distributed optimizer")
