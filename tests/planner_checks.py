@@ -35,3 +35,17 @@ def assert_prediction_matches_ledger(record: dict, *, tolerance: float = 0.10,
     for phase in LEDGER_PHASES:
         assert record[f"memory/{phase}/predicted_bytes"] > 0
     return worst
+
+
+def assert_host_prediction_matches_ledger(record: dict, *, phase: str = "after_update",
+                                          tolerance: float = 0.10) -> None:
+    """The planner's host bytes per state (`memory/host/<state>_predicted_bytes`: the offloaded states' mirrors, LoRA's
+    backbone copy) against the ledger's at `phase` (`memory/<phase>/host/<state>_bytes`), each within `tolerance`.
+    After the update every state that leaves the device has left once (the optimizer's appear at its first step)."""
+    predicted = {key.removeprefix("memory/host/").removesuffix("_predicted_bytes"): value
+                 for key, value in record.items() if key.startswith("memory/host/")}
+    assert predicted, "the planner's host bytes are in the record"
+    for state, value in predicted.items():
+        measured = record.get(f"memory/{phase}/host/{state}_bytes", 0.0)
+        assert abs(value - measured) <= tolerance * max(measured, 1.0), (
+            f"host {state}: predicted {value:.0f} vs measured {measured:.0f}")

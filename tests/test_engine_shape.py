@@ -154,6 +154,19 @@ def test_every_rpc_of_every_part_declares_a_phase_of_the_table_or_none_by_name()
             "compute_values", "update_critic"} <= rpcs
 
 
+def test_every_rpc_that_takes_samples_is_split_by_the_group():
+    """Ranks never slice their share of a batch or of the prompts by hand (workers/dispatch.py)."""
+    import inspect
+
+    from mindspeed_rl.workers.parts import declared_rpcs
+    from mindspeed_rl.workers.roles import ALL_PARTS
+
+    for part in ALL_PARTS:
+        for name, rpc in declared_rpcs(part).items():
+            takes = {"batch", "prompt_token_ids"} & set(inspect.signature(rpc).parameters)
+            assert not takes or set(rpc.dispatch.arguments) >= takes, (part.NAME, name)
+
+
 def _page_table(heading: str) -> tuple[list[str], list[list[str]]]:
     """(header, rows) of the first table under `heading` in docs/architecture.md."""
     page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
@@ -163,6 +176,13 @@ def _page_table(heading: str) -> tuple[list[str], list[list[str]]]:
     return rows[0], rows[1:]
 
 
+def _rpc_cell(name: str, rpc) -> str:
+    """`name` (its row[, split by its dispatch mode])."""
+    if not hasattr(rpc, "phase"):
+        return f"`{name}`"
+    return f"`{name}` ({rpc.phase}" + (f", {rpc.dispatch.mode}" if rpc.dispatch else "") + ")"
+
+
 def parts_table_rows() -> list[list[str]]:
     """The parts table as the declarations give it (workers/parts/)."""
     from mindspeed_rl.workers.parts import MEGATRON, declared_rpcs
@@ -170,8 +190,7 @@ def parts_table_rows() -> list[list[str]]:
 
     rows = []
     for part in ALL_PARTS:
-        rpcs = ", ".join(f"`{name}` ({rpc.phase})" if hasattr(rpc, "phase") else f"`{name}`"
-                         for name, rpc in declared_rpcs(part).items())
+        rpcs = ", ".join(_rpc_cell(name, rpc) for name, rpc in declared_rpcs(part).items())
         rows.append([part.NAME, rpcs, ", ".join(sorted(part.STATES)), part.PUSH_END or "-",
                      "before the device settles" if part.STAGE == MEGATRON else "after (vLLM sizes its KV cache)"])
     return rows

@@ -32,6 +32,25 @@ def test_ledger_records_what_the_offloader_holds():
     }, "no allocator on CPU: no allocator_bytes / unaccounted_bytes keys"
 
 
+def test_the_ledger_counts_the_host_mirrors_and_the_host_only_states():
+    params, grads, host_copy = [torch.zeros(256)], [torch.zeros(64)], [torch.zeros(32, dtype=torch.float64)]
+    offloader = Offloader(get_accelerator("cpu"))
+    offloader.register("train_params", lambda: params)
+    offloader.register("train_grads", lambda: grads, keep_contents=False)
+    offloader.register_host("inference_weights_host", lambda: host_copy)
+    ledger = MemoryLedger(offloader.resident_bytes, get_accelerator("cpu"), read_host_states=offloader.host_bytes)
+    assert ledger.record("initialize").host_bytes_by_category == {
+        "train_params": 0, "train_grads": 0, "inference_weights_host": 256}, "no mirror before the first offload"
+    offloader.offload_all()
+    offloader.reload_all()  # the mirror stays for the next offload; dropped grads never had one
+    assert ledger.record("update").metrics() == {
+        "memory/update/train_params_bytes": 1024.0, "memory/update/train_grads_bytes": 256.0,
+        "memory/update/total_bytes": 1280.0,
+        "memory/update/host/train_params_bytes": 1024.0, "memory/update/host/train_grads_bytes": 0.0,
+        "memory/update/host/inference_weights_host_bytes": 256.0, "memory/update/host/total_bytes": 1280.0,
+    }
+
+
 def test_the_ledger_keeps_the_latest_record_of_each_phase_however_long_the_run():
     ledger = MemoryLedger(lambda: {"train_params": 1}, get_accelerator("cpu"))
     for iteration in range(1000):

@@ -184,6 +184,9 @@ class _RecordingPush:
     def states_needed(self) -> frozenset[str]:
         return frozenset()
 
+    def host_tensors(self) -> list:
+        return []
+
     def close(self) -> None:
         pass
 

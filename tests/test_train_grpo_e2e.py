@@ -14,7 +14,7 @@ import pytest
 from cli_runner import run_cli
 from wandb_reader import history_rows
 from tracker_readers import mlflow_scalars, swanlab_scalars
-from planner_checks import assert_prediction_matches_ledger
+from planner_checks import assert_host_prediction_matches_ledger, assert_prediction_matches_ledger
 
 
 def test_two_iterations_write_metrics(tmp_path):
@@ -67,6 +67,7 @@ def test_two_iterations_write_metrics(tmp_path):
     assert sum(line.startswith("[plan] ") for line in done.stdout.splitlines()) == 4, done.stdout[-3000:]
     for r in records:
         assert_prediction_matches_ledger(r)
+        assert_host_prediction_matches_ledger(r)  # the mirrors of what leaves the device
     for r in records:
         assert 0.0 <= r["reward/mean"] <= 1.0
         # After every weight push vLLM samples from exactly the training weights.

@@ -26,6 +26,7 @@ import torch
 from megatron.core import dist_checkpointing
 
 from cli_runner import run_cli
+from planner_checks import assert_host_prediction_matches_ledger
 
 LORA = "grpo_tiny_cpu_lora"
 # grpo_tiny_cpu_lora's adapters on the disaggregated demo's layout.
@@ -78,6 +79,11 @@ def test_two_ranks_train_the_adapters_on_the_shared_backbone(adapter_only_run):
         adapters, backbone = record["memory/update/adapter_params_bytes"], record["memory/update/train_params_bytes"]
         first = record["iteration"] == 1
         assert record["offload/generate/reload_bytes"] == adapters + (backbone if first else 0)
+        # That host copy is a registered state: the ledger counts it (vLLM's weights of the rank, once pushed) and
+        # the planner predicted it, with the mirrors of the states that leave the device.
+        host_copy = record["memory/after_update/host/inference_weights_host_bytes"]
+        assert host_copy == record["memory/generate/inference_weights_bytes"]
+        assert_host_prediction_matches_ledger(record)
 
 
 def test_disaggregated_roles_push_the_backbone_once_then_the_adapters_over_the_bridge(tmp_path):

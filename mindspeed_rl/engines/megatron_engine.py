@@ -300,6 +300,11 @@ class MegatronEngine:
         dist.broadcast_object_list(box, src=self.parallel.pp_last_rank, group=self.parallel.pp_group)
         return box[0]
 
+    def over_data_parallel(self, count: float) -> float:
+        """`count` over this rank's share of a mini-batch, summed over the DP ranks: the whole mini-batch's (the
+        loss's denominator; exact for counts below 2^53)."""
+        return self._sum_over_data_parallel({"count": count})["count"]
+
     def _sum_over_data_parallel(self, stats: dict[str, float]) -> dict[str, float]:
         """Each DP rank holds its share of the mini-batch's loss stats (its tokens over the whole
         mini-batch's count); their sum over the DP group is the mini-batch value. Summed here,

@@ -1,4 +1,5 @@
-"""The memory ledger: device-resident bytes per category at every phase boundary.
+"""The memory ledger: device-resident bytes per category at every phase boundary (and the host bytes the offloader
+holds per state: `memory/<phase>/host/<state>_bytes`).
 
 The figures come from the objects that own the memory (the offloader's states, the KV cache)
 rather than from a global counter, so each byte is attributed to a category. Where the device
@@ -32,6 +33,8 @@ class LedgerRecord:
     phase: str
     bytes_by_category: dict[str, int]
     allocator_bytes: int | None  # the device allocator's own count; None on CPU
+    # Host bytes the offloader holds per state (mirrors of offloaded states, host-only states).
+    host_bytes_by_category: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -44,6 +47,10 @@ class LedgerRecord:
         if self.allocator_bytes is not None:
             out[f"{prefix}/{self.phase}/allocator_bytes"] = float(self.allocator_bytes)
             out[f"{prefix}/{self.phase}/unaccounted_bytes"] = float(self.allocator_bytes - self.total_bytes)
+        if self.host_bytes_by_category:
+            host = self.host_bytes_by_category
+            out |= {f"{prefix}/{self.phase}/host/{name}_bytes": float(value) for name, value in host.items()}
+            out[f"{prefix}/{self.phase}/host/total_bytes"] = float(sum(host.values()))
         return out
 
 
@@ -55,12 +62,14 @@ class MemoryLedger:
     read_states: Callable[[], dict[str, int]]
     accelerator: Accelerator
     records: dict[str, LedgerRecord] = field(default_factory=dict)
+    read_host_states: Callable[[], dict[str, int]] | None = None  # host bytes per state (Offloader.host_bytes)
 
     def record(self, phase: str, extra: dict[str, int] | None = None) -> LedgerRecord:
         self.accelerator.synchronize()  # pending frees and copies must have landed before counting
         by_category = {**self.read_states(), **(extra or {})}
         entry = LedgerRecord(phase=phase, bytes_by_category=by_category,
-                             allocator_bytes=self.accelerator.memory_allocated_bytes())
+                             allocator_bytes=self.accelerator.memory_allocated_bytes(),
+                             host_bytes_by_category=self.read_host_states() if self.read_host_states else {})
         if entry.allocator_bytes is not None and entry.allocator_bytes < entry.total_bytes:
             logger.warning("memory ledger at %s counts %d bytes but the allocator holds %d: a category is "
                            "counted twice or not really freed", phase, entry.total_bytes, entry.allocator_bytes)

@@ -93,6 +93,10 @@ class StorageGroup:
         self._refresh()
         return set(self.slots)
 
+    def host_bytes(self) -> int:
+        """Its host mirrors' bytes: allocated at the first offload that keeps contents, then kept for the next."""
+        return sum(slot.mirror.numel() for slot in self.slots.values() if slot.mirror is not None)
+
     def offload(self, *, keep_contents: bool | None = None) -> int:
         if not self.resident:
             return 0
@@ -136,6 +140,9 @@ class Offloader:
     def __init__(self, accelerator: Accelerator):
         self.accelerator = accelerator
         self.states: dict[str, OffloadableState] = {}
+        # States that live on the host only and never move (LoRA's backbone copy of vLLM's weights): registered so
+        # that the ledger counts them.
+        self.host_states: dict[str, Callable[[], Iterable[torch.Tensor]]] = {}
         self.bytes_copied = 0
 
     def register(self, name: str, collect: Callable[[], Iterable[torch.Tensor]], *,
@@ -143,6 +150,11 @@ class Offloader:
         group = StorageGroup(name, collect, self.accelerator, keep_contents=keep_contents)
         self.add(group)
         return group
+
+    def register_host(self, name: str, collect: Callable[[], Iterable[torch.Tensor]]) -> None:
+        if name in self.host_states or name in self.states:
+            raise ValueError(f"state {name!r} registered twice")
+        self.host_states[name] = collect
 
     def add(self, state: OffloadableState) -> None:
         if state.name in self.states:
@@ -178,6 +190,14 @@ class Offloader:
 
     def resident_bytes(self) -> dict[str, int]:
         return {name: state.resident_bytes() for name, state in self.states.items()}
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host bytes per state: the storage groups' mirrors (vLLM's states keep none of their own here) and the
+        host-only states."""
+        out = {name: state.host_bytes() for name, state in self.states.items() if isinstance(state, StorageGroup)}
+        for name, collect in self.host_states.items():
+            out[name] = sum(tensor.untyped_storage().nbytes() for tensor in collect())
+        return out
 
     def storage_keys(self) -> set[int]:
         """Storages owned by storage groups: the activation meter must not count them."""

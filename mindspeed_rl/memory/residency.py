@@ -27,6 +27,9 @@ INFER_WEIGHTS, KV_CACHE = "inference_weights", "kv_cache"
 STATE_GROUPS = (TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS, CRITIC_PARAMS,
                 CRITIC_GRADS, CRITIC_OPTIMIZER, INFER_WEIGHTS, KV_CACHE)
 CRITIC_STATES = frozenset({CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER})
+# Host-only: the push's copy of this rank's inference weights, kept to restore them before each push (LoRA's backbone,
+# resharding/adapter_push.py). Never on the device, in no row; the ledger counts it with the host mirrors.
+INFER_WEIGHTS_HOST = "inference_weights_host"
 
 IDLE, SWITCH, GENERATE, REWARD = "idle", "switch", "generate", "reward"
 REF_LOGPROB, OLD_LOGPROB, UPDATE = "ref_logprob", "old_logprob", "update"

@@ -27,6 +27,12 @@ def actor_train_bytes(inputs, c: dict) -> TrainStateBytes:
                              dp_rank=c["dp_rank"])
 
 
+def push_host_copy_bytes(inputs, inference_weight_bytes: int) -> int:
+    """What LoRA's push keeps on the host (resharding/adapter_push.py): the rank's inference weights as the backbone
+    was first pushed, restored from there before each push adds the adapters. None without LoRA."""
+    return inference_weight_bytes if inputs.lora_targets else 0
+
+
 def lora_first_stage(inputs, e: int, h_split: int, *, default: float) -> float:
     """The first stage's extra bytes per token: with LoRA the frozen embedding keeps nothing (cpu: 7 e h less, the
     unfused norms'), else `default`."""

@@ -14,14 +14,15 @@ import math
 from dataclasses import dataclass, replace
 
 from mindspeed_rl.memory.ledger import ACTIVATIONS
-from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_UPDATE,
-                                           INFER_WEIGHTS, KV_CACHE, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS, SWITCH,
-                                           TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
+from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_UPDATE, IDLE, INFER_WEIGHTS, INFER_WEIGHTS_HOST,
+                                           KV_CACHE, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS, SWITCH, TRAIN_GRADS,
+                                           TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
 from mindspeed_rl.planner.activations import activation_bytes
 from mindspeed_rl.planner.critic import CRITIC_ACTIVATIONS, critic_activations, critic_states
 from mindspeed_rl.planner.inputs import DTYPE_BYTES, GIB, PlanInputs
-from mindspeed_rl.planner.lora import actor_train_bytes
+from mindspeed_rl.planner.lora import actor_train_bytes, push_host_copy_bytes
 from mindspeed_rl.planner.params import reward_model_bytes, vllm_numel, vllm_stage_layers
+from mindspeed_rl.planner.switch import COPIED
 
 
 
@@ -102,6 +103,20 @@ class MemoryPlan:
     def rank_phase(self, rank: RankBytes, phase: str) -> dict[str, int]:
         return rank.phase(rank.policy or self.inputs.policy, phase)
 
+    def host_bytes(self, rank: RankBytes) -> dict[str, int]:
+        """Host bytes per state on `rank`, as the offloader holds them (memory/offload.py): the mirror of every state
+        that keeps its contents when it leaves the device and is not pinned there (all leave in `idle`), and the
+        push's host copy of the inference weights (LoRA's backbone)."""
+        pinned = (rank.policy or self.inputs.policy).resident(IDLE)
+        out = {state: (rank.states[state] if state not in pinned else 0) for state in COPIED}
+        out[INFER_WEIGHTS_HOST] = push_host_copy_bytes(self.inputs, rank.states[INFER_WEIGHTS])
+        return out
+
+    def host_table(self) -> dict[str, int]:
+        """State -> host bytes of the largest rank (as the ledger's metrics, the maximum over ranks)."""
+        rows = [self.host_bytes(r) for r in self.ranks]
+        return {state: max(row[state] for row in rows) for state in rows[0]}
+
     @property
     def ledger_phases(self) -> tuple[str, ...]:
         """The phases the run's ledger records (metrics.jsonl), the residency table's."""
@@ -172,6 +187,8 @@ class MemoryPlan:
                     continue  # the ledger of a run without a reward model has no such category
                 out[f"{prefix}/{phase}/{category}_predicted_bytes"] = float(value)
             out[f"{prefix}/{phase}/predicted_bytes"] = float(totals[phase][1])
+        # Host bytes do not change with the phase once every state has left the device once (at initialize).
+        out |= {f"{prefix}/host/{state}_predicted_bytes": float(value) for state, value in self.host_table().items()}
         return out
 
 

@@ -126,6 +126,7 @@ def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
                 lines += ["", "no offload flag, micro-batch size or layout on these devices fits; more devices are needed"]
     lines += ["", _switch_text(plan, switch, link_bytes_per_second)]
     lines += _moves_text(plan, h2d_bytes_per_second)
+    lines += _host_text(plan)
     lines += ["", "formulas:"] + [f"  {line}" for line in formulas(plan)]
     return "\n".join(lines)
 
@@ -160,6 +161,14 @@ def _moves_text(plan: MemoryPlan, h2d: float) -> list[str]:
                          f"offload {format_bytes(move.offload):>10}  {seconds:.3f} s")
     lines.append(f"  total {total:.3f} s")
     return lines
+
+
+def _host_text(plan: MemoryPlan) -> list[str]:
+    """Host memory per rank: the offloaded states' mirrors and the push's host copy (LoRA's backbone)."""
+    host = plan.host_table()
+    held = ", ".join(f"{state} {format_bytes(value)}" for state, value in host.items() if value)
+    return [f"host memory per rank (largest rank per state; pinned mirrors of the states that leave the device, and "
+            f"LoRA's backbone copy): {format_bytes(sum(host.values()))}" + (f" ({held})" if held else "")]
 
 
 def activations_formula(i, terms) -> str:
@@ -198,6 +207,10 @@ def formulas(plan: MemoryPlan) -> list[str]:
         "x KV heads per rank x head_dim x dtype (MLA: layers x (kv_lora_rank + rope dim) x dtype)",
         activations_formula(i, activation_terms(i)),
         "switch staging: min(received, bucket) + min(sent, bucket) (generate_config.resharding_bucket_mb)",
+        "host: a mirror of each state's device bytes that keeps its contents when it leaves the device (train and "
+        "reference params, adapters, optimizer states, reward and critic states; none where an offload flag pins "
+        "it), allocated at its first offload and kept; with LoRA + the rank's inference weights (the push's "
+        "backbone copy)",
     ]
 
 
@@ -242,6 +255,7 @@ def json_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
             "ranks": [{"rank": r.rank, "received_bytes": r.received, "sent_bytes": r.sent, "local_bytes": r.local,
                        "staging_bytes": r.staging, "seconds": max(r.received, r.sent) / link_bytes_per_second}
                       for r in switch.ranks]},
+        "host_bytes": plan.host_table(),
         "host_device_moves": [{"from": m.before, "to": m.after, "onload_bytes": m.onload, "offload_bytes": m.offload,
                                "seconds": (m.onload + m.offload) / h2d_bytes_per_second}
                               for m in iteration_moves(i, states)],

@@ -97,6 +97,10 @@ class AdapterPush:
         which the residency table's switch row holds (`adapter_only_switch`)."""
         return FIRST_ADAPTER_PUSH_READS if not self.backbone_pushed else frozenset()
 
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The backbone's inference weights as first pushed (empty before the first push and on a training rank)."""
+        return list(self.base_on_host.values())
+
     def close(self) -> None:
         self.base_push.close()
 

@@ -36,6 +36,9 @@ class WeightPush(Protocol):
         """State groups the next push reads beyond the switch row of the residency table (LoRA's first push
         reads the backbone)."""
 
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What the push keeps on the host between pushes (registered as the state `inference_weights_host`)."""
+
     def close(self) -> None:
         """Leave the push's group, if it has one of its own (collective)."""
 
@@ -75,6 +78,9 @@ class PlannedPush:
 
     def states_needed(self) -> frozenset[str]:
         return frozenset()  # the switch row: the train params it reads
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return []
 
     def close(self) -> None:
         if self.group is not None and hasattr(self.group, "barrier"):

@@ -22,9 +22,10 @@ def generate(actor_group: ActorGroup, prompt_batch, config: GRPOConfig, *, itera
 
 
 def generated_samples(results: list) -> tuple[list[tuple[int, list[int], list[float]]], dict]:
-    """Every inference rank's (samples, metrics) -> the (prompt index, token ids, log-probs) of every sample,
-    prompt-major (a prompt's n samples contiguous, in vLLM's order), and the merged metrics."""
-    samples = [sample for shard in merge_shards([s for s, _ in results]) for sample in shard.value]
+    """Every inference rank's (shard of samples, metrics) -> the (prompt index, token ids, log-probs) of every
+    sample, prompt-major (a prompt's n samples contiguous, in vLLM's order), and the merged metrics."""
+    samples = [(shard.start + index, ids, logprobs) for shard in merge_shards([s for s, _ in results])
+               for index, ids, logprobs in shard.value]
     samples.sort(key=lambda sample: sample[0])  # stable
     return samples, merge_metrics([m for _, m in results])
 

@@ -56,6 +56,8 @@ class RankGroupBase:
 
     _pending: list | None = None
     worker_class: type | None = None
+    # Each rank's place in the data-parallel splits (workers/dispatch.py), asked once its engines are built.
+    dispatch_places: list[dict] | None = None
 
     def declared(self, method: str):
         """RPC `method` as this group's ranks declare it (workers/parts/: its phase, console name, whether it changes
@@ -80,10 +82,40 @@ class RankGroupBase:
         return any(group.answers(method) for group in getattr(self, "member_groups", ()))
 
     def initialize(self) -> list[dict[str, float]]:
-        """Every rank builds its engines; their shared-memory segments are noted for the cleanup."""
+        """Every rank builds its engines; then what the group needs of them is noted."""
         metrics = self.call("initialize")
-        self.shm_segments.update(name for names in self.call("shm_segments") for name in names)
+        self.note_ranks()
         return metrics
+
+    def note_ranks(self) -> None:
+        """After `initialize`: the ranks' shared-memory segments (for the cleanup) and their data-parallel places."""
+        self.shm_segments.update(name for names in self.call("shm_segments") for name in names)
+        self.dispatch_places = self.call("dispatch_places")
+
+    def split(self, method: str, args: tuple, kwargs: dict, world_size: int) -> list[tuple[tuple, dict]]:
+        """Each rank's arguments of a call: its share where `method` declares a dispatch, else the same for all.
+        `gathered` then turns the ranks' results into shards of the samples they were given."""
+        from mindspeed_rl.workers.dispatch import split_call
+
+        rpc = self.declared(method)
+        dispatch = getattr(rpc, "dispatch", None)
+        if dispatch is None or self.dispatch_places is None:
+            self._dispatched.pop(method, None)
+            return [(args, kwargs)] * world_size
+        dispatched = split_call(rpc, dispatch, self.dispatch_places, args, kwargs)
+        self._dispatched[method] = dispatched
+        return dispatched.arguments
+
+    def gathered(self, method: str, results: list) -> list:
+        from mindspeed_rl.workers.dispatch import gather
+
+        dispatched = self._dispatched.pop(method, None)
+        return results if dispatched is None else gather(results, dispatched, self.dispatch_places)
+
+    @property
+    def _dispatched(self) -> dict:
+        """The dispatched call of each method whose results are not yet gathered (one per method: SPMD calls)."""
+        return self.__dict__.setdefault("_dispatched_calls", {})
 
     def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None, *,
                        n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None) -> None:

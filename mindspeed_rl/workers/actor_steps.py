@@ -1,5 +1,5 @@
-"""What one rank does in `update` and how the run's optimizer is set up: the mini-batch order, this
-rank's slice of a batch, one GRPO optimizer step, the LR schedule over the run."""
+"""What one rank does in `update` and how the run's optimizer is set up: the mini-batch order, one GRPO optimizer
+step on this rank's share of a mini-batch, the LR schedule over the run."""
 from __future__ import annotations
 
 import torch
@@ -14,8 +14,9 @@ class MiniBatchShuffler:
 
     Seeded once per worker from megatron_training.seed; every call continues the same stream, so
     iterations and epochs get different permutations and a run is reproducible from the seed.
-    Every rank seeds it alike and calls it equally often, so all ranks cut the same mini-batches
-    (each then trains on its DP slice of them).
+    Each DP rank orders its own share of the batch (workers/dispatch.py); mini-batch k of an update is the DP ranks'
+    k-th mini-batches together (verl's split). Every rank seeds it alike and calls it equally often, so the ranks of
+    one TP x CP x PP block cut their (same) share alike.
     """
 
     def __init__(self, *, seed: int, shuffle: bool):
@@ -39,25 +40,15 @@ def sampling_seed(seed: int, iteration: int | tuple[int, int], stream: int) -> i
     return int(np.random.SeedSequence([seed, key[0], stream, *key[1:]]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def train_dp_slice(num_samples: int) -> tuple[int, int]:
-    """This rank's [start, stop) of a batch split evenly over the train DP ranks."""
-    from mindspeed_rl.parallel import megatron_state
-
-    parallel = megatron_state.current()
-    dp_size, dp_rank = parallel.dp, parallel.dp_rank
-    per_rank = num_samples // dp_size
-    return dp_rank * per_rank, (dp_rank + 1) * per_rank
-
-
 def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossConfig, *, micro_batch_size: int,
                         temperature: float, packing: Packing | None = None) -> dict[str, float]:
-    """One GRPO optimizer step on this DP rank's slice of `mini_batch` (which every rank holds whole).
+    """One GRPO optimizer step on `mini_batch`, this DP rank's share of the DP ranks' mini-batch.
 
-    The loss is normalised by the whole mini-batch's token count, known here without a collective;
-    the engine sums the per-rank stats over DP, so the returned stats are the mini-batch's.
+    The loss is normalised by the whole mini-batch's count (summed over the DP ranks); the engine sums the per-rank
+    stats over DP, so the returned stats are the mini-batch's.
     """
-    denominator = count_loss_units(mini_batch.loss_mask(), loss_config.loss_agg_mode, loss_config.norm_length)
-    start, stop = train_dp_slice(len(mini_batch))
+    denominator = engine.over_data_parallel(
+        count_loss_units(mini_batch.loss_mask(), loss_config.loss_agg_mode, loss_config.norm_length))
 
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
         return grpo_loss(
@@ -66,16 +57,17 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
             config=loss_config, loss_scale_denominator=denominator,
         )
 
-    return engine.train_step(mini_batch.select(slice(start, stop)), micro_batch_size=micro_batch_size,
+    return engine.train_step(mini_batch, micro_batch_size=micro_batch_size,
                              temperature=temperature, loss_fn=loss_fn, packing=packing)
 
 
-def over_mini_batches(batch: RolloutBatch, rl, shuffler: MiniBatchShuffler, step, *,
-                      lr_key: str) -> tuple[dict[str, float], int]:
-    """`rl.epochs` passes over `batch` in mini-batches of `rl.mini_batch_size_in_samples` in the shuffler's order,
-    step(mini_batch) -> stats, one optimizer step each (the actor's update, the critic's). Returns the mean stats,
-    with `lr_key` the rate the last step used (not a mean), and the number of steps."""
-    size = rl.mini_batch_size_in_samples
+def over_mini_batches(batch: RolloutBatch, rl, shuffler: MiniBatchShuffler, step, *, lr_key: str,
+                      data_parallel_size: int) -> tuple[dict[str, float], int]:
+    """`rl.epochs` passes over `batch` (this rank's share) in its shares of mini-batches of
+    `rl.mini_batch_size_in_samples` in the shuffler's order, step(mini_batch) -> stats, one optimizer step each (the
+    actor's update, the critic's). Returns the mean stats, with `lr_key` the rate the last step used (not a mean),
+    and the number of steps."""
+    size = rl.mini_batch_size_in_samples // data_parallel_size
     steps: list[dict[str, float]] = []
     for _ in range(rl.epochs):
         order = shuffler.order(len(batch))

@@ -29,7 +29,7 @@ class ActorWithOwnCritic(CompositeGroup):
         pending = self.critic.call("initialize", blocking=False)
         actor_metrics = self.actor.initialize()
         critic_metrics = self.critic.wait("initialize", pending)
-        self.critic.shm_segments.update(name for names in self.critic.call("shm_segments") for name in names)
+        self.critic.note_ranks()
         actor_metrics[0] = {**actor_metrics[0], "timing/initialize": time.perf_counter() - started}
         return actor_metrics + critic_metrics
 

@@ -14,7 +14,7 @@ from mindspeed_rl.algorithms.ppo import clipped_value_loss
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.protocol import MicroBatch, RolloutBatch
 from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_agg_mode, lr_schedule, over_mini_batches,
-                                            packing_for, train_dp_slice)
+                                            packing_for)
 
 CRITIC_SEED_OFFSET = 1  # the critic's mini-batch order and fresh head: a stream of their own
 
@@ -58,13 +58,10 @@ def critic_shuffler(config: GRPOConfig) -> MiniBatchShuffler:
                              shuffle=config.rl_config.shuffle_mini_batch)
 
 
-def critic_values(critic, config: GRPOConfig, batch: RolloutBatch) -> tuple[int, int, torch.Tensor]:
-    """This rank's DP slice [start, stop) of the batch and the critic's values there."""
-    start, stop = train_dp_slice(len(batch))
-    values = critic.compute_values(batch.select(slice(start, stop)),
-                                   micro_batch_size=config.critic_config.micro_batch_size,
-                                   packing=packing_for(config.rl_config, "actor"))
-    return start, stop, values
+def critic_values(critic, config: GRPOConfig, batch: RolloutBatch) -> torch.Tensor:
+    """The critic's values of `batch` (this rank's share)."""
+    return critic.compute_values(batch, micro_batch_size=config.critic_config.micro_batch_size,
+                                 packing=packing_for(config.rl_config, "actor"))
 
 
 def update_critic(critic, config: GRPOConfig, batch: RolloutBatch, shuffler: MiniBatchShuffler) -> dict[str, float]:
@@ -74,15 +71,13 @@ def update_critic(critic, config: GRPOConfig, batch: RolloutBatch, shuffler: Min
     mode = loss_agg_mode(rl)
 
     def step(mini_batch: RolloutBatch) -> dict[str, float]:
-        denominator = count_loss_units(mini_batch.response_mask, mode)
-        start, stop = train_dp_slice(len(mini_batch))
+        denominator = critic.over_data_parallel(count_loss_units(mini_batch.response_mask, mode))
 
         def loss_fn(values: torch.Tensor, mb: MicroBatch):
             return clipped_value_loss(values, mb.extras["values"], mb.extras["returns"], mb.response_mask,
                                       cliprange_value=rl.cliprange_value, loss_agg_mode=mode, denominator=denominator)
 
-        return critic.train_step(mini_batch.select(slice(start, stop)),
-                                 micro_batch_size=config.critic_config.micro_batch_size, loss_fn=loss_fn,
+        return critic.train_step(mini_batch, micro_batch_size=config.critic_config.micro_batch_size, loss_fn=loss_fn,
                                  packing=packing_for(rl, "update"))
 
-    return over_mini_batches(batch, rl, shuffler, step, lr_key="critic/lr")[0]
+    return over_mini_batches(batch, rl, shuffler, step, lr_key="critic/lr", data_parallel_size=critic.parallel.dp)[0]

@@ -41,7 +41,7 @@ class DisaggregatedActor(CompositeGroup):
         train_metrics, infer_metrics = wait_all([(group, "initialize", group.call("initialize", blocking=False))
                                                  for group in (self.train, self.infer)])
         for group in (self.train, self.infer):
-            group.shm_segments.update(name for names in group.call("shm_segments") for name in names)
+            group.note_ranks()
         single_host = len({(a.host, a.ip) for a in self.addresses}) == 1
         # The bridge listens at the first training rank: a port free on its node.
         host, port = ("127.0.0.1" if single_host else self.train.addresses[0].ip), self.train.rank0_free_port()

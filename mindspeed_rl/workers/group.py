@@ -15,6 +15,7 @@ from typing import Any
 import ray
 
 from mindspeed_rl import interrupts
+from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.workers.actor_group import RankGroupBase
 from mindspeed_rl.workers.rank_process import RankInfo
 from mindspeed_rl.workers.placement import place_ranks
@@ -86,14 +87,17 @@ class RayActorGroup(RankGroupBase):
     # -- calls --------------------------------------------------------------------------------------
     def call(self, method: str, *args: Any, blocking: bool = True, **kwargs: Any) -> list[Any]:
         """Run `method` on every rank (SPMD): each rank's result, or with blocking=False their Ray refs."""
+        per_rank = self.split(method, args, kwargs, world_size=len(self.workers))
         with interrupts.shielded():
-            refs = [getattr(worker, method).remote(*args, **kwargs) for worker in self.workers]
+            per_rank = _stored_once(per_rank)
+            refs = [getattr(worker, method).remote(*a, **k) for worker, (a, k) in zip(self.workers, per_rank)]
         if not blocking:
             return refs
         return self.wait(method, refs)
 
     def wait(self, method: str, refs: list) -> list[Any]:
-        """Every rank's result, in rank order; the first rank that fails or the deadline ends the wait."""
+        """Every rank's result, in rank order (a dispatched call's as shards); the first rank that fails or the
+        deadline ends the wait."""
         return wait_all([(self, method, refs)])[0]
 
     def _failure_message(self, rank: int, method: str, error: BaseException, waiting: list[int]) -> str:
@@ -147,10 +151,26 @@ class RayActorGroup(RankGroupBase):
         return [a.pid for a in self.addresses if a.pid and a.host == host]
 
 
+def _stored_once(per_rank: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+    """Each distinct argument object in Ray's object store once (ranks given the same share, or the same batch,
+    would each copy it in otherwise); Ray hands the ranks the values."""
+    stored: dict[int, Any] = {}
+
+    def ref(value):
+        if not isinstance(value, (RolloutBatch, list)):
+            return value
+        if id(value) not in stored:
+            stored[id(value)] = ray.put(value)
+        return stored[id(value)]
+
+    return [(tuple(ref(a) for a in args), {k: ref(v) for k, v in kwargs.items()}) for args, kwargs in per_rank]
+
+
 def wait_all(calls: list[tuple["RayActorGroup", str, list]]) -> list[list[Any]]:
     """Results of calls running at once on several groups (a disaggregated push: the training ranks
-    send while the inference ranks receive), each in rank order. The first rank of any group that
-    fails ends the wait, so a receiver that died is named, not the senders left waiting for it."""
+    send while the inference ranks receive), each in rank order (a dispatched call's gathered). The first
+    rank of any group that fails ends the wait, so a receiver that died is named, not the senders left
+    waiting for it."""
     started = time.monotonic()
     pending = {ref: (index, rank) for index, (_, _, refs) in enumerate(calls) for rank, ref in enumerate(refs)}
     results: list[list[Any]] = [[None] * len(refs) for _, _, refs in calls]
@@ -175,7 +195,8 @@ def wait_all(calls: list[tuple["RayActorGroup", str, list]]) -> list[list[Any]]:
             raise _failure(calls, group._hang_message(method, waiting[index], deadline_seconds))
     for group, method, _ in calls:
         group.deadlines.observe(method, time.monotonic() - started)
-    return results
+    # A dispatched call's results as shards of the samples each rank was given (workers/dispatch.py).
+    return [group.gathered(method, group_results) for (group, method, _), group_results in zip(calls, results)]
 
 
 def _failure(calls: list[tuple["RayActorGroup", str, list]], message: str) -> WorkerFailure:

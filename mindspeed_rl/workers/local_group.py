@@ -130,10 +130,12 @@ class LocalActorGroup(RankGroupBase):
         """[the rank's result]. One process cannot run a call in the background: with blocking=False it
         runs now all the same, and `wait` hands back what this returned."""
         bound = getattr(self.worker, method)
-        return [self._guarded(method, lambda: bound(*args, **kwargs))]
+        (args, kwargs), = self.split(method, args, kwargs, world_size=1)
+        results = [self._guarded(method, lambda: bound(*args, **kwargs))]
+        return self.gathered(method, results) if blocking else results
 
     def wait(self, method: str, refs: list) -> list[Any]:
-        return list(refs)
+        return self.gathered(method, list(refs))
 
     def _guarded(self, method: str, run: Callable[[], Any]) -> Any:
         started = time.monotonic()

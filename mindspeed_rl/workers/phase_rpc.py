@@ -16,6 +16,7 @@ import inspect
 from typing import Callable
 
 from mindspeed_rl.memory.context_managers import state_offload_manager
+from mindspeed_rl.workers.dispatch import Dispatch
 from mindspeed_rl.workers.sharding_manager import PhaseStates
 
 
@@ -37,12 +38,13 @@ def _attach(result, metrics: dict[str, float]):
 
 
 def phase_rpc(phase: str, *, label: str | None = None, progress: str | None = None,
-              changes_weights: bool = False) -> Callable:
+              changes_weights: bool = False, dispatch: Dispatch | None = None) -> Callable:
     """Decorate a worker method (the worker has `sharding_manager` and `ledger`). `label` names the call in
     its metrics where it is not the phase itself (a checkpoint save runs in the update row); `progress` is what the
     console calls it while the driver waits (trainer/phase_progress.py; default: the method's name);
     `changes_weights`: after it the inference weights are stale (a disaggregated actor pushes before its next
-    generate).
+    generate); `dispatch`: the group splits its inputs over the data-parallel ranks and gathers its results
+    (workers/dispatch.py; None: every rank gets the same call).
 
     Records `timing/<label>/{onload,execute,offload,total}`, the bytes copied each way, the sharding
     manager's timings and push figures, and the ledger after the call as `memory/after_<label>/...`.
@@ -67,7 +69,7 @@ def phase_rpc(phase: str, *, label: str | None = None, progress: str | None = No
         # wrapper's own, which accepts `meta_info`.
         rpc.__signature__ = _with_meta_info(inspect.signature(method))
         del rpc.__wrapped__
-        rpc.phase, rpc.progress, rpc.changes_weights = phase, progress, changes_weights
+        rpc.phase, rpc.progress, rpc.changes_weights, rpc.dispatch = phase, progress, changes_weights, dispatch
         return rpc
     return decorate
 

@@ -123,7 +123,8 @@ class RankWorker(RankProcess):
         from mindspeed_rl.memory import MemoryLedger
         from mindspeed_rl.memory.context_managers import log_gpu_memory_usage, register_memory_source
 
-        self.ledger = MemoryLedger(self.offloader.resident_bytes, self.accelerator)
+        self.ledger = MemoryLedger(self.offloader.resident_bytes, self.accelerator,
+                                   read_host_states=self.offloader.host_bytes)
         register_memory_source(self.offloader.resident_bytes, self.accelerator)
         self.sharding_manager.enter(IDLE)
         self.ledger.record("initialize")
@@ -134,12 +135,25 @@ class RankWorker(RankProcess):
         if self.rank_info.rank == 0:
             print(f"[init] {step} ({time.perf_counter() - started:.1f}s)", flush=True)
 
-    def reports_train_results(self) -> bool:
-        """The rank that reports a train-DP slice's results: TP rank 0 of the last pipeline stage."""
-        from mindspeed_rl.parallel import megatron_state
+    def dispatch_places(self) -> dict:
+        """Where this rank sits in each data-parallel split its parts compute in (workers/dispatch.py): Megatron's
+        (its results collected from TP rank 0, CP rank 0 of the last stage) and vLLM's (from the first rank of
+        each TP x PP block, vLLM's order)."""
+        from mindspeed_rl.parallel.layout import ParallelLayout
+        from mindspeed_rl.workers.dispatch import INFER_DP, TRAIN_DP, DataParallelPlace
 
-        parallel = megatron_state.current()
-        return parallel.tp_rank == 0 and parallel.last_stage
+        places = {}
+        if any(part.STAGE == MEGATRON for part in self.PARTS):
+            from mindspeed_rl.parallel import megatron_state
+
+            p = megatron_state.current()
+            places[TRAIN_DP] = DataParallelPlace(dp_rank=p.dp_rank, dp_size=p.dp,
+                                                 collected=p.tp_rank == 0 and p.cp_rank == 0 and p.last_stage)
+        if any(part.STAGE == VLLM for part in self.PARTS):
+            layout, rank = ParallelLayout.from_config(self.config), self.rank_info.rank
+            places[INFER_DP] = DataParallelPlace(dp_rank=layout.infer.dp_rank(rank), dp_size=layout.infer_dp,
+                                                 collected=rank % (layout.infer.tp * layout.infer.pp) == 0)
+        return places
 
     # -- the weight push across rank sets (disaggregated) ------------------------------------------
     def connect_bridge(self, host: str, port: int, *, train_world_size: int, infer_world_size: int,

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from mindspeed_rl.memory.offload import Offloader
-from mindspeed_rl.memory.residency import (DROPPED_ON_PHASE_CHANGE, GENERATE, OLD_LOGPROB, RELOADED_LAST, STATE_GROUPS,
-                                           SWITCH, UPDATE, ResidencyPolicy)
+from mindspeed_rl.memory.residency import (DROPPED_ON_PHASE_CHANGE, GENERATE, INFER_WEIGHTS_HOST, OLD_LOGPROB,
+                                           RELOADED_LAST, STATE_GROUPS, SWITCH, UPDATE, ResidencyPolicy)
 from mindspeed_rl.resharding.weight_push import WeightPush
 
 # MindSpeed-RL's names for the timed parts of the switch (trainer/metrics.py sums them into
@@ -58,6 +58,7 @@ class ShardingManager:
 
     def attach_push(self, push: WeightPush, *, colocated: bool) -> None:
         self.push, self.colocated = push, colocated
+        self.offloader.register_host(INFER_WEIGHTS_HOST, push.host_tensors)
         self.weights_changed = not colocated  # a destination starts with vLLM's dummy weights
 
     def close_push(self) -> None:

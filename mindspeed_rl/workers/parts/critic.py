@@ -7,9 +7,12 @@ import os
 import time
 
 from mindspeed_rl.memory.residency import CRITIC_STATES, CRITIC_UPDATE, CRITIC_VALUES
-from mindspeed_rl.protocol import RolloutBatch, Shard
+import torch
+
+from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.workers import critic_steps
 from mindspeed_rl.workers.critic_steps import critic_values, update_critic
+from mindspeed_rl.workers.dispatch import TRAIN_DP, Dispatch
 from mindspeed_rl.workers.parts import MEGATRON, Checkpointed, Part
 from mindspeed_rl.workers.phase_rpc import phase_rpc
 
@@ -30,13 +33,12 @@ class CriticPart(Part):
             progress=lambda step: self._progress(f"critic ranks: {step}" if alone else step, started))
         register_critic_states(self.offloader, self.critic)
 
-    @phase_rpc(CRITIC_VALUES, progress="critic values")
-    def compute_values(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
+    @phase_rpc(CRITIC_VALUES, progress="critic values", dispatch=Dispatch(TRAIN_DP, "batch"))
+    def compute_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         in_phase = self.ledger.record(CRITIC_VALUES)
-        start, stop, values = critic_values(self.critic, self.config, batch)
-        return Shard(start=start, stop=stop, value=values if self.reports_train_results() else None), in_phase.metrics()
+        return critic_values(self.critic, self.config, batch), in_phase.metrics()
 
-    @phase_rpc(CRITIC_UPDATE, progress="critic update")
+    @phase_rpc(CRITIC_UPDATE, progress="critic update", dispatch=Dispatch(TRAIN_DP, "batch"))
     def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
         from mindspeed_rl.memory import ActivationMeter
 

@@ -8,8 +8,8 @@ import torch
 
 from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.memory.residency import GENERATE, INFER_WEIGHTS, KV_CACHE
-from mindspeed_rl.protocol import Shard
 from mindspeed_rl.workers.actor_steps import sampling_seed
+from mindspeed_rl.workers.dispatch import INFER_DP, Dispatch
 from mindspeed_rl.workers.parts import DESTINATION, VLLM, Part, part_rpc
 from mindspeed_rl.workers.phase_rpc import phase_rpc
 
@@ -35,11 +35,12 @@ class InferencePart(Part):
 
         return destination_dtypes(self.inference_model.named_weights())
 
-    @phase_rpc(GENERATE, progress="generate")
+    @phase_rpc(GENERATE, progress="generate", dispatch=Dispatch(INFER_DP, "prompt_token_ids", "max_tokens"))
     def generate_sequences(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None,
                            n: int | None = None, greedy: bool = False,
-                           max_tokens: list[int] | None = None) -> tuple[Shard, dict[str, float]]:
-        """Each inference-DP group samples its slice of the prompts; one rank per group reports it. `n` samples
+                           max_tokens: list[int] | None = None) -> tuple[list, dict[str, float]]:
+        """Each inference-DP group samples its share of the prompts (the ranks of a TP x PP block the same: vLLM
+        broadcasts the last stage's output): (index in the share, token ids, log-probs) per sample. `n` samples
         per prompt (default rl_config.n_samples_per_prompt), greedily with `greedy` (evaluation), at most
         `max_tokens[i]` tokens for prompt i (default sampling_config.max_tokens; a multi-turn turn's budgets).
 
@@ -50,25 +51,18 @@ class InferencePart(Part):
         from mindspeed_rl.parallel.layout import ParallelLayout
 
         sampling = self.config.generate_config.sampling_config
-        layout = ParallelLayout.from_config(self.config)
-        dp_size, rank = layout.infer_dp, self.rank_info.rank
-        # A TP x PP block of consecutive ranks (vLLM's order) serves one DP slice; all its ranks return the
-        # same samples (vLLM broadcasts the last stage's output), its first rank reports them.
-        dp_rank, block_rank = layout.infer.dp_rank(rank), rank % (layout.infer.tp * layout.infer.pp)
-        # Balanced slices: a multi-turn rollout's continuations need not divide by the DP size.
-        start, stop = len(prompt_token_ids) * dp_rank // dp_size, len(prompt_token_ids) * (dp_rank + 1) // dp_size
         in_phase = self.ledger.record(GENERATE)
         if iteration is not None:
             base_seed = sampling.seed if sampling.seed is not None else self.config.megatron_training.seed
+            dp_rank = ParallelLayout.from_config(self.config).infer.dp_rank(self.rank_info.rank)
             torch.manual_seed(sampling_seed(base_seed, iteration, dp_rank))
         t0 = time.perf_counter()
-        generations = [] if start == stop else self.inference_model.generate(
-            prompt_token_ids[start:stop], n=n or self.config.rl_config.n_samples_per_prompt,
-            max_tokens=sampling.max_tokens if max_tokens is None else max_tokens[start:stop],
+        generations = [] if not prompt_token_ids else self.inference_model.generate(
+            prompt_token_ids, n=n or self.config.rl_config.n_samples_per_prompt,
+            max_tokens=sampling.max_tokens if max_tokens is None else max_tokens,
             temperature=0.0 if greedy else sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             min_p=sampling.min_p, logprobs=sampling.logprobs, seed=None, detokenize=sampling.detokenize,
         )
         metrics = {"timing/rollout": time.perf_counter() - t0, **in_phase.metrics()}
-        value = [(start + g.prompt_index, g.token_ids, g.logprobs) for g in generations] if block_rank == 0 else None
         return_free_heap()  # an inference-only rank (disaggregated) has no update to end its iteration
-        return Shard(start=start, stop=stop, value=value), metrics
+        return [(g.prompt_index, g.token_ids, g.logprobs) for g in generations], metrics

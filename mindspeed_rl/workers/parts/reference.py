@@ -6,7 +6,10 @@ import contextlib
 import time
 
 from mindspeed_rl.memory.residency import REF_LOGPROB, REF_PARAMS
-from mindspeed_rl.protocol import RolloutBatch, Shard
+import torch
+
+from mindspeed_rl.protocol import RolloutBatch
+from mindspeed_rl.workers.dispatch import TRAIN_DP, Dispatch
 from mindspeed_rl.workers.parts import MEGATRON, Part
 from mindspeed_rl.workers.parts.training import forward_logprobs
 from mindspeed_rl.workers.phase_rpc import phase_rpc
@@ -28,14 +31,15 @@ class ReferencePart(Part):
                                                progress=lambda step: self._progress(step, started))
         register_reference_states(self.offloader, self.reference)
 
-    @phase_rpc(REF_LOGPROB, progress="reference log-probs")
-    def compute_ref_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
-        """The reference model's log-probs; with LoRA's shared backbone, the actor's with its adapters off."""
+    @phase_rpc(REF_LOGPROB, progress="reference log-probs", dispatch=Dispatch(TRAIN_DP, "batch"))
+    def compute_ref_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The reference model's log-probs of this rank's share; with LoRA's shared backbone, the actor's with its
+        adapters off."""
         in_phase = self.ledger.record(REF_LOGPROB)
         engine = self.reference or self.actor
         with contextlib.nullcontext() if self.reference is not None else self.actor.adapters_disabled():
-            shard = forward_logprobs(self, engine, batch, reference=True)
-        return shard, in_phase.metrics()
+            logprobs = forward_logprobs(self, engine, batch, reference=True)
+        return logprobs, in_phase.metrics()
 
     @phase_rpc(REF_LOGPROB, label="load_reference", progress="reference load")
     def load_reference_checkpoint(self, checkpoint_dir: str) -> dict[str, float]:

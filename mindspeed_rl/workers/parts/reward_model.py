@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from mindspeed_rl.memory.residency import REWARD, REWARD_PARAMS
-from mindspeed_rl.protocol import RolloutBatch, Shard
-from mindspeed_rl.workers.actor_steps import train_dp_slice
+import torch
+
+from mindspeed_rl.protocol import RolloutBatch
+from mindspeed_rl.workers.dispatch import TRAIN_DP, Dispatch
 from mindspeed_rl.workers.parts import MEGATRON, Part
 from mindspeed_rl.workers.phase_rpc import phase_rpc
 
@@ -21,14 +23,12 @@ class RewardModelPart(Part):
                                                      progress=lambda step: self._progress(step, started))
         register_reward_states(self.offloader, self.reward_model)
 
-    @phase_rpc(REWARD, progress="reward model")
-    def compute_reward_scores(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
-        """The reward model's score of each sample of this rank's train-DP slice (the last real token's head
-        output); the reward params are resident only during this call."""
+    @phase_rpc(REWARD, progress="reward model", dispatch=Dispatch(TRAIN_DP, "batch"))
+    def compute_reward_scores(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The reward model's score of each sample of this rank's share (the last real token's head output); the
+        reward params are resident only during this call."""
         in_phase = self.ledger.record(REWARD)
         rl = self.config.rl_config
-        start, stop = train_dp_slice(len(batch))
         scores = self.reward_model.compute_scores(
-            batch.select(slice(start, stop)),
-            micro_batch_size=rl.ref_forward_micro_batch_size or self.config.actor_config.micro_batch_size)
-        return Shard(start=start, stop=stop, value=scores if self.reports_train_results() else None), in_phase.metrics()
+            batch, micro_batch_size=rl.ref_forward_micro_batch_size or self.config.actor_config.micro_batch_size)
+        return scores, in_phase.metrics()

@@ -8,9 +8,12 @@ import time
 from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, OLD_LOGPROB, SWITCH, TRAIN_GRADS, TRAIN_OPTIMIZER,
                                            TRAIN_PARAMS, UPDATE)
-from mindspeed_rl.protocol import RolloutBatch, Shard
+import torch
+
+from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_config_for, over_mini_batches, packing_for,
-                                            train_dp_slice, train_on_mini_batch)
+                                            train_on_mini_batch)
+from mindspeed_rl.workers.dispatch import TRAIN_DP, Dispatch
 from mindspeed_rl.workers.parts import MEGATRON, SOURCE, Checkpointed, Part
 from mindspeed_rl.workers.phase_rpc import phase_rpc
 
@@ -42,19 +45,20 @@ class TrainingPart(Part):
     def optimizer(self):
         return self.actor.optimizer
 
-    @phase_rpc(OLD_LOGPROB, progress="old log-probs")
-    def compute_log_prob(self, batch: RolloutBatch) -> tuple[Shard, dict[str, float]]:
-        """The actor's log-probs; with `batch.meta_info["disable_adapter"]` (ROLL's LoRA reference call), its
-        backbone's, with the adapters off."""
+    @phase_rpc(OLD_LOGPROB, progress="old log-probs", dispatch=Dispatch(TRAIN_DP, "batch"))
+    def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The actor's log-probs of this rank's share of the batch; with `batch.meta_info["disable_adapter"]`
+        (ROLL's LoRA reference call), its backbone's, with the adapters off."""
         in_phase = self.ledger.record(OLD_LOGPROB)
         disabled = batch.meta_info.get("disable_adapter", False)
         with self.actor.adapters_disabled() if disabled else contextlib.nullcontext():
-            shard = forward_logprobs(self, self.actor, batch, reference=False)
-        return shard, in_phase.metrics()
+            logprobs = forward_logprobs(self, self.actor, batch, reference=False)
+        return logprobs, in_phase.metrics()
 
-    @phase_rpc(UPDATE, progress="update", changes_weights=True)
+    @phase_rpc(UPDATE, progress="update", changes_weights=True, dispatch=Dispatch(TRAIN_DP, "batch"))
     def update(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
-        """`epochs` passes over the batch in mini-batches, one optimizer step per mini-batch."""
+        """`epochs` passes over this rank's share of the batch in mini-batches, one optimizer step per mini-batch
+        (each the DP ranks' same-numbered mini-batches together)."""
         from mindspeed_rl.memory import ActivationMeter
 
         rl = self.config.rl_config
@@ -67,7 +71,8 @@ class TrainingPart(Part):
                                        packing=packing_for(rl, "update"))
 
         with ActivationMeter(self.offloader.storage_keys()) as activations:
-            metrics, steps = over_mini_batches(batch, rl, self.shuffler, step, lr_key="actor/lr")
+            metrics, steps = over_mini_batches(batch, rl, self.shuffler, step, lr_key="actor/lr",
+                                               data_parallel_size=self.actor.parallel.dp)
             # Recorded after the steps: the optimizer creates its moments lazily at the first one.
             in_phase = self.ledger.record(UPDATE, extra={"activations": activations.peak_bytes})
         metrics["actor/optimizer_steps"] = float(steps)
@@ -119,14 +124,11 @@ class TrainingPart(Part):
         return (str(path) if path is not None else None), {"timing/export_hf": time.perf_counter() - started}
 
 
-def forward_logprobs(rank, engine, batch: RolloutBatch, *, reference: bool) -> Shard:
-    """`engine`'s log-probs of this rank's train-DP slice of `batch`, in the reference's or the actor's
-    micro-batches and packing; reported by the rank that holds the results (train_results_rank)."""
+def forward_logprobs(rank, engine, batch: RolloutBatch, *, reference: bool) -> torch.Tensor:
+    """`engine`'s log-probs of `batch` (this rank's share), in the reference's or the actor's micro-batches and
+    packing."""
     rl = rank.config.rl_config
     size = rl.ref_forward_micro_batch_size if reference else rl.actor_forward_micro_batch_size
-    start, stop = train_dp_slice(len(batch))
-    logprobs = engine.compute_logprobs(batch.select(slice(start, stop)),
-                                       micro_batch_size=size or rank.config.actor_config.micro_batch_size,
-                                       temperature=rank.config.generate_config.sampling_config.temperature,
-                                       packing=packing_for(rl, "ref" if reference else "actor"))
-    return Shard(start=start, stop=stop, value=logprobs if rank.reports_train_results() else None)
+    return engine.compute_logprobs(batch, micro_batch_size=size or rank.config.actor_config.micro_batch_size,
+                                   temperature=rank.config.generate_config.sampling_config.temperature,
+                                   packing=packing_for(rl, "ref" if reference else "actor"))
