@@ -114,6 +114,7 @@ def _update_gradients(spec, state, *, cp: int, packed: bool) -> dict[str, torch.
     from mindspeed_rl.models.qwen2 import ModelOptions
     from mindspeed_rl.protocol import Packing
     from mindspeed_rl.workers.actor_steps import train_on_mini_batch
+    from dp_share import dp_share
     from test_packing import _batch, _rollout_columns
 
     ps.initialize_model_parallel(context_parallel_size=cp)
@@ -125,7 +126,7 @@ def _update_gradients(spec, state, *, cp: int, packed: bool) -> dict[str, torch.
                             optimizer=settings, options=ModelOptions(packed_sequences=packed))
     loss = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.05, entropy_coeff=0.01,
                           loss_agg_mode="token-mean")
-    train_on_mini_batch(engine, _rollout_columns(_batch(5, samples=6), seed=6), loss, micro_batch_size=3,
+    train_on_mini_batch(engine, dp_share(_rollout_columns(_batch(5, samples=6), seed=6)), loss, micro_batch_size=3,
                         temperature=1.0, packing=Packing(max_tokens=64) if packed else None)
     grads = {name: p.main_grad.clone() for name, p in engine.module.named_parameters()}
     ps.destroy_model_parallel()

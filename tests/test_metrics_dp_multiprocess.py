@@ -19,6 +19,7 @@ from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettin
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.workers.actor_steps import train_on_mini_batch
+from dp_share import dp_share
 from resharding_oracle import free_port
 
 LOSS = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.05, entropy_coeff=0.01, loss_agg_mode="token-mean")
@@ -38,7 +39,8 @@ def _engine(checkpoint: str, accelerator, distributed: bool) -> MegatronEngine:
 
 
 def _step(engine: MegatronEngine, batch: RolloutBatch) -> tuple[dict, dict]:
-    stats = train_on_mini_batch(engine, batch, LOSS, micro_batch_size=MICRO_BATCH, temperature=1.0)
+    """One step on this DP rank's share of the mini-batch (the whole of it at DP1)."""
+    stats = train_on_mini_batch(engine, dp_share(batch), LOSS, micro_batch_size=MICRO_BATCH, temperature=1.0)
     return stats, {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 
 
