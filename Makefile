@@ -32,6 +32,11 @@ demo-math: venv
 test: venv
 	$(PY) -m pytest -q tests
 
+# The inner loop: the in-process tests only (no CLI runs, no spawned gloo worlds); `make test` is what CI runs.
+.PHONY: test-quick
+test-quick: venv
+	$(PY) -m pytest -q tests --ignore-glob='*_e2e.py' --ignore-glob='*_multiprocess.py'
+
 # The two-node tests (a Ray cluster of two nodes made on this machine, tests/two_nodes.py); .ci/run runs them too.
 .PHONY: test-multinode
 test-multinode: venv

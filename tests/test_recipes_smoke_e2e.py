@@ -4,8 +4,8 @@ iterations through its own entry point, saving after each, and a second run resu
 reaches the same iteration 2: the same metrics and, bit for bit, the same weights, fp32 masters and Adam moments
 (bf16 and the distributed optimizer, as every recipe sets them).
 
-Runs where: two CLI runs per recipe (Ray, 2 rank processes, real Megatron + vLLM); `make test-recipes`, which
-.ci/run calls after `make test`."""
+Runs where: two CLI runs per recipe (2 rank processes on one Ray cluster the module's runs join, real Megatron +
+vLLM); `make test-recipes`, which .ci/run calls after `make test`."""
 import json
 import shutil
 
@@ -14,6 +14,7 @@ import torch
 
 from cli_runner import run_cli
 from recipe_smoke import RECIPES, SHRINKS, recipe_tree, smoke_overrides, tiny_assets
+from two_nodes import one_node
 
 pytestmark = pytest.mark.recipes
 ENTRY_POINTS = {"ray_grpo": "cli/train_grpo.py", "ray_dapo": "cli/train_dapo.py", "ray_ppo": "cli/train_ppo.py"}
@@ -28,9 +29,17 @@ def assets(tmp_path_factory):
     return tiny_assets(tmp_path_factory.mktemp("recipe_assets"))
 
 
-def _run(name: str, run_dir, assets, **where):
+@pytest.fixture(scope="module")
+def ray_address(tmp_path_factory):
+    """One Ray cluster the 32 runs join (runtime.ray_address) instead of each starting its own."""
+    with one_node(tmp_path_factory.mktemp("recipe_ray"), num_cpus=8) as address:
+        yield address
+
+
+def _run(name: str, run_dir, assets, ray_address: str, **where):
     script = ENTRY_POINTS[recipe_tree(name)["megatron_training"]["stage"]]
-    done = run_cli(run_dir, name, "--config-dir", str(RECIPES), *smoke_overrides(name, assets, **where), script=script)
+    overrides = [*smoke_overrides(name, assets, **where), f"runtime.ray_address={ray_address}"]
+    done = run_cli(run_dir, name, "--config-dir", str(RECIPES), *overrides, script=script)
     assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 
@@ -53,11 +62,11 @@ def _plain(checkpoint) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", sorted(SHRINKS))
-def test_their_recipe_trains_saves_and_resumes_exactly(world, tmp_path, assets, name):
+def test_their_recipe_trains_saves_and_resumes_exactly(world, tmp_path, assets, ray_address, name):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _run(name, full, assets, save=full / "save")
+    _run(name, full, assets, ray_address, save=full / "save")
     first = full / "save" / "iter_0000001"
-    _run(name, resumed, assets, save=resumed / "save", load=first)
+    _run(name, resumed, assets, ray_address, save=resumed / "save", load=first)
 
     assert [r["iteration"] for r in _records(resumed)] == [2]
     assert _records(resumed) == _records(full)[1:]

@@ -286,3 +286,20 @@ def two_nodes(work_dir: Path, *, cpus_per_node: int = 1, netns: bool = True):
         if network:
             _remove_network(network[0], network[1])
         shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def one_node(work_dir: Path, *, num_cpus: int):
+    """A one-node Ray cluster of its own for a module's CLI runs: each joins it (`runtime.ray_address=` the yielded
+    address) instead of starting Ray itself, as a user's runs join their cluster. Ended, every process of it, after.
+    Its head listens on 127.0.0.1's neighbour (Ray registers a node given 127.0.0.1 under the machine's address)."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    ray_dir = Path(tempfile.mkdtemp(prefix="msrl1n", dir="/tmp"))  # socket paths under 108 characters
+    head = None
+    try:
+        head, address = _start_head("127.0.0.2", num_cpus, ray_dir, work_dir / "head.log")
+        yield address
+    finally:
+        if head is not None:
+            _end_node(head)
+        shutil.rmtree(ray_dir, ignore_errors=True)
