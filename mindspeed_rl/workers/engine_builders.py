@@ -11,20 +11,19 @@ from mindspeed_rl.config.tolerated import sequence_parallel_in_effect
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 
 
-def init_distributed(accelerator, *, rank: int, world_size: int, config: GRPOConfig, megatron_groups: bool) -> None:
-    """This rank's world; with `megatron_groups` (a training rank) Megatron's groups over it and their RNG.
+def init_distributed(accelerator, *, rank: int, world_size: int, config: GRPOConfig, train_layout=None) -> None:
+    """This rank's world; with a `train_layout` (a training rank) Megatron's groups over it and their RNG.
     vLLM, under external_launcher, builds its own groups over the world it finds."""
     import torch.distributed as dist
 
     runtime = config.runtime
     dist.init_process_group(accelerator.distributed_backend, rank=rank, world_size=world_size,
                             timeout=set_collective_timeout(runtime.collective_timeout_seconds))
-    if not megatron_groups:
+    if train_layout is None:
         return
     from mindspeed_rl.parallel import megatron_state
-    from mindspeed_rl.parallel.layout import ParallelLayout
 
-    megatron_state.initialize(ParallelLayout.from_config(config).train, rank=rank, world_size=world_size,
+    megatron_state.initialize(train_layout, rank=rank, world_size=world_size,
                               timeout_minutes=max(1, round(runtime.collective_timeout_seconds / 60)))
     accelerator.seed_model_parallel_rng(config.megatron_training.seed)
 
@@ -150,14 +149,6 @@ def build_inference_model(config: GRPOConfig, accelerator, *, model_dir: str):
         on_cpu=accelerator.is_host, enable_expert_parallel=gen.infer_expert_parallel_size > 1,
         trust_remote_code=gen.trust_remote_code, enable_prefix_caching=gen.enable_prefix_caching,
     ))
-
-
-def switch_layouts(config: GRPOConfig):
-    """The training layout the weight push reads and the inference layout it writes (the run's one layout)."""
-    from mindspeed_rl.parallel.layout import ParallelLayout
-
-    layout = ParallelLayout.from_config(config)
-    return layout.train, layout.infer
 
 
 def bucket_bytes(config: GRPOConfig) -> int:

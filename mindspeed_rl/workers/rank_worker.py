@@ -8,6 +8,7 @@ group (workers/actor_group.py) assembles it. Each part's RPC declares its phase 
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -60,8 +61,9 @@ class RankWorker(RankProcess):
         self.accelerator = get_accelerator(cfg.runtime.device)
         # Ray makes exactly this rank's device visible to the actor; a rank in the driver takes the first visible one.
         self.accelerator.set_device(0)
+        trains = any(part.STAGE == MEGATRON for part in self.PARTS)
         build.init_distributed(self.accelerator, rank=self.rank_info.rank, world_size=self.rank_info.world_size,
-                               config=cfg, megatron_groups=any(part.STAGE == MEGATRON for part in self.PARTS))
+                               config=cfg, train_layout=self.layout.train if trains else None)
         self.offloader = Offloader(self.accelerator)
         self._checkpoints: dict[str, tuple] = {}
         self._build(MEGATRON, started)
@@ -79,6 +81,14 @@ class RankWorker(RankProcess):
         for part in self.PARTS:
             if part.STAGE == stage:
                 part.build_part(self, started)
+
+    @functools.cached_property
+    def layout(self):
+        """The run's parallel layout (parallel/layout.py), built once on this rank: Megatron's groups, the push and
+        the dispatch places come from it."""
+        from mindspeed_rl.parallel.layout import ParallelLayout
+
+        return ParallelLayout.from_config(self.config)
 
     def hf_checkpoint(self, model_dir: str) -> tuple:
         """(spec, state) of an HF directory, read once per initialize (the actor and the reference share one)."""
@@ -111,9 +121,8 @@ class RankWorker(RankProcess):
         from mindspeed_rl.resharding.adapter_push import colocated_push_of
         from mindspeed_rl.workers import engine_builders as build
 
-        train, infer = build.switch_layouts(self.config)
         self.sharding_manager.attach_push(colocated_push_of(
-            self.actor, inference_model=self.inference_model, train=train, infer=infer,
+            self.actor, inference_model=self.inference_model, train=self.layout.train, infer=self.layout.infer,
             rank=self.rank_info.rank, world_size=self.rank_info.world_size, bucket_bytes=build.bucket_bytes(self.config),
             check_weights=self.config.generate_config.check_weights_after_switch), colocated=True)
 
@@ -139,7 +148,6 @@ class RankWorker(RankProcess):
         """Where this rank sits in each data-parallel split its parts compute in (workers/dispatch.py): Megatron's
         (its results collected from TP rank 0, CP rank 0 of the last stage) and vLLM's (from the first rank of
         each TP x PP block, vLLM's order)."""
-        from mindspeed_rl.parallel.layout import ParallelLayout
         from mindspeed_rl.workers.dispatch import INFER_DP, TRAIN_DP, DataParallelPlace
 
         places = {}
@@ -150,7 +158,7 @@ class RankWorker(RankProcess):
             places[TRAIN_DP] = DataParallelPlace(dp_rank=p.dp_rank, dp_size=p.dp,
                                                  collected=p.tp_rank == 0 and p.cp_rank == 0 and p.last_stage)
         if any(part.STAGE == VLLM for part in self.PARTS):
-            layout, rank = ParallelLayout.from_config(self.config), self.rank_info.rank
+            layout, rank = self.layout, self.rank_info.rank
             places[INFER_DP] = DataParallelPlace(dp_rank=layout.infer.dp_rank(rank), dp_size=layout.infer_dp,
                                                  collected=rank % (layout.infer.tp * layout.infer.pp) == 0)
         return places
@@ -164,10 +172,10 @@ class RankWorker(RankProcess):
         from mindspeed_rl.resharding.adapter_push import bridge_push_of
         from mindspeed_rl.workers import engine_builders as build
 
-        train, infer = build.switch_layouts(self.config)
         source = self.holds(SOURCE)
         common = dict(
-            spec=build.train_spec(self.config, read_spec(self.model_dir)), train=train, infer=infer,
+            spec=build.train_spec(self.config, read_spec(self.model_dir)), train=self.layout.train,
+            infer=self.layout.infer,
             train_world_size=train_world_size, infer_world_size=infer_world_size,
             bridge_rank=self.rank_info.rank + (0 if source else train_world_size),
             dtypes=infer_dtypes if infer_dtypes is not None else self.inference_dtypes(),

@@ -48,13 +48,11 @@ class InferencePart(Part):
         sampling_config.seed, else megatron_training.seed), so an iteration samples the same whatever came before
         (exact resume); without, it continues the running generator. vLLM's per-request seeds would do the same, but
         its runner rewinds their offsets after a chunked prefill, which CPU generators cannot do."""
-        from mindspeed_rl.parallel.layout import ParallelLayout
-
         sampling = self.config.generate_config.sampling_config
         in_phase = self.ledger.record(GENERATE)
         if iteration is not None:
             base_seed = sampling.seed if sampling.seed is not None else self.config.megatron_training.seed
-            dp_rank = ParallelLayout.from_config(self.config).infer.dp_rank(self.rank_info.rank)
+            dp_rank = self.layout.infer.dp_rank(self.rank_info.rank)
             torch.manual_seed(sampling_seed(base_seed, iteration, dp_rank))
         t0 = time.perf_counter()
         generations = [] if not prompt_token_ids else self.inference_model.generate(
