@@ -78,7 +78,8 @@ def _one_step(critic, batch: RolloutBatch, old_values: torch.Tensor, returns: to
 
     def loss_fn(values, mb):
         return clipped_value_loss(values, mb.extras["old_values"], mb.extras["returns"], mb.response_mask,
-                                  cliprange_value=10.0, loss_agg_mode="token-mean", denominator=tokens)
+                                  cliprange_value=10.0, loss_agg_mode="token-mean", denominator=tokens,
+                                  mini_batch_tokens=tokens)
 
     return critic.train_step(part, micro_batch_size=1, loss_fn=loss_fn)
 

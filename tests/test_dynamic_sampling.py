@@ -19,6 +19,12 @@ def test_groups_with_spread_keeps_the_groups_whose_samples_differ():
     assert groups_with_spread(values, 2) == [1, 3]
 
 
+def test_a_group_of_one_sample_is_kept():
+    """n_samples_per_prompt 1 (REINFORCE++ without groups): every rollout would be filtered and, with no rollout limit
+    (filter_groups_max_batches <= 0, as their recipes set), the run would draw forever."""
+    assert groups_with_spread(torch.tensor([1.0, 1.0, 0.0]), 1) == [0, 1, 2]
+
+
 def test_concat_pads_to_the_widest_batch_and_keeps_columns():
     a = RolloutBatch.from_token_lists([[1, 2]], [[3]], pad_id=0, response_width=2)
     b = RolloutBatch.from_token_lists([[4, 5, 6, 7]], [[8, 9]], pad_id=0, response_width=2)

@@ -452,7 +452,7 @@ def test_the_critics_states_equal_a_live_critics_tensors(world, bf16, distribute
     batch.columns.update(values=torch.zeros(2, 2), returns=torch.ones(2, 2))
     critic.train_step(batch, micro_batch_size=2, loss_fn=lambda values, mb: clipped_value_loss(
         values, mb.extras["values"], mb.extras["returns"], mb.response_mask, cliprange_value=0.5,
-        loss_agg_mode="token-mean", denominator=3.0))  # Adam's moments
+        loss_agg_mode="token-mean", denominator=3.0, mini_batch_tokens=3.0))  # Adam's moments
     predicted = stage_critic_bytes(arch, tp=1, pp=1, pp_rank=0, dp=1, bf16=bf16, distributed_optimizer=distributed,
                                    dp_rank=0)
     assert predicted.params == _storage_bytes(param_tensors(critic.module))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mindspeed_rl.algorithms.ppo import (AdaptiveKLController, apply_kl_penalty, clipped_value_loss,
-                                         gae_advantages_and_returns, kl_controller, token_level_rewards)
+                                         explained_variance, gae_advantages_and_returns, kl_controller,
+                                         token_level_rewards)
 
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 
@@ -60,12 +61,45 @@ def test_the_value_loss_takes_the_larger_of_the_clipped_and_unclipped_errors():
     returns = torch.tensor([[0.5, 3.0, 1.0]])
     # clipped values (c = 0.2): [0.2, 2.0, 0.2]; squared errors unclipped [.25, 1, 0], clipped [.09, 1, .64]
     loss, stats = clipped_value_loss(values, old, returns, torch.ones(1, 3), cliprange_value=0.2,
-                                     loss_agg_mode="token-mean", denominator=3.0)
+                                     loss_agg_mode="token-mean", denominator=3.0, mini_batch_tokens=3.0)
     assert loss.item() == pytest.approx(0.5 * (0.25 + 1.0 + 0.64) / 3)
     assert stats["critic/vf_clipfrac"] == pytest.approx(1 / 3)
     loss.backward()
     # the third token's larger error is the clipped one, which does not move with the value: no gradient
     torch.testing.assert_close(values.grad, torch.tensor([[0.5 / 3, -1 / 3, 0.0]]))
+
+
+def test_a_value_inside_the_clip_range_is_never_counted_as_clipped():
+    # fp32 values where V_old + clamp(V - V_old) is one ulp from V and farther from the return: the old form counted
+    # this token as clipped; clamping V into [V_old - c, V_old + c] (verl) leaves V itself.
+    old, values, returns = (torch.tensor([[x]]) for x in (-0.200565367937088, -0.07197696715593338,
+                                                          -0.09864220023155212))
+    assert (old + (values - old).clamp(-0.2, 0.2) - returns) ** 2 > (values - returns) ** 2
+    _, stats = clipped_value_loss(values, old, returns, torch.ones(1, 1), cliprange_value=0.2,
+                                  loss_agg_mode="token-mean", denominator=1.0, mini_batch_tokens=1.0)
+    assert stats["critic/vf_clipfrac"] == 0.0
+
+
+def test_the_clip_fractions_of_micro_batches_add_up_to_the_mini_batchs():
+    """Each micro-batch's statistic is its share of the mini-batch's (the engine sums them over micro-batches and DP
+    ranks): 3 clipped tokens of 8 is 0.375, not the sum of per-micro-batch means."""
+    values = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    old, returns = torch.zeros(3, 4), torch.full((3, 4), 0.5)  # V = 1 clips to 0.2, whose error is the smaller
+    old[0, :2] = 2.0  # ... except where V_old = 2 clips V = 1 to 1.8: larger error, clipped
+    old[1, 0] = 2.0
+    total = 0.0
+    for rows in (slice(0, 1), slice(1, 3)):
+        _, stats = clipped_value_loss(values[rows], old[rows], returns[rows], mask[rows], cliprange_value=0.2,
+                                      loss_agg_mode="token-mean", denominator=8.0, mini_batch_tokens=8.0)
+        total += stats["critic/vf_clipfrac"]
+    assert total == pytest.approx(3 / 8)
+
+
+def test_the_explained_variance_is_one_for_exact_values_and_zero_for_the_mean():
+    returns, mask = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.0, 9.0]]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert explained_variance(torch.full_like(returns, 2.0), returns, mask) == pytest.approx(0.0)
 
 
 def test_the_adaptive_controller_moves_the_coefficient_toward_the_target_by_at_most_20_percent():

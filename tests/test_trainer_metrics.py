@@ -81,6 +81,13 @@ def test_training_curves_draw_the_sparse_evaluation_records(tmp_path):
     assert series_keys(records, ["eval/pass@*"]) == ["eval/pass@1", "eval/pass@4"]
 
 
+def test_a_ppo_runs_curves_show_the_value_loss_and_the_explained_variance(tmp_path):
+    records = [r | {"critic/vf_loss": 1.0 / r["iteration"], "critic/explained_variance": 0.1 * r["iteration"],
+                    "critic/vf_clipfrac": 0.05} for r in _records(6)]
+    drawn = plot_training_curves(records, tmp_path / "curves.png")
+    assert {"critic/vf_loss", "critic/explained_variance", "critic/vf_clipfrac"} <= set(drawn)
+
+
 def test_training_curves_redraw_from_metrics_jsonl(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in _records()))

@@ -66,20 +66,33 @@ def gae_advantages_and_returns(rewards: Tensor, values: Tensor, response_mask: T
 
 
 def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor, *,
-                       cliprange_value: float, loss_agg_mode: str, denominator: float) -> tuple[Tensor, dict]:
+                       cliprange_value: float, loss_agg_mode: str, denominator: float,
+                       mini_batch_tokens: float) -> tuple[Tensor, dict]:
     """PPO's value loss with the update clipped around the values the rollout saw (verl's compute_value_loss):
 
         V_clip = clip(V, V_old - c, V_old + c),   L = 0.5 * agg(max((V - R)^2, (V_clip - R)^2))
 
-    Returns the loss (``denominator``: the whole mini-batch's, as for the policy loss) and its statistics:
-    the fraction of tokens where the clipped term was the larger (``critic/vf_clipfrac``)."""
-    clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    Returns the loss (``denominator``: the whole mini-batch's, as for the policy loss) and its statistics, each this
+    micro-batch's share of the mini-batch's value (the engine sums them over micro-batches and DP ranks):
+    ``critic/vf_loss`` and ``critic/vf_clipfrac``, the fraction of the mini-batch's ``mini_batch_tokens`` valid tokens
+    where the clipped term was the larger. V is clamped into the range, as verl does: a value inside it is its own
+    clipped value, bit for bit, and never counts as clipped."""
+    clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     unclipped_loss = (values - returns) ** 2
     clipped_loss = (clipped - returns) ** 2
     loss = 0.5 * aggregate_loss(torch.maximum(unclipped_loss, clipped_loss), response_mask, loss_agg_mode,
                                 denominator)
-    clipfrac = masked_mean((clipped_loss > unclipped_loss).to(values.dtype), response_mask)
-    return loss, {"critic/vf_loss": loss.detach().item(), "critic/vf_clipfrac": clipfrac.item()}
+    clipped_tokens = ((clipped_loss > unclipped_loss) & response_mask.bool()).sum().item()
+    return loss, {"critic/vf_loss": loss.detach().item(), "critic/vf_clipfrac": clipped_tokens / mini_batch_tokens}
+
+
+def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the valid tokens (`critic/explained_variance`, verl's critic/vf_explained_var): 1
+    where the values predict the returns, 0 for their mean, below 0 for worse."""
+    valid = response_mask.bool()
+    r, v = returns[valid].double(), values[valid].double()
+    total = r.var(unbiased=False)
+    return float(1.0 - (r - v).var(unbiased=False) / total) if total > 0 else 0.0
 
 
 class FixedKLController:

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
 from mindspeed_rl.algorithms.grpo import masked_mean
-from mindspeed_rl.algorithms.ppo import apply_kl_penalty, gae_advantages_and_returns, token_level_rewards
+from mindspeed_rl.algorithms.ppo import (apply_kl_penalty, explained_variance, gae_advantages_and_returns,
+                                         token_level_rewards)
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.rewards import RuleRewards
 from mindspeed_rl.protocol import RolloutBatch
@@ -38,7 +37,7 @@ class CriticAdvantageStep(AdvantageStep):
         mask = batch.response_mask
         return metrics | {"critic/values/mean": masked_mean(values, mask).item(),
                           "critic/returns/mean": masked_mean(returns, mask).item(),
-                          "critic/explained_variance": _explained_variance(values, returns, mask)}
+                          "critic/explained_variance": explained_variance(values, returns, mask)}
 
     def start_critic_update(self, batch: RolloutBatch) -> Callable[[], dict[str, float]]:
         """The critic's update toward the batch's returns; the returned call finishes it and gives its metrics. On
@@ -49,11 +48,3 @@ class CriticAdvantageStep(AdvantageStep):
             return lambda: merge_metrics(self.actor_group.wait("update_critic", pending))
         return lambda: merge_metrics(self.actor_group.call("update_critic", batch))
 
-
-def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over the response tokens: how much of the returns the critic predicts (verl's
-    critic/vf_explained_var)."""
-    residual = returns - values
-    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
-    return float(1.0 - var_residual / var_returns.clamp(min=1e-8))

@@ -1,5 +1,5 @@
-"""Training curves of a run: reward per verifier, accuracy, KL, response length, tokens/s per iteration, and the
-held-out evaluation's accuracy when the run evaluates.
+"""Training curves of a run: reward per verifier, accuracy, KL, response length, tokens/s per iteration, the
+held-out evaluation's accuracy when the run evaluates, and PPO's value loss and explained variance with a critic.
 
 Drawn at the end of a run beside metrics.jsonl, and redrawable from any run's file:
 
@@ -23,6 +23,9 @@ PANELS = (
     ("throughput", ["e2e_tps", "vllm_tps", "update_tps"], "tokens/s per device"),
     ("learning rate", ["actor/lr"], "lr"),
     ("held-out evaluation", ["eval/pass@*"], "fraction correct"),
+    # PPO's critic (drawn where the run has one).
+    ("value loss", ["critic/vf_loss"], "0.5 x squared error"),
+    ("value function", ["critic/explained_variance", "critic/vf_clipfrac"], "explained variance, clip fraction"),
 )
 # Panels whose points are sparse (every eval_interval-th iteration): drawn as they are, with markers.
 SPARSE_PANELS = ("held-out evaluation",)

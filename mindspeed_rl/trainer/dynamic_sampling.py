@@ -2,7 +2,7 @@
 rollouts until enough prompt groups teach something.
 
 A group whose samples all score the same `filter_groups_metric` has zero advantage under group normalisation:
-it only dilutes the batch. Dynamic sampling drops such groups and generates further rollouts of
+it only dilutes the batch (a group of one sample is kept, as verl and MindSpeed-RL keep it). Dynamic sampling drops such groups and generates further rollouts of
 `global_batch_size` prompts (drawn from the same sampler, so a checkpoint resumes after every prompt drawn,
 refills included) until `filter_groups_train_batch_size` prompts are kept; the surplus of the last rollout is
 dropped, as in DAPO's reference (verl's dapo_ray_trainer). Past `filter_groups_max_batches` rollouts the run
@@ -46,8 +46,12 @@ def concat(parts: list[ScoredBatch]) -> ScoredBatch:
 
 
 def groups_with_spread(values: torch.Tensor, n: int) -> list[int]:
-    """Indices of the prompt groups (n consecutive samples each) whose values are not all equal."""
+    """Indices of the prompt groups (n consecutive samples each) kept: those whose values are not all equal, and every
+    group of one sample (verl's DAPO and MindSpeed-RL keep a group when its std > 0 or it has one sample: a lone
+    sample's advantage does not come from its group's spread)."""
     grouped = values.reshape(-1, n)
+    if n == 1:
+        return list(range(len(grouped)))
     return (grouped != grouped[:, :1]).any(dim=1).nonzero().flatten().tolist()
 
 

@@ -71,11 +71,14 @@ def update_critic(critic, config: GRPOConfig, batch: RolloutBatch, shuffler: Min
     mode = loss_agg_mode(rl)
 
     def step(mini_batch: RolloutBatch) -> dict[str, float]:
-        denominator = critic.over_data_parallel(count_loss_units(mini_batch.response_mask, mode))
+        mask = mini_batch.response_mask
+        denominator = critic.over_data_parallel(count_loss_units(mask, mode, config.response_length_limit))
+        tokens = critic.over_data_parallel(float(mask.sum()))
 
         def loss_fn(values: torch.Tensor, mb: MicroBatch):
             return clipped_value_loss(values, mb.extras["values"], mb.extras["returns"], mb.response_mask,
-                                      cliprange_value=rl.cliprange_value, loss_agg_mode=mode, denominator=denominator)
+                                      cliprange_value=rl.cliprange_value, loss_agg_mode=mode, denominator=denominator,
+                                      mini_batch_tokens=tokens)
 
         return critic.train_step(mini_batch, micro_batch_size=config.critic_config.micro_batch_size, loss_fn=loss_fn,
                                  packing=packing_for(rl, "update"))
