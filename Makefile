@@ -48,6 +48,13 @@ test-multinode: venv
 test-recipes: venv
 	$(PY) -m pytest -q -m recipes tests/test_recipes_smoke_e2e.py
 
+# The checks that need a GPU (benchmarks/gpu_check.py): offload vs a raw pinned copy, the Megatron engine, the
+# bit-exact offload tests and the ledger on CUDA. On a CUDA machine with this package's dependencies installed
+# (pip install -e ".[cuda,test]"): `make gpu-check PY=python3`.
+.PHONY: gpu-check
+gpu-check:
+	$(PY) benchmarks/gpu_check.py
+
 bench: venv
 	$(PY) benchmarks/bench_resharding.py --json bench_resharding.json
 	$(PY) benchmarks/bench_offload.py --json bench_offload.json

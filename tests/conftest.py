@@ -15,17 +15,19 @@ from resharding_oracle import free_port
 
 @pytest.fixture(scope="session")
 def world():
-    """A one-rank gloo world with Megatron's parallel state (TP1/PP1), shared by in-process tests."""
+    """A one-rank world with Megatron's parallel state (TP1/PP1), shared by in-process tests: gloo on
+    CPU; `MINDSPEED_RL_TEST_DEVICE=cuda` (make gpu-check) runs the same tests on the GPU over nccl."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from mindspeed_rl.accelerator import get_accelerator
 
+    accelerator = get_accelerator(os.environ.get("MINDSPEED_RL_TEST_DEVICE", "cpu"))
     if not dist.is_initialized():
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        accelerator.set_device(0)
+        dist.init_process_group(accelerator.distributed_backend, rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    accelerator = get_accelerator("cpu")
     accelerator.seed_model_parallel_rng(1)
     return accelerator

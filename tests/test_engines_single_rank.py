@@ -60,7 +60,7 @@ def test_megatron_logits_equal_hf(world, checkpoint, actor):
     with torch.no_grad():
         expected = hf_model(checkpoint)(ids).logits
         with world.megatron_context():
-            got = actor.module(ids, torch.arange(17).expand(3, 17), None)
+            got = actor.module(ids.to(world.device), torch.arange(17, device=world.device).expand(3, 17), None).cpu()
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < 1e-4
 
