@@ -32,10 +32,14 @@ DEVICE_TESTS = [
 ]
 
 
+def _env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **extra)
+
+
 def _offload(out: Path, gib: float) -> tuple[bool, list[str]]:
     target = out / "offload_cuda.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_offload.py"), "--device", "cuda",
-                           "--gib", str(gib), "--json", str(target)], cwd=ROOT)
+                           "--gib", str(gib), "--json", str(target)], cwd=ROOT, env=_env())
     if done.returncode != 0 or not target.exists():
         return False, [f"| offload benchmark | failed (exit {done.returncode}) |"]
     r = json.loads(target.read_text())
@@ -51,7 +55,7 @@ def _offload(out: Path, gib: float) -> tuple[bool, list[str]]:
 
 def _device_tests(out: Path) -> tuple[bool, list[str]]:
     report = out / "gpu_tests.xml"
-    env = dict(os.environ, MINDSPEED_RL_TEST_DEVICE="cuda", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = _env(MINDSPEED_RL_TEST_DEVICE="cuda")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                            f"--junitxml={report}", *DEVICE_TESTS], cwd=ROOT, env=env)
     if not report.exists():
@@ -69,9 +73,10 @@ def _test_rows(report: Path) -> list[str]:
     if props:
         mib = 2**20
         rows.append(f"| ledger vs torch.cuda.memory_allocated (bf16 actor, distributed optimizer, reference) | "
-                    f"ledger {props['ledger_bytes'] / mib:.1f} MiB, allocator holds {props['allocator_held_bytes'] / mib:.1f}"
-                    f" MiB more than before the engines, offload frees {props['offload_freed_bytes'] / mib:.1f} MiB "
-                    f"({props['storages']} storages) |")
+                    f"ledger {props['ledger_bytes']} B; the engines requested {props['requested_held_bytes']} B "
+                    f"({props['requested_held_bytes'] / props['ledger_bytes'] - 1:.2%} unattributed); offload frees "
+                    f"{props['offload_freed_bytes']} requested B ({props['allocated_freed_bytes'] / mib:.1f} MiB of "
+                    f"allocator blocks) |")
     return rows
 
 
