@@ -229,7 +229,7 @@ def test_missing_section_and_missing_value() -> None:
 
 def test_bad_kl_penalty() -> None:
     assert config_error(QWEN_7B, "rl_config.kl_penalty=bogus") == (
-        "rl_config.kl_penalty: must be one of kl, abs, mse, low_var_kl, got 'bogus'"
+        "rl_config.kl_penalty: must be one of kl, abs, mse, low_var_kl, k1, k2, k3, kl+, k1+, low_var_kl+, k3+, got 'bogus'"
     )
 
 
@@ -452,7 +452,7 @@ def test_removed_key_in_a_yaml_mapping_is_found_without_hydra() -> None:
         ("rl_config.use_integrated_worker=false", "rl_config.use_integrated_worker: must be true: "),
         ("rl_config.rule_reward=false", "rl_config.rule_reward: must be true: "),
         ("rl_config.adv_estimator=vtrace", "rl_config.adv_estimator: must be one of group_norm, rloo, reinforce_plus_plus, "
-                                           "gae, got 'vtrace'"),
+                                           "reinforce_plus_plus_baseline, gae, got 'vtrace'"),
         ("rl_config.kl_ctrl_type=pid", "rl_config.kl_ctrl_type: must be one of fixed, adaptive, got 'pid'"),
         ("model.tiny_qwen2.normalization=LayerNorm", "model.tiny_qwen2.normalization: must be 'RMSNorm': "),
         ("model.tiny_qwen2.swiglu=false", "model.tiny_qwen2.swiglu: must be true: "),

@@ -33,8 +33,17 @@ def test_group_advantages_hand_example():
 def test_group_advantages_reject_bad_group_size():
     with pytest.raises(ValueError, match="not a multiple"):
         group_normalized_advantages(torch.zeros(6), n_samples_per_prompt=4)
-    with pytest.raises(ValueError, match=">= 2"):
-        group_normalized_advantages(torch.zeros(4), n_samples_per_prompt=1)
+    with pytest.raises(ValueError, match=">= 1"):
+        group_normalized_advantages(torch.zeros(4), n_samples_per_prompt=0)
+
+
+@pytest.mark.parametrize("by_std", [True, False], ids=["grpo", "dr_grpo"])
+def test_a_group_of_one_takes_mean_0_and_std_1_as_verl(by_std):
+    """verl's compute_grpo_outcome_advantage: a group of one sample has mean 0 and std 1."""
+    rewards = torch.tensor([1.0, 0.0, 0.5])
+    got = group_normalized_advantages(rewards, n_samples_per_prompt=1, normalize_by_std=by_std)
+    want = rewards / (1.0 + 1e-6) if by_std else rewards
+    assert torch.allclose(got, want, atol=0, rtol=1e-7)
 
 
 @pytest.mark.parametrize(
@@ -45,6 +54,10 @@ def test_group_advantages_reject_bad_group_size():
         ("mse", lambda d: 0.5 * d * d),
         # k3 with x = ref - logp = -d
         ("low_var_kl", lambda d: math.exp(-d) - (-d) - 1.0),
+        # verl's aliases of the same estimators
+        ("k1", lambda d: d),
+        ("k2", lambda d: 0.5 * d * d),
+        ("k3", lambda d: math.exp(-d) - (-d) - 1.0),
     ],
 )
 def test_kl_penalty_kinds(kind, expected):
@@ -53,6 +66,18 @@ def test_kl_penalty_kinds(kind, expected):
     got = kl_penalty(logprobs, ref_logprobs, kind)
     want = [expected(lp - rp) for lp, rp in zip(logprobs.tolist(), ref_logprobs.tolist())]
     torch.testing.assert_close(got, torch.tensor(want))
+
+
+@pytest.mark.parametrize("kind, base", [("k3+", "low_var_kl"), ("low_var_kl+", "low_var_kl"), ("k1+", "kl"),
+                                        ("kl+", "kl")])
+def test_a_plus_kl_has_the_estimators_value_and_k2s_gradient(kind, base):
+    """verl's straight-through form: the value of k3 (or k1), the gradient of 0.5 (logp - ref)^2, i.e. logp - ref."""
+    logprobs = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    ref_logprobs = torch.tensor([-1.5, -1.0, -0.5])
+    got = kl_penalty(logprobs, ref_logprobs, kind)
+    torch.testing.assert_close(got.detach(), kl_penalty(logprobs.detach(), ref_logprobs, base))
+    got.sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([0.5, -1.0, 0.0]))
 
 
 def test_low_var_kl_clamps():
@@ -86,7 +111,7 @@ def test_ppo_clip_inside_and_outside_range():
     old = torch.zeros(1, 5)
     logprobs = ratios.log()
     mask = torch.ones(1, 5, dtype=torch.bool)
-    loss, clipfrac, approx_kl = ppo_clip_policy_loss(logprobs, old, advantages, mask, eps)
+    loss, clipfrac, approx_kl, _ = ppo_clip_policy_loss(logprobs, old, advantages, mask, eps)
     # A>0: max(-r, -clip(r)) -> 1.1 inside; 1.5 clipped to 1.2 (unclipped -1.5 is smaller, so
     # the clipped branch -1.2 wins); 0.5 -> -0.5 (unclipped -0.5 > -0.8). A<0: 1.5 -> 1.5 (unclipped);
     # 0.5 -> clip 0.8 wins (0.8 > 0.5).
@@ -95,11 +120,51 @@ def test_ppo_clip_inside_and_outside_range():
     torch.testing.assert_close(approx_kl, -logprobs)
 
 
+def _verl_dual_clip(ratio, advantages, eps, clip_ratio_c):
+    """verl's compute_policy_loss_vanilla, per token, written from its formula."""
+    pg1, pg2 = -advantages * ratio, -advantages * ratio.clamp(1 - eps, 1 + eps)
+    clip1 = torch.maximum(pg1, pg2)
+    pg3 = -advantages * clip_ratio_c
+    lower = (clip1 > pg3) & (advantages < 0)
+    return torch.where(advantages < 0, torch.minimum(pg3, clip1), clip1), lower.float()
+
+
+def test_dual_clip_bounds_a_negative_advantages_loss_as_verl():
+    ratios = torch.tensor([[1.1, 5.0, 0.5, 5.0, 2.0, 0.5]])
+    advantages = torch.tensor([[-1.0, -1.0, -1.0, 1.0, -2.0, 2.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    loss, clipfrac, _, lower = ppo_clip_policy_loss(ratios.log(), torch.zeros(1, 6), advantages, mask, 0.2,
+                                                     clip_ratio_c=3.0)
+    want_loss, want_lower = _verl_dual_clip(ratios, advantages, 0.2, 3.0)
+    # By hand: A=-1, r=5: PPO's loss 5 -> at most 3 (the dual clip); A=+1 is never dual-clipped; padding is 0.
+    torch.testing.assert_close(loss, want_loss * mask)
+    torch.testing.assert_close(loss, torch.tensor([[1.1, 3.0, 0.8, -1.2, 4.0, 0.0]]))
+    torch.testing.assert_close(lower, want_lower * mask)
+    assert lower.tolist() == [[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]]
+    without, _, _, none = ppo_clip_policy_loss(ratios.log(), torch.zeros(1, 6), advantages, mask, 0.2)
+    assert without[0, 1].item() == pytest.approx(5.0) and none.sum().item() == 0.0
+
+
+def test_dual_clip_logs_the_lower_clip_fraction_by_the_loss_mode():
+    logprobs = torch.tensor([[1.6, 0.0, 0.0], [0.0, 0.0, 0.0]])  # ratio e^1.6 ~ 4.95 on the first token
+    zeros = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    config = GRPOLossConfig(clip_ratio=0.2, kl_coef=0.0, clip_ratio_c=3.0)
+    _, stats = grpo_loss(logprobs=logprobs, old_logprobs=zeros, ref_logprobs=None, advantages=torch.tensor([-1.0, 1.0]),
+                         response_mask=mask, entropy=None, config=config)
+    assert stats["actor/pg_clipfrac_lower"] == pytest.approx(1 / 4)  # token-mean: 1 of the 4 valid tokens
+    assert "actor/pg_clipfrac_lower" not in grpo_loss(
+        logprobs=logprobs, old_logprobs=zeros, ref_logprobs=None, advantages=torch.tensor([-1.0, 1.0]),
+        response_mask=mask, entropy=None, config=GRPOLossConfig(clip_ratio=0.2, kl_coef=0.0))[1]
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        GRPOLossConfig(clip_ratio_c=1.0)
+
+
 def test_ppo_clip_zero_at_padding_and_sequence_advantages():
     logprobs = torch.tensor([[-1.0, -1.0], [-1.0, 50.0]])
     old = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, clipfrac, approx_kl = ppo_clip_policy_loss(logprobs, old, torch.tensor([2.0, -3.0]), mask, 0.2)
+    loss, clipfrac, approx_kl, _ = ppo_clip_policy_loss(logprobs, old, torch.tensor([2.0, -3.0]), mask, 0.2)
     torch.testing.assert_close(loss, torch.tensor([[-2.0, -2.0], [3.0, 0.0]]))
     assert clipfrac.sum().item() == 0.0
     assert approx_kl[1, 1].item() == 0.0
@@ -151,7 +216,7 @@ def test_token_level_loss_hand_computation():
     batch = _random_batch(seed=2)
     loss, stats = grpo_loss(**batch, config=config)
     mask = batch["response_mask"]
-    pg_tokens, _, _ = ppo_clip_policy_loss(batch["logprobs"], batch["old_logprobs"],
+    pg_tokens, _, _, _ = ppo_clip_policy_loss(batch["logprobs"], batch["old_logprobs"],
                                            batch["advantages"], mask, 0.2)
     pg = pg_tokens[mask].mean()
     kl = (batch["logprobs"] - batch["ref_logprobs"])[mask].mean()
@@ -198,10 +263,10 @@ def test_clip_higher_clips_the_ratio_asymmetrically():
     logprobs = torch.log(torch.tensor([[1.25, 1.40, 0.90, 0.70]]))
     advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
     mask = torch.ones(1, 4)
-    loss, clipfrac, _ = ppo_clip_policy_loss(logprobs, old, advantages, mask, 0.2, 0.28)
+    loss, clipfrac, _, _ = ppo_clip_policy_loss(logprobs, old, advantages, mask, 0.2, 0.28)
     assert loss[0].tolist() == pytest.approx([-1.25, -1.28, 0.90, 0.80])
     assert clipfrac[0].tolist() == [0.0, 1.0, 0.0, 1.0]
-    symmetric, _, _ = ppo_clip_policy_loss(logprobs, old, advantages, mask, 0.2)
+    symmetric, _, _, _ = ppo_clip_policy_loss(logprobs, old, advantages, mask, 0.2)
     assert symmetric[0].tolist() == pytest.approx([-1.20, -1.20, 0.90, 0.80])
 
 

@@ -14,9 +14,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mindspeed_rl.config.rl import LOSS_AGG_MODES  # verl's names (core_algos.agg_loss); formulas: aggregate_loss
+# verl's names (core_algos.agg_loss; formulas: aggregate_loss) and the KL estimators' (kl_penalty)
+from mindspeed_rl.config.rl import KL_PENALTIES as KL_PENALTY_KINDS
+from mindspeed_rl.config.rl import LOSS_AGG_MODES
 
-KL_PENALTY_KINDS: tuple[str, ...] = ("kl", "abs", "mse", "low_var_kl")
+_KL_ALIASES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}  # verl's names of the same estimators
 
 # exp() of a log-ratio beyond this overflows float32 long before it carries information.
 _LOG_RATIO_CLAMP = 20.0
@@ -33,14 +35,19 @@ def group_normalized_advantages(
     Perspective"; verl's ``norm_adv_by_std_in_grpo: false``): ``r - mean_g``, so that groups of nearly equal
     rewards (too easy or too hard prompts) are not weighted up.
 
-    The ``n_samples_per_prompt`` samples of one prompt are contiguous in ``rewards``. std is
+    The ``n_samples_per_prompt`` samples of one prompt are contiguous in ``rewards``; a group of one sample
+    takes mean 0 and std 1, as verl does (its advantage is its reward). std is
     torch's unbiased default; the statistics are computed in float64 (small groups of nearly
     equal rewards lose precision in float32) and the result is float32.
     """
     grouped = grouped_rewards(rewards, n_samples_per_prompt)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if n_samples_per_prompt == 1:  # a group of one has no baseline: verl's mean 0 and std 1
+        mean, std = torch.zeros_like(grouped), torch.ones_like(grouped)
+    else:
+        mean, std = grouped.mean(dim=1, keepdim=True), grouped.std(dim=1, keepdim=True)
+    centered = grouped - mean
     if normalize_by_std:
-        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+        centered = centered / (std + eps)
     return centered.reshape(-1).to(torch.float32)
 
 
@@ -49,10 +56,8 @@ def grouped_rewards(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
     for the estimators whose baseline comes from the other samples of the prompt."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [num_samples], got shape {tuple(rewards.shape)}")
-    if n_samples_per_prompt < 2:
-        raise ValueError(
-            f"n_samples_per_prompt must be >= 2 for a group std, got {n_samples_per_prompt}"
-        )
+    if n_samples_per_prompt < 1:
+        raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
     num_samples = rewards.numel()
     if num_samples % n_samples_per_prompt != 0:
         raise ValueError(
@@ -63,10 +68,23 @@ def grouped_rewards(rewards: Tensor, n_samples_per_prompt: int) -> Tensor:
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
-    """Per-token KL estimate between the policy and the reference, by estimator ``kind``."""
+    """Per-token KL estimate between the policy and the reference, by estimator ``kind`` (verl's names too:
+    k1 = kl, k2 = mse, k3 = low_var_kl).
+
+    A ``+`` kind (``k3+``, verl's straight-through form) has the base estimator's value and k2's gradient: k1's
+    and k3's expectation is the KL, but their expected gradient is not the KL's gradient, while k2's is.
+    """
     if kind not in KL_PENALTY_KINDS:
         raise ValueError(f"unknown kl_penalty {kind!r}; valid kinds: {list(KL_PENALTY_KINDS)}")
-    log_ratio = logprobs - ref_logprobs
+    base = kind.removesuffix("+")
+    value = _kl_estimate(logprobs - ref_logprobs, _KL_ALIASES.get(base, base))
+    if not kind.endswith("+"):
+        return value
+    k2 = 0.5 * (logprobs - ref_logprobs).square()
+    return k2 - k2.detach() + value.detach()
+
+
+def _kl_estimate(log_ratio: Tensor, kind: str) -> Tensor:
     if kind == "kl":
         return log_ratio
     if kind == "abs":
@@ -98,14 +116,18 @@ def ppo_clip_policy_loss(
     response_mask: Tensor,
     clip_ratio: float,
     clip_ratio_high: Optional[float] = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    clip_ratio_c: Optional[float] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-token PPO-clip loss ``max(-A*ratio, -A*clip(ratio, 1-eps_low, 1+eps_high))``.
 
     ``clip_ratio`` is eps_low and, unless ``clip_ratio_high`` is given, eps_high too; DAPO's clip-higher
     (Yu et al. 2025) raises eps_high alone, so low-probability tokens of good samples can grow.
+    ``clip_ratio_c`` turns on dual-clip PPO (Ye et al. 2020, verl's formula): where A < 0 the loss is at most
+    ``-A * clip_ratio_c``, so a ratio far above 1 cannot grow it without bound.
     ``advantages`` is per token ``[batch, len]`` or per sequence ``[batch]`` (broadcast over
-    the response). Returns ``(loss, clipfrac, approx_kl)`` per token, zero at padded positions:
-    ``clipfrac`` is 1 where the clipped branch was taken, ``approx_kl = old - logp``.
+    the response). Returns ``(loss, clipfrac, approx_kl, clipfrac_lower)`` per token, zero at padded positions:
+    ``clipfrac`` is 1 where the clipped branch was taken, ``approx_kl = old - logp``, ``clipfrac_lower`` is 1
+    where the dual clip's bound was taken (always 0 without ``clip_ratio_c``).
     """
     clip_ratio_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     if clip_ratio <= 0 or clip_ratio_high <= 0:
@@ -118,10 +140,17 @@ def ppo_clip_policy_loss(
     clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio_high)
     valid = response_mask.bool()
     zeros = torch.zeros_like(logprobs)
-    loss = torch.where(valid, torch.maximum(unclipped, clipped), zeros)
+    loss = torch.maximum(unclipped, clipped)
+    lower = torch.zeros_like(valid)
+    if clip_ratio_c is not None:
+        bound = -advantages * clip_ratio_c
+        lower = (advantages < 0) & (loss > bound)
+        loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
+    loss = torch.where(valid, loss, zeros)
     clipfrac = torch.where(valid, (clipped > unclipped).to(logprobs.dtype), zeros)
     approx_kl = torch.where(valid, old_logprobs - logprobs, zeros)
-    return loss, clipfrac, approx_kl
+    clipfrac_lower = torch.where(valid, lower.to(logprobs.dtype), zeros)
+    return loss, clipfrac, approx_kl, clipfrac_lower
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
@@ -146,10 +175,14 @@ class GRPOLossConfig:
     loss_agg_mode: str = "token-mean"  # LOSS_AGG_MODES
     # seq-mean-token-sum-norm's constant length (Dr. GRPO: the maximum response length).
     norm_length: Optional[int] = None
+    clip_ratio_c: Optional[float] = None  # dual-clip PPO's bound (verl); None: off
+
 
     def __post_init__(self) -> None:
         if self.clip_ratio <= 0 or (self.clip_ratio_high is not None and self.clip_ratio_high <= 0):
             raise ValueError(f"clip ratios must be > 0, got {self.clip_ratio} and {self.clip_ratio_high}")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; valid: {list(LOSS_AGG_MODES)}")
         if self.loss_agg_mode == "seq-mean-token-sum-norm" and not (self.norm_length or 0) > 0:
@@ -221,8 +254,9 @@ def grpo_loss(
     def aggregate(values: Tensor) -> Tensor:
         return aggregate_loss(values, response_mask, config.loss_agg_mode, denominator)
 
-    pg_tokens, clipfrac_tokens, ppo_kl_tokens = ppo_clip_policy_loss(
-        logprobs, old_logprobs, advantages, response_mask, config.clip_ratio, config.clip_ratio_high
+    pg_tokens, clipfrac_tokens, ppo_kl_tokens, clipfrac_lower_tokens = ppo_clip_policy_loss(
+        logprobs, old_logprobs, advantages, response_mask, config.clip_ratio, config.clip_ratio_high,
+        config.clip_ratio_c,
     )
     pg_loss = aggregate(pg_tokens)
     zero = pg_loss.new_zeros(())
@@ -239,6 +273,8 @@ def grpo_loss(
         "actor/kl_loss": kl_loss.item(),
         "actor/entropy": entropy_mean.item(),
     }
+    if config.clip_ratio_c is not None:
+        stats["actor/pg_clipfrac_lower"] = aggregate(clipfrac_lower_tokens).item()
     return loss, stats
 
 

@@ -114,7 +114,8 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
         "batched generate of the samples still going (trainer/multi_turn.py)",
         memory=SAME + "vLLM's KV cache is sized by generate_config either way"),
     "rl_config.gamma": _entry(
-        "a discount of token returns; group_norm (GRPO) and rloo do not read it, in MindSpeed-RL either",
+        "a discount of token returns; group_norm (GRPO), rloo and reinforce_plus_plus_baseline do not read it, in "
+        "MindSpeed-RL and verl either",
         applies=lambda tree, value: _estimator(tree) in ("reinforce_plus_plus", "gae") or value == 1.0),
     "rl_config.lam": _entry("GAE's lambda; only adv_estimator gae (PPO) reads it, in MindSpeed-RL too",
                             applies=lambda tree, value: _estimator(tree) == "gae"),

@@ -10,15 +10,17 @@ from mindspeed_rl.config.checks import (
 )
 from mindspeed_rl.errors import ConfigError
 
-# group_norm: GRPO (MindSpeed-RL's name); rloo and reinforce_plus_plus: verl's names (algorithms/advantages.py);
-# gae: PPO with a critic (critic_config; algorithms/ppo.py).
-ADV_ESTIMATORS = ("group_norm", "rloo", "reinforce_plus_plus", "gae")
-GROUP_ESTIMATORS = ("group_norm", "rloo")  # a baseline from the other samples of the prompt
+# group_norm: GRPO (MindSpeed-RL's name); rloo, reinforce_plus_plus and reinforce_plus_plus_baseline: verl's names
+# (algorithms/advantages.py); gae: PPO with a critic (critic_config; algorithms/ppo.py). A group of one sample is
+# its own baseline-free group, as in verl (mean 0, std 1).
+ADV_ESTIMATORS = ("group_norm", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
 PACKING_PHASES = ("ref", "actor", "update")  # MindSpeed-RL's prefixes: reference / old log-probs, the update
 PACKING_SIZE_KEYS = ("max_packing_token_size", "dynamic_max_batch_size",
                      *(f"{phase}_{key}" for phase in PACKING_PHASES
                        for key in ("max_packing_token_size", "dynamic_max_batch_size")))
-KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")
+# The KL estimators (algorithms/grpo.kl_penalty): MindSpeed-RL's names, verl's aliases k1 = kl, k2 = mse, k3 =
+# low_var_kl, and verl's "+" forms (k3+): the estimator's value with k2's gradient.
+KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3", "kl+", "k1+", "low_var_kl+", "k3+")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 EVAL_SAMPLINGS = ("greedy", "train")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -134,6 +136,9 @@ class RLConfig:
     # DAPO (MindSpeed-RL's keys and defaults). Clip-higher: the PPO ratio is clipped to
     # [1 - clip_ratio_low, 1 + clip_ratio_high] instead of 1 +- clip_ratio.
     clip_higher_enable: bool = False
+    # verl's dual-clip PPO (Ye et al. 2020): a negative advantage's loss is at most -A x clip_ratio_c, so a ratio far
+    # above 1 cannot grow it without bound; null: off (MindSpeed-RL has none; verl's default is 3.0).
+    clip_ratio_c: Optional[float] = None
     clip_ratio_low: float = 0.1
     clip_ratio_high: float = 0.1
     # Ours (verl's names): how the per-token loss becomes one number, see README "DAPO"; null: token-mean when
@@ -236,12 +241,10 @@ class RLConfig:
         require_choice(prefix, self, "adv_estimator", ADV_ESTIMATORS)
         require_choice(prefix, self, "kl_penalty", KL_PENALTIES)
         require_choice(prefix, self, "kl_ctrl_type", KL_CTRL_TYPES)
-        if self.n_samples_per_prompt < 2 and self.adv_estimator in GROUP_ESTIMATORS:
-            raise ConfigError(
-                f"{prefix}.n_samples_per_prompt",
-                f"must be >= 2: {self.adv_estimator} advantages take their baseline from the other samples of "
-                f"the prompt, got {self.n_samples_per_prompt}",
-            )
+        require_positive(prefix, self, "n_samples_per_prompt")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ConfigError(f"{prefix}.clip_ratio_c", f"must be > 1 (dual-clip PPO's lower bound on the ratio "
+                                                        f"of a negative advantage's loss), got {self.clip_ratio_c}")
         self._check_trackers()
         if not 0.0 < self.gamma <= 1.0:
             raise ConfigError(f"{prefix}.gamma", f"must be in (0, 1], got {self.gamma}")

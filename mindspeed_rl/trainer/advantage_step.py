@@ -1,5 +1,6 @@
-"""The advantages of an iteration. Critic-free estimators (group_norm, rloo, reinforce_plus_plus) read the outcome
-rewards only; PPO's (`adv_estimator: gae`, a critic_config) is trainer/critic_step.py's, with the critic around it.
+"""The advantages of an iteration. Critic-free estimators (group_norm, rloo, reinforce_plus_plus and its baseline
+form) read the outcome rewards only; PPO's (`adv_estimator: gae`, a critic_config) is trainer/critic_step.py's, with
+the critic around it.
 """
 from __future__ import annotations
 

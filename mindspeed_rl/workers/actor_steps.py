@@ -85,7 +85,7 @@ def loss_config_for(config: GRPOConfig, kl_coef: float) -> GRPOLossConfig:
     low, high = (rl.clip_ratio_low, rl.clip_ratio_high) if rl.clip_higher_enable else (rl.clip_ratio, None)
     return GRPOLossConfig(clip_ratio=low, clip_ratio_high=high, kl_penalty=rl.kl_penalty, kl_coef=kl_coef,
                           entropy_coeff=rl.entropy_coeff, loss_agg_mode=loss_agg_mode(rl),
-                          norm_length=config.response_length_limit)
+                          norm_length=config.response_length_limit, clip_ratio_c=rl.clip_ratio_c)
 
 
 def loss_agg_mode(rl) -> str:
