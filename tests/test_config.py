@@ -797,10 +797,11 @@ def test_bad_dapo_options() -> None:
 
 
 def test_evaluation_needs_held_out_prompts() -> None:
-    assert config_error(TINY, "rl_config.eval_interval=5") == (
+    assert config_error(QWEN_7B, "+rl_config.eval_interval=5") == (
         "megatron_training.eval_data_path: must name the held-out prompts when rl_config.eval_interval or "
-        "eval_before_train is set (the generated math_word task has its own)")
-    assert load("grpo_tiny_math_cpu", "rl_config.eval_interval=5").rl_config.eval_interval == 5
+        "eval_before_train is set (a generated synthetic_data task has its own)")
+    for demo in (TINY, "grpo_tiny_math_cpu"):  # each generated task has an evaluation split (tool_call: test_multi_turn_e2e)
+        assert load(demo, "rl_config.eval_interval=5").rl_config.eval_interval == 5
 
 
 def test_greedy_evaluation_takes_one_sample_per_prompt() -> None:

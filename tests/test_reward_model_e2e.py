@@ -1,7 +1,7 @@
 """End to end through the CLI: five roles on each of 2 device slots (Megatron TP2): vLLM, a reward model
 (`rewards.rm`), the reference, the actor and PPO's critic (`cli/train_ppo.py --config-name ppo_tiny_cpu` at TP2 with
-`rewards.rm.model_path=synthetic`), 2 iterations, evaluated before the first and after the second on held-out
-prompts. (One run for the reward model's and the critic's residency checks and the evaluation's scoring: the suite's
+`rewards.rm.model_path=synthetic`), 2 iterations, evaluated before the first and after the second on the generated
+task's evaluation split (no eval file given: each of its problems once). (One run for the reward model's and the critic's residency checks and the evaluation's scoring: the suite's
 time budget.)
 
 Oracles: the reward-phase ledger holds exactly one rank's share of the reward model's parameters, counted
@@ -28,13 +28,10 @@ OTHER_PHASES = ("generate", "ref_logprob", "old_logprob", "critic_values", "upda
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("reward_model")
-    held_out = tmp_path / "held_out.jsonl"
-    held_out.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
-                                for a, b in ((1, 2), (3, 1), (2, 2), (0, 4))))
     done = run_cli(tmp_path, "ppo_tiny_cpu", f"megatron_training.train_iters={ITERATIONS}",
                    f"synthetic_data.data_dir={tmp_path / 'assets'}", "actor_config.tensor_model_parallel_size=2",
                    "critic_config.tensor_model_parallel_size=2", "rewards.rm.model_path=synthetic",
-                   f"rewards.rm.weight={WEIGHT}", f"megatron_training.eval_data_path={held_out}",
+                   f"rewards.rm.weight={WEIGHT}",
                    "rl_config.eval_before_train=true", f"rl_config.eval_interval={ITERATIONS}", script="cli/train_ppo.py")
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -110,6 +107,7 @@ def test_the_evaluation_scores_with_the_reward_model_as_training_does(run):
     *_, evals = run
     assert [e["eval/updates"] for e in evals] == [0, ITERATIONS]
     for e in evals:
+        assert e["eval/prompts"] == 24  # the arith task's 25 problems (max_operand 4), as many as 2 DP ranks split evenly
         assert e["eval/reward_model/mean"] != 0.0
         assert e["eval/reward/mean"] == pytest.approx(e["eval/arith_acc/mean"] + WEIGHT * e["eval/reward_model/mean"],
                                                       abs=1e-5)

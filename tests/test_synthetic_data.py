@@ -133,6 +133,15 @@ def test_ensure_demo_assets_reuses_and_gives_other_parameters_their_own_director
     assert (weights.stat().st_mtime_ns, prompts_path.stat().st_mtime_ns) == first_mtimes
 
 
+def test_the_evaluation_split_holds_every_problem_of_the_task_once(tmp_path):
+    from mindspeed_rl.data.arith_task import EVAL_FILE
+
+    _, prompts_path = ensure_demo_assets(tmp_path, **dict(TINY, num_prompts=16, max_operand=3, seed=7))
+    rows = read_prompts_jsonl(prompts_path.with_name(EVAL_FILE))
+    assert sorted(row["prompt"] for row in rows) == sorted(f"{a}+{b}=" for a in range(4) for b in range(4))
+    assert all(int(row["answer"]) == sum(map(int, row["prompt"][:-1].split("+"))) for row in rows)
+
+
 def test_prompts_are_correct_sums_and_round_trip(tmp_path):
     rows = make_arith_prompts(50, max_operand=9, seed=0)
     for row in rows:

@@ -27,14 +27,14 @@ def check_packing(config) -> None:
 
 
 def check_evaluation(config) -> None:
-    """Evaluation during training needs held-out prompts."""
+    """Evaluation during training needs held-out prompts: a file, or a generated task's evaluation split."""
     rl, synthetic = config.rl_config, config.synthetic_data
-    generated = synthetic is not None and synthetic.enabled and synthetic.task == "math_word"
+    generated = synthetic is not None and synthetic.enabled
     if (rl.eval_interval or rl.eval_before_train) and config.megatron_training.eval_data_path is None \
             and not generated:
         raise ConfigError("megatron_training.eval_data_path", "must name the held-out prompts when "
                                                               "rl_config.eval_interval or eval_before_train is set "
-                                                              "(the generated math_word task has its own)")
+                                                              "(a generated synthetic_data task has its own)")
 
 
 def check_dynamic_sampling(config) -> None:

@@ -1,7 +1,9 @@
 """The CPU demo's task: add two small integers ("3+4=" -> "7"), with its locally generated assets.
 
 ``ensure_demo_assets`` creates, once, everything the demo needs in ``data_dir/arith-<digest>/``:
-``model/`` (a random tiny Qwen2 checkpoint + tokenizer) and ``prompts.jsonl``. Nothing is
+``model/`` (a random tiny Qwen2 checkpoint + tokenizer), ``prompts.jsonl`` and ``eval_prompts.jsonl`` (every
+distinct problem of the task once, for evaluation during training: with operands up to ``max_operand`` the task has
+``(max_operand + 1)^2`` problems, and the training prompts draw from all of them, so none is held out). Nothing is
 downloaded. The digest hashes the generation parameters (``asset_cache``): a later call with the same
 parameters reuses the directory, a call with different ones gets its own, and none is ever rewritten.
 """
@@ -20,9 +22,10 @@ from mindspeed_rl.data.tokenizer import train_arith_tokenizer
 
 MODEL_SUBDIR = "model"
 PROMPTS_FILE = "prompts.jsonl"
+EVAL_FILE = "eval_prompts.jsonl"
 TASK_NAME = "arith"
-# Bump when the generators change, so caches written by older code are regenerated.
-ASSETS_FORMAT_VERSION = 1
+# Bump when the generators change, so caches written by older code are regenerated. 2: EVAL_FILE.
+ASSETS_FORMAT_VERSION = 2
 
 
 def make_arith_prompts(num_prompts: int, max_operand: int, seed: int) -> list[dict[str, str]]:
@@ -105,8 +108,8 @@ def ensure_demo_assets(
         "max_operand": max_operand,
         "seed": seed,
     }
-    root = ensure_generated(data_dir, TASK_NAME, params, required=(f"{MODEL_SUBDIR}/config.json", PROMPTS_FILE),
-                            generate=_generate_assets)
+    root = ensure_generated(data_dir, TASK_NAME, params,
+                            required=(f"{MODEL_SUBDIR}/config.json", PROMPTS_FILE, EVAL_FILE), generate=_generate_assets)
     return root / MODEL_SUBDIR, root / PROMPTS_FILE
 
 
@@ -117,3 +120,5 @@ def _generate_assets(data_path: Path, params: dict[str, Any]) -> None:
                                         tokenizer=tokenizer)
     rows = make_arith_prompts(params["num_prompts"], max_operand, seed)
     write_prompts_jsonl(data_path / PROMPTS_FILE, rows)
+    write_prompts_jsonl(data_path / EVAL_FILE, [{"prompt": f"{a}+{b}=", "answer": str(a + b)}
+                                                for a in range(max_operand + 1) for b in range(max_operand + 1)])

@@ -30,7 +30,9 @@ from mindspeed_rl.data.tokenizer import CHAT_END_TOKEN, build_closed_vocab_token
 TASK_NAME = "tool_call"
 MODEL_SUBDIR = "model"
 DATA_FILE = "tool_call.parquet"
-ASSETS_FORMAT_VERSION = 1
+# Each question once, for evaluation during training; not held out: the closed vocabulary has no other questions.
+EVAL_FILE = "tool_call_eval.parquet"
+ASSETS_FORMAT_VERSION = 2  # 2: EVAL_FILE
 PROMPT_TYPE = "qwen_retool"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_PIECES = ("<tool_response>", "</tool_response>")
@@ -50,7 +52,8 @@ def ensure_tool_call_assets(data_dir: str | os.PathLike[str], *, seed: int = 123
               "num_query_groups": num_query_groups, "max_position_embeddings": max_position_embeddings,
               "init_std": init_std, "num_prompts": num_prompts, "seed": seed}
     root = ensure_generated(data_dir, TASK_NAME, params, generate=_generate_assets,
-                            required=(f"{MODEL_SUBDIR}/config.json", f"{MODEL_SUBDIR}/tokenizer_config.json", DATA_FILE))
+                            required=(f"{MODEL_SUBDIR}/config.json", f"{MODEL_SUBDIR}/tokenizer_config.json", DATA_FILE,
+                                      EVAL_FILE))
     return root / MODEL_SUBDIR, root / DATA_FILE
 
 
@@ -77,11 +80,15 @@ def _generate_assets(root: Path, params: dict[str, Any]) -> None:
     save_hf_tokenizer(tokenizer, model_dir, eos_token=CHAT_END_TOKEN)  # vLLM stops a turn at <|im_end|>
     program_tool_policy(model_dir, tokenizer)
     rng = random.Random(params["seed"])
-    rows = [{"data_source": TASK_NAME, "prompt": [{"content": rng.choice(QUESTIONS), "role": "user"}],
-             "ability": "MATH", "reward_model": {"ground_truth": "42", "style": "rule"},
-             "extra_info": {"index": str(uuid.UUID(int=rng.getrandbits(128), version=4))}}
-            for _ in range(params["num_prompts"])]
+    rows = [_row(rng.choice(QUESTIONS), rng) for _ in range(params["num_prompts"])]
     write_dapo_parquet(root / DATA_FILE, rows)
+    write_dapo_parquet(root / EVAL_FILE, [_row(question, rng) for question in QUESTIONS])
+
+
+def _row(question: str, rng: random.Random) -> dict[str, Any]:
+    return {"data_source": TASK_NAME, "prompt": [{"content": question, "role": "user"}], "ability": "MATH",
+            "reward_model": {"ground_truth": "42", "style": "rule"},
+            "extra_info": {"index": str(uuid.UUID(int=rng.getrandbits(128), version=4))}}
 
 
 def _transitions(tokenizer: Tokenizer) -> dict[int, list[int]]:

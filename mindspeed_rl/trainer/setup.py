@@ -136,7 +136,8 @@ def _tensors_end(raw: bytes) -> int | None:
 
 
 def resolve_eval_data_path(config: GRPOConfig) -> str | None:
-    """megatron_training.eval_data_path, or with the generated math task and evaluation on, its held-out split."""
+    """megatron_training.eval_data_path, or with a generated task and evaluation on, its evaluation split (math_word:
+    held-out problems; arith and tool_call: each problem of the task once, as none is held out of training)."""
     mt, synthetic, rl = config.megatron_training, config.synthetic_data, config.rl_config
     if mt.eval_data_path is not None:
         if not Path(mt.eval_data_path).exists():
@@ -144,9 +145,11 @@ def resolve_eval_data_path(config: GRPOConfig) -> str | None:
         return mt.eval_data_path
     if not (rl.eval_interval or rl.eval_before_train):
         return None
-    from mindspeed_rl.data.tiny_math import EVAL_FILE
+    from mindspeed_rl.data import arith_task, tiny_math, tiny_tool_call
 
-    return str(_generate_synthetic_assets(synthetic)[1].with_name(EVAL_FILE))  # checked in GRPOConfig: math_word
+    eval_file = {"math_word": tiny_math.EVAL_FILE, "tool_call": tiny_tool_call.EVAL_FILE}.get(synthetic.task,
+                                                                                             arith_task.EVAL_FILE)
+    return str(_generate_synthetic_assets(synthetic)[1].with_name(eval_file))  # checked in GRPOConfig: generated
 
 
 def _generate_synthetic_assets(synthetic) -> tuple[Path, Path]:
