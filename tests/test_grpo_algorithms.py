@@ -203,11 +203,26 @@ def test_micro_batches_with_shared_denominator_sum_to_full_batch(loss_agg_mode):
     batch = _random_batch(seed=1)
     full_loss, full_stats = grpo_loss(**batch, config=config)
     denominator = count_loss_units(batch["response_mask"], loss_agg_mode, 7)
+    tokens = float(batch["response_mask"].bool().sum())  # the token-mean stats' (clip fractions, ppo_kl)
     micro = [grpo_loss(**_slice(batch, slice(i, i + 2)), config=config,
-                       loss_scale_denominator=denominator) for i in range(0, 6, 2)]
+                       loss_scale_denominator=denominator, mini_batch_tokens=tokens) for i in range(0, 6, 2)]
     assert sum(loss for loss, _ in micro).item() == pytest.approx(full_loss.item(), abs=1e-6)
     for key, value in full_stats.items():
         assert sum(stats[key] for _, stats in micro) == pytest.approx(value, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
+def test_the_clip_fractions_and_ppo_kl_are_token_means_in_every_mode(loss_agg_mode):
+    """verl's masked_mean: under seq-mean-token-sum an aggregation by the loss mode would count clipped tokens per
+    sequence (1.25 seen), not a fraction."""
+    config = GRPOLossConfig(clip_ratio=0.2, kl_coef=0.0, loss_agg_mode=loss_agg_mode, norm_length=7, clip_ratio_c=1.5)
+    batch = _random_batch(seed=3)
+    _, stats = grpo_loss(**batch, config=config)
+    _, clipfrac, ppo_kl, lower = ppo_clip_policy_loss(batch["logprobs"], batch["old_logprobs"], batch["advantages"],
+                                                      batch["response_mask"], 0.2, clip_ratio_c=1.5)
+    mask = batch["response_mask"].bool()
+    for key, tokens in (("actor/pg_clipfrac", clipfrac), ("actor/ppo_kl", ppo_kl), ("actor/pg_clipfrac_lower", lower)):
+        assert stats[key] == pytest.approx(tokens[mask].mean().item(), abs=1e-6), key
 
 
 def test_token_level_loss_hand_computation():

@@ -83,7 +83,8 @@ def _hf_tokens(checkpoint: str, batch: RolloutBatch) -> tuple[torch.Tensor, torc
 
 def _defined_stats(batch: RolloutBatch, logprobs: torch.Tensor, entropy: torch.Tensor, mode: str) -> dict:
     """Each stat from its definition (docs/algorithms.md): the per-token value x, aggregated over the mini-batch as
-    the loss is: token-mean sum(m x) / sum(m); seq-mean-token-mean the mean over sequences of their token means."""
+    the loss is (token-mean sum(m x) / sum(m); seq-mean-token-mean the mean over sequences of their token means), the
+    clip fractions and ppo_kl as token means in every mode."""
     m = batch.response_mask
     old, ref, adv = batch.columns["old_logprobs"], batch.columns["ref_logprobs"], batch.columns["advantages"]
     ratio = (logprobs - old).exp()
@@ -94,9 +95,11 @@ def _defined_stats(batch: RolloutBatch, logprobs: torch.Tensor, entropy: torch.T
                  "actor/pg_clipfrac": (clipped > unclipped).float(), "actor/pg_clipfrac_lower": lower.float(),
                  "actor/ppo_kl": old - logprobs, "actor/entropy": entropy,
                  "actor/kl_loss": ((ref - logprobs).exp() - (ref - logprobs) - 1).clamp(-10, 10)}
+    token_means = ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl")  # a fraction in every mode
     if mode == "token-mean":
         return {k: ((x * m).sum() / m.sum()).item() for k, x in per_token.items()}
-    return {k: ((x * m).sum(-1) / m.sum(-1)).mean().item() for k, x in per_token.items()}
+    return {k: ((x * m).sum() / m.sum() if k in token_means else ((x * m).sum(-1) / m.sum(-1)).mean()).item()
+            for k, x in per_token.items()}
 
 
 def test_one_ranks_stats_are_their_definitions_in_each_aggregation(world, checkpoint):

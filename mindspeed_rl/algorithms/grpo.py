@@ -234,13 +234,16 @@ def grpo_loss(
     entropy: Optional[Tensor],
     config: GRPOLossConfig,
     loss_scale_denominator: Optional[float] = None,
+    mini_batch_tokens: Optional[float] = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO actor loss ``pg + kl_coef * kl - entropy_coeff * entropy`` and its logged stats.
 
     Every term is aggregated the same way (``config.loss_agg_mode``), divided by
     ``loss_scale_denominator``, which defaults to :func:`count_loss_units` of this call. Passing
     the whole mini-batch's count to each micro-batch makes the sum of micro-batch losses (and of
-    each stat) exactly the mini-batch mean. ``ref_logprobs`` may be None only when
+    each stat) exactly the mini-batch mean. The clip fractions and ``ppo_kl`` are token means whatever the loss
+    mode (verl's ``masked_mean``: a fraction stays a fraction), over ``mini_batch_tokens`` (default: this call's
+    valid tokens). ``ref_logprobs`` may be None only when
     ``kl_coef == 0``; ``entropy`` may be None only when ``entropy_coeff == 0``.
     """
     if ref_logprobs is None and config.kl_coef != 0:
@@ -258,6 +261,11 @@ def grpo_loss(
         logprobs, old_logprobs, advantages, response_mask, config.clip_ratio, config.clip_ratio_high,
         config.clip_ratio_c,
     )
+    tokens = float(max(response_mask.bool().sum().item(), 1)) if mini_batch_tokens is None else float(mini_batch_tokens)
+
+    def token_mean(values: Tensor) -> float:
+        return (masked_sum(values, response_mask) / tokens).item()
+
     pg_loss = aggregate(pg_tokens)
     zero = pg_loss.new_zeros(())
     kl_loss = (
@@ -268,13 +276,13 @@ def grpo_loss(
     loss = pg_loss + config.kl_coef * kl_loss - config.entropy_coeff * entropy_mean
     stats = {
         "actor/pg_loss": pg_loss.item(),
-        "actor/pg_clipfrac": aggregate(clipfrac_tokens).item(),
-        "actor/ppo_kl": aggregate(ppo_kl_tokens).item(),
+        "actor/pg_clipfrac": token_mean(clipfrac_tokens),
+        "actor/ppo_kl": token_mean(ppo_kl_tokens),
         "actor/kl_loss": kl_loss.item(),
         "actor/entropy": entropy_mean.item(),
     }
     if config.clip_ratio_c is not None:
-        stats["actor/pg_clipfrac_lower"] = aggregate(clipfrac_lower_tokens).item()
+        stats["actor/pg_clipfrac_lower"] = token_mean(clipfrac_lower_tokens)
     return loss, stats
 
 

@@ -90,8 +90,24 @@ def build_reward_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, parall
     if post_process:
         model.output_layer = ScoreHead(spec.hidden_size, params_dtype, trainable=trainable_head,
                                        sequence_parallel=config.sequence_parallel)
+    mark_tensor_parallel_shards(model)
     params_to_dtype(model, params_dtype)
     return model
+
+
+def mark_tensor_parallel_shards(model: torch.nn.Module) -> None:
+    """Megatron marks a weight as a TP shard (`tensor_model_parallel`, `partition_dim`) in its weight initialisation,
+    which this build skips. Unmarked, the grad norm takes every shard for a replica counted on TP rank 0 only: the
+    critic's norm missed the other ranks' shares (4.45 where 4.72 at TP2) and its gradient clipping scaled by it."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    for module in model.modules():
+        dim = 0 if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) else (
+            1 if isinstance(module, RowParallelLinear) else None)
+        weight = getattr(module, "weight", None)
+        if dim is None or weight is None or getattr(weight, "tensor_model_parallel", False):
+            continue
+        weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride = True, dim, 1
 
 
 def load_reward_weights(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], spec: Qwen2Spec, *,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                      gather_from_sequence_parallel_region,
                                                      reduce_from_tensor_model_parallel_region,
@@ -169,6 +170,10 @@ def _attach(module: torch.nn.Module, leaf: str, layer_number: int, settings: LoR
     out_rows = weight.shape[0]
     module.lora_A = torch.nn.Parameter(a_full.to(device=weight.device, dtype=weight.dtype).contiguous())
     module.lora_B = torch.nn.Parameter(torch.zeros(out_rows, settings.rank, device=weight.device, dtype=weight.dtype))
+    # The split one is a TP shard: marked so, Megatron's grad norm (and so its clipping) counts it on every TP rank;
+    # unmarked it counts as a replica, on TP rank 0 only, and the norm misses the other ranks' shares.
+    sharded, dim = (module.lora_B, 0) if column else (module.lora_A, 1)
+    set_tensor_model_parallel_attributes(sharded, is_parallel=True, dim=dim, stride=1)
     module.lora_scale = settings.scale
     module.lora_gated = column and leaf == "linear_fc1" and module.config.gated_linear_unit
     module.__class__ = _LORA_CLASSES[kind]

@@ -44,17 +44,18 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
                         temperature: float, packing: Packing | None = None) -> dict[str, float]:
     """One GRPO optimizer step on `mini_batch`, this DP rank's share of the DP ranks' mini-batch.
 
-    The loss is normalised by the whole mini-batch's count (summed over the DP ranks); the engine sums the per-rank
-    stats over DP, so the returned stats are the mini-batch's.
+    The loss is normalised by the whole mini-batch's count (summed over the DP ranks), the token-mean stats by its
+    tokens; the engine sums the per-rank stats over DP, so the returned stats are the mini-batch's.
     """
     denominator = engine.over_data_parallel(
         count_loss_units(mini_batch.loss_mask(), loss_config.loss_agg_mode, loss_config.norm_length))
+    tokens = engine.over_data_parallel(float(mini_batch.loss_mask().sum()))
 
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
         return grpo_loss(
             logprobs=logprobs, old_logprobs=mb.extras["old_logprobs"], ref_logprobs=mb.extras.get("ref_logprobs"),
             advantages=mb.extras["advantages"], response_mask=mb.loss_mask(), entropy=entropy,
-            config=loss_config, loss_scale_denominator=denominator,
+            config=loss_config, loss_scale_denominator=denominator, mini_batch_tokens=tokens,
         )
 
     return engine.train_step(mini_batch, micro_batch_size=micro_batch_size,

@@ -1,0 +1,33 @@
+"""A pairwise (strength-2) covering design for the combination tests: every value of every factor meets every value of
+every other factor in at least one case, in far fewer cases than the full product. Greedy and deterministic (AETG's
+idea: each new case starts from a pair not yet covered and fills the other factors with the values that cover the most
+new pairs), so the cases and their order never change between runs."""
+from __future__ import annotations
+
+from itertools import combinations
+
+
+def pairs_of(case: dict, names: list[str]) -> set[tuple]:
+    return {((a, case[a]), (b, case[b])) for a, b in combinations(names, 2)}
+
+
+def all_pairs(factors: dict[str, list]) -> list[dict]:
+    names = list(factors)
+    uncovered = {((a, x), (b, y)) for a, b in combinations(names, 2) for x in factors[a] for y in factors[b]}
+    cases: list[dict] = []
+    while uncovered:
+        (a, x), (b, y) = min(uncovered, key=lambda pair: (names.index(pair[0][0]), names.index(pair[1][0]),
+                                                         factors[pair[0][0]].index(pair[0][1]),
+                                                         factors[pair[1][0]].index(pair[1][1])))
+        case = {a: x, b: y}
+        for name in names:
+            if name in case:
+                continue
+            # The value covering the most uncovered pairs with the values already chosen; ties: the first listed.
+            case[name] = max(factors[name], key=lambda value: sum(
+                ((other, case[other]), (name, value)) in uncovered or ((name, value), (other, case[other])) in uncovered
+                for other in case))
+        ordered = {name: case[name] for name in names}
+        uncovered -= pairs_of(ordered, names)
+        cases.append(ordered)
+    return cases
