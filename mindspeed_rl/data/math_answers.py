@@ -31,7 +31,7 @@ from typing import Iterator
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from mindspeed_rl.data.answer_forms import canonical_answer
+from mindspeed_rl.data.answer_forms import normalised_answer
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,13 @@ DEFAULT_SAMPLE_TIME_LIMIT_SECONDS = 5.0
 # DAPO's compute_score looks only at the tail of a response: the answer line must come last.
 DAPO_ANSWER_WINDOW_CHARS = 300
 
-_BOX_OPENING = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# Any box command; the braced form "\boxed{...}" is the usual one, "\boxed 5" (TeX's one-token argument) the other.
+_BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*")
+# An unbraced box holds what follows it up to the end of its math or line ("\boxed 12$." -> "12"), as the MATH
+# benchmark's last_boxed_only_string reads "\boxed ", capped: an answer is short.
+_UNBRACED_BOX_CONTENT = re.compile(r"[^$\n]{1,100}")
+# Tokens that end a model's turn: what follows one is not the model's answer.
+END_OF_TURN_MARKERS = ("</s>", "<|im_end|>", "<|endoftext|>")
 # DAPO's form: the last "Answer: ..." (any case) up to the end of its line.
 _ANSWER_LINE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$")
@@ -57,12 +63,18 @@ def last_boxed_content(text: str) -> str | None:
 
     None when there is no box or the last one is never closed: a response whose final box is
     cut off has no final answer, even if an earlier box is complete. An empty box gives "".
-    Escaped braces ``\\{ \\}`` (LaTeX set braces) are content, not structure.
+    Escaped braces ``\\{ \\}`` (LaTeX set braces) are content, not structure. A box without
+    braces (``\\boxed 5``, ``\\boxed7``) holds the rest of its line or math, trailing punctuation off.
     """
-    openings = list(_BOX_OPENING.finditer(text))
-    if not openings:
+    last = None
+    for last in _BOX_COMMAND.finditer(text):
+        pass
+    if last is None:
         return None
-    start = openings[-1].end()
+    if not text.startswith("{", last.end()):
+        content = _UNBRACED_BOX_CONTENT.match(text, last.end())
+        return content.group().strip().rstrip(".,;").strip() if content else None
+    start = last.end() + 1
     depth = 1
     index = start
     while index < len(text):
@@ -83,13 +95,20 @@ def last_boxed_content(text: str) -> str | None:
 def last_answer_line(text: str, *, window_chars: int = DAPO_ANSWER_WINDOW_CHARS) -> str | None:
     """The text after the last "Answer:" in the last ``window_chars`` characters, as DAPO reads it.
 
-    None when there is no such line or it is blank.
+    Only the text before the first end-of-turn marker counts (``Answer: 5<|im_end|>`` answers 5, and
+    the window ends at the marker). None when there is no such line or it is blank.
     """
-    matches = _ANSWER_LINE.findall(text[-window_chars:])
+    matches = _ANSWER_LINE.findall(before_end_of_turn(text)[-window_chars:])
     if not matches:
         return None
     answer = matches[-1].strip()
     return answer or None
+
+
+def before_end_of_turn(text: str) -> str:
+    """``text`` up to its first end-of-turn marker (all of it without one)."""
+    ends = [index for index in (text.find(marker) for marker in END_OF_TURN_MARKERS) if index != -1]
+    return text[:min(ends)] if ends else text
 
 
 def current_sample_time_limit() -> float:
@@ -114,12 +133,13 @@ def answers_equivalent(predicted: str, label: str, *, timeout_seconds: float | N
     """Whether ``predicted`` is mathematically the same answer as ``label``, per math-verify.
 
     Both are answer texts (e.g. a box's content), not whole responses: ``0.5``, ``\\frac12``,
-    ``\\dfrac{1}{2}`` and ``1/2`` are equivalent; units in ``\\text{}`` are dropped; ``1e3``, ``∅``,
+    ``\\dfrac{1}{2}`` and ``1/2`` are equivalent; units in ``\\text{}`` are dropped; Unicode math (``½``,
+    ``2√2``, ``x²``), LaTeX-spaced thousands (``1\\,000``), unit words (``5 dollars``), ``1e3``, ``∅``,
     full-width digits and number words are read first as :mod:`answer_forms` says. Empty texts are never
     equivalent. ``timeout_seconds`` defaults to :func:`current_sample_time_limit`.
     """
     limit = current_sample_time_limit() if timeout_seconds is None else checked_time_limit(timeout_seconds)
-    return _equivalent(canonical_answer(predicted), canonical_answer(label), _alarm_seconds(limit))
+    return _equivalent(normalised_answer(predicted), normalised_answer(label), _alarm_seconds(limit))
 
 
 def checked_time_limit(seconds: float) -> float:

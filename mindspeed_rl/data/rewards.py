@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: config checks rea
 from mindspeed_rl.data.math_answers import (
     DEFAULT_SAMPLE_TIME_LIMIT_SECONDS,
     answers_equivalent,
+    before_end_of_turn,
     checked_time_limit,
     last_answer_line,
     last_boxed_content,
@@ -37,8 +38,6 @@ _FAILURES_SHOWN = 3
 _LEADING_INTEGER = re.compile(r"\s*([0-9]+)")
 ARITH_FORMAT_CREDIT = 0.2
 
-# MindSpeed-RL's `acc` reads the response up to the first end-of-turn marker.
-_STOP_WORDS = ("</s>", "<|im_end|>", "<|endoftext|>")
 _BLANKS = re.compile(r"\s*")
 # `step`: markers of step-by-step reasoning; three or more earn the full score. "^\d+\." is
 # anchored to the start of the response only (no MULTILINE), as in MindSpeed-RL.
@@ -85,9 +84,7 @@ def acc(response: str, label: str) -> float:
 
     Only the text before the first end-of-turn marker counts.
     """
-    for stop_word in _STOP_WORDS:
-        response = response.split(stop_word, 1)[0]
-    answer = last_boxed_content(response)
+    answer = last_boxed_content(before_end_of_turn(response))  # MindSpeed-RL's `acc` stops at the first marker
     if not answer:
         return -1.0
     return 1.0 if answers_equivalent(answer, label) else -0.5
