@@ -179,6 +179,24 @@ class GRPOConfig:
         return self.rl_config.init_kl_coef > 0
 
     @property
+    def trained_samples_per_iteration(self) -> int:
+        """The samples an iteration's update trains on: the rollout's, or dynamic sampling's kept prompts'."""
+        rl = self.rl_config
+        prompts = rl.train_prompts_per_iteration or self.megatron_training.global_batch_size
+        return prompts * rl.n_samples_per_prompt
+
+    @property
+    def old_logprobs_from_update(self) -> bool:
+        """Whether the update's own first forward gives the old log-probs (no separate pass): where the update is
+        exactly on-policy (one epoch of one mini-batch, sampled by the weights that train) and nothing reads them
+        before it (PPO's KL in the reward does). TRL's GRPO does the same; `rl_config.old_logprobs_from_update`
+        false keeps the separate pass."""
+        rl = self.rl_config
+        one_step = rl.epochs == 1 and rl.mini_batch_size_in_samples >= self.trained_samples_per_iteration
+        kl_in_reward = self.critic_config is not None and rl.use_kl_in_reward
+        return rl.old_logprobs_from_update and one_step and not self.rollout_staleness and not kl_in_reward
+
+    @property
     def rollout_staleness(self) -> int:
         """Updates between the weights a rollout samples from and the weights it trains (0 or 1)."""
         return int(self.async_generation_ratio)

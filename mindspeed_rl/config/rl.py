@@ -139,6 +139,10 @@ class RLConfig:
     # verl's dual-clip PPO (Ye et al. 2020): a negative advantage's loss is at most -A x clip_ratio_c, so a ratio far
     # above 1 cannot grow it without bound; null: off (MindSpeed-RL has none; verl's default is 3.0).
     clip_ratio_c: Optional[float] = None
+    # Ours: where the update is exactly on-policy (one epoch, one mini-batch per iteration, no rollout ahead), its
+    # first forward gives the old log-probs and the separate old-log-prob pass is skipped (bit-equal losses and
+    # gradients; docs/algorithms.md). false: always the separate pass.
+    old_logprobs_from_update: bool = True
     clip_ratio_low: float = 0.1
     clip_ratio_high: float = 0.1
     # Ours (verl's names): how the per-token loss becomes one number, see README "DAPO"; null: token-mean when

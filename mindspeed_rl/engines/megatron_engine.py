@@ -76,6 +76,9 @@ def _in_batch_order(outputs: list[torch.Tensor], micro_batches: list[MicroBatch]
     return torch.empty_like(rows).index_copy_(0, order, rows)
 
 
+# Loss stats that are maxima: reduced by max over micro-batches and DP ranks; every other stat is a share summed.
+MAX_REDUCED_STATS = frozenset({"rollout/logprob_max_abs_diff"})
+
 class MegatronEngine:
     """One Megatron model (actor with optimizer, or reference without) on this rank's shard."""
 
@@ -268,7 +271,8 @@ class MegatronEngine:
             update_successful, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
         assert update_successful, "fp32/bf16 optimizer steps never skip"
-        stats = {k: sum(s[k] for s in stats_per_mb) for k in stats_per_mb[0]} if stats_per_mb else {}
+        stats = {k: (max if k in MAX_REDUCED_STATS else sum)(s[k] for s in stats_per_mb)
+                 for k in stats_per_mb[0]} if stats_per_mb else {}
         stats = self._sum_over_data_parallel(self._stats_from_last_stage(stats))
         stats[f"{metrics_prefix}/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         stats[f"{metrics_prefix}/lr"] = float(lr)
@@ -312,10 +316,14 @@ class MegatronEngine:
         returns the true value; a driver-side merge cannot tell DP replicas from TP/PP copies."""
         if self.parallel.dp == 1 or not stats:
             return stats
-        keys = sorted(stats)
-        values = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
-        dist.all_reduce(values, group=self.parallel.dp_group)
-        return dict(zip(keys, values.tolist()))
+        out = {}
+        for op, keys in ((dist.ReduceOp.SUM, sorted(k for k in stats if k not in MAX_REDUCED_STATS)),
+                         (dist.ReduceOp.MAX, sorted(k for k in stats if k in MAX_REDUCED_STATS))):
+            if keys:
+                values = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
+                dist.all_reduce(values, op=op, group=self.parallel.dp_group)
+                out |= dict(zip(keys, values.tolist()))
+        return out
 
     # -- weights -------------------------------------------------------------------------------
     def named_weights(self) -> Mapping[str, torch.Tensor]:

@@ -87,6 +87,8 @@ class ResidencyPolicy:
     # only (AdapterPush), so that row leaves the backbone on the host.
     has_adapters: bool = False
     adapter_only_switch: bool = False
+    # False where the update gives its own old log-probs (GRPOConfig.old_logprobs_from_update): no old_logprob phase.
+    has_old_logprob_pass: bool = True
 
     @classmethod
     def offloading(cls, **fields) -> "ResidencyPolicy":
@@ -105,7 +107,8 @@ class ResidencyPolicy:
                    has_reference=config.uses_reference and not critic_only, offload_inference=offload_inference,
                    has_critic=has_critic, offload_critic=not critic_only,
                    reference_is_backbone=config.reference_is_backbone, has_adapters=config.actor_config.uses_lora,
-                   adapter_only_switch=config.adapter_only_switch)
+                   adapter_only_switch=config.adapter_only_switch,
+                   has_old_logprob_pass=not config.old_logprobs_from_update)
 
     @property
     def pinned(self) -> frozenset[str]:
@@ -121,9 +124,10 @@ class ResidencyPolicy:
 
     def phases(self) -> tuple[str, ...]:
         """The phases this run enters, in order (`reward` only with a reward model, `ref_logprob` only with a
-        reference, the critic's only with a critic)."""
+        reference, `old_logprob` only with its own pass, the critic's only with a critic)."""
         return tuple(p for p in PHASES if (p != REWARD or self.has_reward_model)
                      and (p != REF_LOGPROB or self.has_reference)
+                     and (p != OLD_LOGPROB or self.has_old_logprob_pass)
                      and (p not in (CRITIC_VALUES, CRITIC_UPDATE) or self.has_critic))
 
     def recorded_phases(self) -> tuple[str, ...]:

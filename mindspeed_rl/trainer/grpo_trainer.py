@@ -62,8 +62,10 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
             if config.uses_reference:  # the KL term's only input
                 batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor_group, "compute_ref_log_prob", batch)
                 metrics |= ref_metrics
-            batch.columns["old_logprobs"], old_metrics = forward_logprobs(actor_group, "compute_log_prob", batch)
-            metrics |= old_metrics | advantages.estimate(batch, rewards)
+            if not config.old_logprobs_from_update:  # else the update's own first forward gives them
+                batch.columns["old_logprobs"], old_metrics = forward_logprobs(actor_group, "compute_log_prob", batch)
+                metrics |= old_metrics
+            metrics |= advantages.estimate(batch, rewards)
             rollouts.start_ahead(iteration + 1)  # one-step off-policy: the next rollout runs during this update
             finish_critic_update = advantages.start_critic_update(batch)  # on its own devices: during the update
             metrics |= merge_metrics(actor_group.call("update", batch, kl_coef=advantages.loss_kl_coef))

@@ -68,8 +68,11 @@ def iteration_metrics(config, batch, phase_metrics: dict, rewards, accuracy_valu
     response_lengths, prompt_lengths = batch.response_mask.sum(1).long(), batch.prompt_lengths
     metrics = reward_metrics(rewards.total, rewards.per_verifier, accuracy_value)
     metrics |= length_stats("response_length", response_lengths) | length_stats("prompt_length", prompt_lengths)
-    # Over the sampled tokens: a multi-turn rollout's tool outputs have no vLLM log-prob.
-    metrics |= rollout_mismatch(batch.columns["rollout_logprobs"], batch.columns["old_logprobs"], batch.loss_mask())
+    # Over the sampled tokens: a multi-turn rollout's tool outputs have no vLLM log-prob. Without a separate old
+    # log-prob pass the update measured it (workers/actor_steps.rollout_mismatch_stats).
+    if "old_logprobs" in batch.columns:
+        metrics |= rollout_mismatch(batch.columns["rollout_logprobs"], batch.columns["old_logprobs"], batch.loss_mask())
+    metrics["actor/old_logprobs_from_update"] = float("old_logprobs" not in batch.columns)
     metrics |= phase_timings(phase_metrics)
     metrics |= throughput(prompt_lengths=prompt_lengths, response_lengths=response_lengths,
                           world_size=config.num_rank_processes, seconds_all=phase_metrics["timing/all"],
