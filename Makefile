@@ -95,4 +95,4 @@ bench-long: venv
 # 1.16's GRPOTrainer on the same model, prompts and lengths (benchmarks/.trl-venv is made on first use).
 .PHONY: bench-long-iteration
 bench-long-iteration: venv
-	$(PY) benchmarks/bench_long_iteration.py --json bench_long_iteration.json
+	$(PY) benchmarks/bench_long_iteration.py --json bench_long_iteration.json --iterations 6 --warmup 1

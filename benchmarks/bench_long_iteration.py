@@ -109,7 +109,7 @@ def ours_detail(run: dict, warmup: int) -> dict:
 
     def phases(r):
         p = {"generate (vLLM)": r["timing/rollout"], "switch (Megatron -> vLLM)": r["timing/resharding_to_infer"],
-             "log-probs (reference + old)": r["timing/ref_logprob/total"] + r["timing/old_logprob/total"],
+             "log-probs (reference + old)": r["timing/ref_logprob/total"] + r.get("timing/old_logprob/total", 0.0),
              "update": r["timing/update/total"]}
         p["rest (RPC around generate, reward, batch, metrics)"] = r["timing/all"] - sum(p.values())
         p["iteration"] = r["timing/all"]

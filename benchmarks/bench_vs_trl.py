@@ -152,7 +152,8 @@ def run_ours(iterations: int, warmup: int, workdir: Path, echo: bool, overrides:
             "generate.switch_to_infer": row["timing/resharding_to_infer"],
             "generate.vllm": row["timing/rollout"],
             "ref_logprob": row["timing/ref_logprob/total"],
-            "old_logprob": row["timing/old_logprob/total"],
+            # 0 where the update gave its own old log-probs (no separate pass: actor/old_logprobs_from_update)
+            "old_logprob": row.get("timing/old_logprob/total", 0.0),
             "update": row["timing/update/total"],
         }
         p["driver"] = row["timing/all"] - p["generate"] - p["ref_logprob"] - p["old_logprob"] - p["update"]
@@ -163,9 +164,11 @@ def run_ours(iterations: int, warmup: int, workdir: Path, echo: bool, overrides:
     quiet = [r for r, f in zip(measured, foreign) if f is not None and f < QUIET_ITERATION_FOREIGN_CORES]
     # Start-up split: time-stamped lines of the driver, and the worker's own seconds since initialize began.
     t_data = launched.first_line("[data]")
-    t_plan_last = max(t for t, line in launched.lines if line.startswith("[plan]") or line.startswith("[resources]")
-                      or line.startswith("  "))  # the resource table and plan lines come right before Ray start
     t_starting = launched.first_line("[init] starting")
+    # The resource table and plan lines come right before Ray start (indented lines after it, the end-of-run summary's
+    # among them, are not theirs: counting those made this split negative).
+    t_plan_last = max(t for t, line in launched.lines if t <= t_starting and (
+        line.startswith("[plan]") or line.startswith("[resources]") or line.startswith("  ")))
     t_rank = launched.first_line("[init] rank 0")
     t_init_done = launched.first_line("[init] ranks=")
     worker = {m.group(1): float(m.group(2)) for _, line in launched.lines for m in [INIT_STEP.search(line)] if m}

@@ -235,6 +235,7 @@ def grpo_loss(
     config: GRPOLossConfig,
     loss_scale_denominator: Optional[float] = None,
     mini_batch_tokens: Optional[float] = None,
+    is_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO actor loss ``pg + kl_coef * kl - entropy_coeff * entropy`` and its logged stats.
 
@@ -243,7 +244,8 @@ def grpo_loss(
     the whole mini-batch's count to each micro-batch makes the sum of micro-batch losses (and of
     each stat) exactly the mini-batch mean. The clip fractions and ``ppo_kl`` are token means whatever the loss
     mode (verl's ``masked_mean``: a fraction stays a fraction), over ``mini_batch_tokens`` (default: this call's
-    valid tokens). ``ref_logprobs`` may be None only when
+    valid tokens). ``is_weights`` (rollout correction's truncated importance weights, detached) weigh each token's
+    policy loss, as verl's ``pg_losses * rollout_is_weights``. ``ref_logprobs`` may be None only when
     ``kl_coef == 0``; ``entropy`` may be None only when ``entropy_coeff == 0``.
     """
     if ref_logprobs is None and config.kl_coef != 0:
@@ -266,6 +268,8 @@ def grpo_loss(
     def token_mean(values: Tensor) -> float:
         return (masked_sum(values, response_mask) / tokens).item()
 
+    if is_weights is not None:
+        pg_tokens = pg_tokens * is_weights
     pg_loss = aggregate(pg_tokens)
     zero = pg_loss.new_zeros(())
     kl_loss = (

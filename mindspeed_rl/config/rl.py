@@ -8,6 +8,7 @@ from mindspeed_rl.config.checks import (
     require_non_negative,
     require_positive,
 )
+from mindspeed_rl.config.rollout_correction import RolloutCorrectionConfig
 from mindspeed_rl.errors import ConfigError
 
 # group_norm: GRPO (MindSpeed-RL's name); rloo, reinforce_plus_plus and reinforce_plus_plus_baseline: verl's names
@@ -143,6 +144,9 @@ class RLConfig:
     # first forward gives the old log-probs and the separate old-log-prob pass is skipped (bit-equal losses and
     # gradients; docs/algorithms.md). false: always the separate pass.
     old_logprobs_from_update: bool = True
+    # verl's rollout correction of the train-inference mismatch (importance sampling, rejection, veto; null keys: off);
+    # docs/algorithms.md "Rollout correction".
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     clip_ratio_low: float = 0.1
     clip_ratio_high: float = 0.1
     # Ours (verl's names): how the per-token loss becomes one number, see README "DAPO"; null: token-mean when

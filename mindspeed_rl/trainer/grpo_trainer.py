@@ -26,6 +26,7 @@ from mindspeed_rl.trainer.scoring import Scoring
 from mindspeed_rl.trainer.metrics import format_line, iteration_metrics
 from mindspeed_rl.trainer.multi_turn import ToolTurns
 from mindspeed_rl.trainer.phase_progress import with_phase_progress
+from mindspeed_rl.trainer.rollout_correction_step import correct_rollout
 from mindspeed_rl.trainer.rollout import forward_logprobs, rollout_batch
 from mindspeed_rl.trainer.sinks import MetricsSinks
 from mindspeed_rl.trainer.trackers import build_trackers
@@ -65,6 +66,7 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
             if not config.old_logprobs_from_update:  # else the update's own first forward gives them
                 batch.columns["old_logprobs"], old_metrics = forward_logprobs(actor_group, "compute_log_prob", batch)
                 metrics |= old_metrics
+            metrics |= correct_rollout(batch, config.rl_config)  # before the advantages: they skip rejected tokens
             metrics |= advantages.estimate(batch, rewards)
             rollouts.start_ahead(iteration + 1)  # one-step off-policy: the next rollout runs during this update
             finish_critic_update = advantages.start_critic_update(batch)  # on its own devices: during the update

@@ -61,6 +61,7 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
             logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=mb.extras.get("ref_logprobs"),
             advantages=mb.extras["advantages"], response_mask=mb.loss_mask(), entropy=entropy,
             config=loss_config, loss_scale_denominator=denominator, mini_batch_tokens=tokens,
+            is_weights=mb.extras.get("rollout_is_weights"),
         )
         return loss, stats | on_policy_stats
 

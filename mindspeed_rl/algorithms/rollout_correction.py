@@ -1,0 +1,133 @@
+"""Rollout correction (verl's `algorithm.rollout_correction`, its names and formulas): the samples come from the
+rollout engine's policy (vLLM, maybe bf16, maybe a version behind), the update's ratio is against the old policy
+(Megatron's). With r_t = pi_old(y_t) / pi_rollout(y_t) per token (from log-probs, exponents clamped to +-20):
+
+* importance sampling (`rollout_is`): each token's PPO loss is weighted by a truncated weight w = min(rho, threshold),
+  detached: rho = r_t (`token`, biased, low variance) or prod_t r_t (`sequence`, unbiased, high variance);
+  `rollout_is_batch_normalize` rescales the weights to mean 1 over the batch;
+* rejection sampling (`rollout_rs`): a token (`token`), or a whole sequence by prod_t r_t (`sequence`) or by its
+  geometric mean exp(mean_t log r_t) (`geometric`), outside [lower, upper] leaves the loss mask (lower: 1 / upper
+  unless given);
+* the veto (`rollout_token_veto_threshold`): a sequence with any token whose r_t is below it leaves the loss mask.
+
+Metrics, `rollout_corr/` + verl's names: the IS weights' mean, max, min, std, effective sample size and the share above
+and below the thresholds, the rejected shares, the veto's, and the divergence between the two policies (KL(pi_rollout
+|| pi_old) by k1 and k3, perplexities, chi-square per token and per sequence). Every statistic is over the batch's
+sampled tokens (its loss mask).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from mindspeed_rl.config.rollout_correction import RolloutCorrectionConfig
+
+SAFETY_BOUND = 20.0  # |log ratio| clamp before exp, as verl's
+
+
+def _mean(values: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    """The masked mean over everything, or along `dim`; 0 where nothing is valid."""
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def _ratios(log_ratio: Tensor, mask: Tensor, level: str) -> tuple[Tensor, Tensor]:
+    """(per-token weights broadcast over the response, the unclamped log of each unit: token or sequence)."""
+    if level == "token":
+        return log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp(), log_ratio
+    per_sequence = (log_ratio * mask).sum(-1, keepdim=True) if level == "sequence" else _mean(log_ratio, mask, -1)[:, None]
+    return per_sequence.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp().expand_as(log_ratio), per_sequence
+
+
+def _weight_metrics(prefix: str, weights: Tensor, log_units: Tensor, mask: Tensor, level: str, lower: float,
+                    upper: float) -> dict[str, float]:
+    valid = mask.bool()
+    out = {f"{prefix}_mean": _mean(weights, mask).item()}
+    if level == "token":
+        out[f"{prefix}_max"] = weights[valid].max().item()
+        out[f"{prefix}_min"] = weights[valid].min().item()
+        high, low = _mean((weights > upper).float(), mask), _mean((weights < lower).float(), mask)
+    else:
+        out[f"{prefix}_max"] = math.exp(min(log_units.max().item(), SAFETY_BOUND))
+        out[f"{prefix}_min"] = math.exp(log_units.min().item())
+        high, low = (log_units > math.log(upper)).float().mean(), (log_units < math.log(lower)).float().mean()
+    out[f"{prefix}_ratio_fraction_high"], out[f"{prefix}_ratio_fraction_low"] = high.item(), low.item()
+    bounded = weights.clamp(lower, upper)
+    mean = _mean(bounded, mask)
+    out[f"{prefix}_std"] = (_mean(bounded.square(), mask) - mean.square()).clamp(min=0).sqrt().item()
+    out[f"{prefix}_eff_sample_size"] = 1.0 / _mean((bounded / (mean + 1e-8)).square(), mask).item()
+    return out
+
+
+def importance_weights(log_ratio: Tensor, mask: Tensor, config: RolloutCorrectionConfig) -> tuple[Tensor, dict]:
+    weights, log_units = _ratios(log_ratio, mask, config.rollout_is)
+    weights = weights * mask
+    threshold = config.rollout_is_threshold
+    metrics = _weight_metrics("rollout_is", weights, log_units, mask, config.rollout_is, 1.0 / threshold, threshold)
+    weights = weights.clamp(max=threshold).detach()
+    if config.rollout_is_batch_normalize:
+        unit_mask = mask if config.rollout_is == "token" else (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
+        unit_weights = weights if config.rollout_is == "token" else _mean(weights, mask, -1)[:, None]
+        factor = _mean(unit_weights, unit_mask)
+        if factor > 1e-8:
+            weights = weights / factor
+        metrics["rollout_is_batch_norm_factor"] = factor.item() if factor > 1e-8 else 1.0
+    return weights, metrics
+
+
+def rejection_mask(log_ratio: Tensor, mask: Tensor, config: RolloutCorrectionConfig) -> tuple[Tensor, dict]:
+    lower, upper = config.rs_bounds
+    weights, log_units = _ratios(log_ratio, mask, config.rollout_rs)
+    kept = ((weights >= lower) & (weights <= upper)).to(mask.dtype)
+    metrics = _weight_metrics("rollout_rs", weights, log_units, mask, config.rollout_rs, lower, upper)
+    metrics["rollout_rs_masked_fraction"] = _mean(1 - kept, mask).item()
+    rejected_sequences = ((1 - kept) * mask).sum(-1) > 0
+    metrics["rollout_rs_seq_masked_fraction"] = rejected_sequences.float().mean().item()
+    return mask * kept, metrics
+
+
+def divergence_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far the rollout's policy is from the old one (verl's compute_offpolicy_metrics)."""
+    log_ratio = old_logprobs - rollout_logprobs
+    old_seq, rollout_seq = _mean(old_logprobs, mask, -1), _mean(rollout_logprobs, mask, -1)
+    log_ppl_diff = rollout_seq - old_seq
+    rho = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
+    sequence_log_ratio = (log_ratio * mask).sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return {"training_ppl": (-old_seq).exp().mean().item(), "training_log_ppl": (-old_seq).mean().item(),
+            "kl": _mean(rollout_logprobs - old_logprobs, mask).item(),
+            "k3_kl": _mean(rho - log_ratio - 1, mask).item(),
+            "rollout_ppl": (-rollout_seq).exp().mean().item(), "rollout_log_ppl": (-rollout_seq).mean().item(),
+            "log_ppl_diff": log_ppl_diff.mean().item(), "log_ppl_abs_diff": log_ppl_diff.abs().mean().item(),
+            "log_ppl_diff_max": log_ppl_diff.max().item(), "log_ppl_diff_min": log_ppl_diff.min().item(),
+            "ppl_ratio": log_ppl_diff.exp().mean().item(),
+            "chi2_token": (_mean(rho.square(), mask) - 1.0).item(),
+            "chi2_seq": ((2.0 * sequence_log_ratio).exp().mean() - 1.0).item()}
+
+
+def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
+                       config: RolloutCorrectionConfig) -> tuple[Optional[Tensor], Tensor, dict[str, float]]:
+    """(IS weights or None, the loss mask less the rejected tokens, `rollout_corr/` metrics) of a batch."""
+    mask = mask.to(torch.float32)
+    if not mask.bool().any():
+        raise ValueError("rollout correction needs at least one sampled token")
+    log_ratio = (old_logprobs - rollout_logprobs).to(torch.float32)
+    weights, kept, metrics = None, mask.clone(), {}
+    if config.rollout_is is not None:
+        weights, is_metrics = importance_weights(log_ratio, mask, config)
+        metrics |= is_metrics
+    if config.rollout_rs is not None:
+        kept, rs_metrics = rejection_mask(log_ratio, mask, config)
+        metrics |= rs_metrics
+    veto, catastrophic = 0.0, 0.0
+    if config.rollout_token_veto_threshold is not None:
+        bad_tokens = (log_ratio < math.log(config.rollout_token_veto_threshold)) & mask.bool()
+        vetoed = bad_tokens.any(-1, keepdim=True)
+        veto, catastrophic = vetoed.float().mean().item(), _mean(bad_tokens.float(), mask).item()
+        kept = kept * (~vetoed).to(kept.dtype)
+    metrics |= {"rollout_is_veto_fraction": veto, "rollout_is_catastrophic_token_fraction": catastrophic}
+    metrics |= divergence_metrics(old_logprobs.float(), rollout_logprobs.float(), mask)
+    return weights, kept, {f"rollout_corr/{key}": value for key, value in metrics.items()}
