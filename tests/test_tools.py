@@ -184,7 +184,8 @@ def test_sandbox_leaves_no_directory_and_no_process(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     code = ("import os, time\nchild = os.fork()\nif child == 0:\n    time.sleep(60)\n    os._exit(0)\n"
             "print(os.getcwd())\nprint(child)")
-    run = run_python(code, timeout_seconds=5, memory_limit_mb=256)
+    # Unisolated (allow_unisolated): the process-group kill alone; inside the wall see test_sandbox_wall.
+    run = run_python(code, timeout_seconds=5, memory_limit_mb=256, isolated=False)
     assert run.status == "Finished"
     workdir, child = run.stdout.split()
     assert Path(workdir).parent == tmp_path and list(tmp_path.iterdir()) == []

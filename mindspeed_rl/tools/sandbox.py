@@ -12,9 +12,11 @@ an unbounded output in the parent's memory. At most ``max_output_bytes`` of each
 The limits are set by a small launcher that execs the program's interpreter (rlimits survive exec), not by
 ``preexec_fn``: the rollout runs tools from a thread pool, and ``preexec_fn`` is unsafe in threaded programs.
 
-What it is not: a security boundary. The program runs as this user and can read files and use the network; a
-grandchild that starts its own session leaves the process group (its CPU time is still capped by the inherited
-RLIMIT_CPU). Use the SandboxFusion service (``sandbox_fusion_url``) for untrusted code that needs isolation.
+The security boundary is the wall (tools/wall.py): each run is a bubblewrap sandbox in its own user, mount, PID,
+network, IPC and UTS namespaces, with no view of the host's files, processes or network, every descendant killed
+when the call ends, and a bound on its process count. ``isolated=False`` (the tool config's ``allow_unisolated``
+where no wall can be built) runs without it: then the program runs as this user, can read files and use the
+network, and a grandchild that starts its own session leaves the process group.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import time
 from dataclasses import dataclass
 from typing import IO
 
+from mindspeed_rl.tools import wall
+
 FINISHED = "Finished"
 FAILED = "Failed"
 TIME_LIMIT_EXCEEDED = "TimeLimitExceeded"
@@ -42,7 +46,9 @@ _MIB = 1024 * 1024
 # by an unprivileged process: the lower one holds.
 _LAUNCHER = """\
 import os, resource, sys
-for name, value in zip(("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE"), map(int, sys.argv[1:4])):
+for name, value in zip(("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NPROC"), map(int, sys.argv[1:5])):
+    if value < 0:
+        continue
     kind = getattr(resource, name)
     hard = resource.getrlimit(kind)[1]
     soft = value if hard == resource.RLIM_INFINITY else min(value, hard)
@@ -51,7 +57,15 @@ for name, value in zip(("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE"), map(int, sys
         resource.setrlimit(kind, (soft, soft + 1))
     else:
         resource.setrlimit(kind, (soft, soft))
-os.execv(sys.executable, [sys.executable, "-I", sys.argv[4]])
+os.execv(sys.executable, [sys.executable, "-I", sys.argv[5]])
+"""
+# Outside the wall: join the call's pids cgroup (a root caller's process bound), then become bwrap.
+_WALL_LAUNCHER = """\
+import os, sys
+if sys.argv[1]:
+    with open(sys.argv[1], "w") as procs:
+        procs.write(str(os.getpid()))
+os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
@@ -67,16 +81,17 @@ class SandboxRun:
 
 
 def run_python(code: str, *, timeout_seconds: float, memory_limit_mb: int,
-               max_output_bytes: int = 64 * 1024) -> SandboxRun:
-    """Run ``code`` as a Python program: Finished (exit 0), Failed (non-zero exit, e.g. an exception or a
-    MemoryError), TimeLimitExceeded (killed at ``timeout_seconds`` of wall time or at its CPU limit) or
-    OutputLimitExceeded (stdout or stderr over ``max_output_bytes``). Returns within about timeout + 0.1 s."""
+               max_output_bytes: int = 64 * 1024, isolated: bool = True) -> SandboxRun:
+    """Run ``code`` as a Python program, inside the wall unless ``isolated`` is False: Finished (exit 0), Failed
+    (non-zero exit, e.g. an exception or a MemoryError), TimeLimitExceeded (killed at ``timeout_seconds`` of wall
+    time or at its CPU limit) or OutputLimitExceeded (stdout or stderr over ``max_output_bytes``). Returns within
+    about timeout + 0.1 s."""
     _check_limits(timeout_seconds, memory_limit_mb, max_output_bytes)
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="mindspeed_rl_sandbox_")
     try:
         with open(os.path.join(workdir, "stdout"), "wb+") as out, open(os.path.join(workdir, "stderr"), "wb+") as err:
-            status = _run(code, workdir, out, err, timeout_seconds, memory_limit_mb, max_output_bytes)
+            status = _run(code, workdir, out, err, timeout_seconds, memory_limit_mb, max_output_bytes, isolated)
             stdout, stderr = _read_back(out, max_output_bytes), _read_back(err, max_output_bytes)
         return SandboxRun(status=status, stdout=stdout, stderr=stderr, seconds=time.monotonic() - start)
     finally:
@@ -84,21 +99,32 @@ def run_python(code: str, *, timeout_seconds: float, memory_limit_mb: int,
 
 
 def _run(code: str, workdir: str, out: IO[bytes], err: IO[bytes], timeout_seconds: float, memory_limit_mb: int,
-         max_output_bytes: int) -> str:
+         max_output_bytes: int, isolated: bool) -> str:
     program = os.path.join(workdir, "main.py")
     with open(program, "w", encoding="utf-8", errors="surrogatepass") as file:
         file.write(code)
-    limits = [str(memory_limit_mb * _MIB), str(math.ceil(timeout_seconds) + 1), str(max_output_bytes + 1)]
-    process = subprocess.Popen(
-        [sys.executable, "-I", "-c", _LAUNCHER, *limits, program], cwd=workdir, env=_minimal_env(workdir),
-        stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+    limits = [str(memory_limit_mb * _MIB), str(math.ceil(timeout_seconds) + 1), str(max_output_bytes + 1),
+              str(wall.PROCESS_LIMIT if isolated else -1)]  # unisolated, RLIMIT_NPROC would count the trainer's own
+    command = [sys.executable, "-I", "-c", _LAUNCHER, *limits, wall.PROGRAM if isolated else program]
+    cgroup = wall.ProcessCgroup() if isolated else None
+    if isolated:
+        command = [sys.executable, "-I", "-c", _WALL_LAUNCHER, cgroup.procs_file, *wall.wall_arguments(program),
+                   *command]
+    home = wall.SANDBOX_DIR if isolated else workdir
     try:
-        stopped = _wait(process.pid, time.monotonic() + timeout_seconds, (out, err), max_output_bytes)
+        process = subprocess.Popen(command, cwd=workdir, env=_minimal_env(home), stdin=subprocess.DEVNULL,
+                                   stdout=out, stderr=err, start_new_session=True)
+        try:
+            stopped = _wait(process.pid, time.monotonic() + timeout_seconds, (out, err), max_output_bytes)
+        finally:
+            # The leader is not reaped yet (waitid with WNOWAIT), so its group id cannot have been reused: killing
+            # the group reaches every process it left behind (inside the wall: bwrap, whose death ends the PID
+            # namespace and everything in it).
+            _kill_group(process.pid)
+            returncode = process.wait()
     finally:
-        # The leader is not reaped yet (waitid with WNOWAIT), so its group id cannot have been reused: killing
-        # the group here reaches every process it left behind and nothing else.
-        _kill_group(process.pid)
-        returncode = process.wait()
+        if cgroup is not None:
+            cgroup.remove()
     if stopped is not None:
         return stopped
     if _over_limit((out, err), max_output_bytes):

@@ -1,8 +1,10 @@
 """MindSpeed-RL's ``SandboxFusionTool``: runs the model's code on a SandboxFusion service, with the same config
 keys (``configs/tools/*.yaml``: ``config:``) and the same text back to the model.
 
-Our addition: ``sandbox_fusion_url: local`` runs Python on this host in :func:`mindspeed_rl.tools.sandbox.run_python`
-(a resource wall, not an isolation boundary: see that module) for a setup without the service.
+Our addition: ``sandbox_fusion_url: local`` runs Python on this host in :func:`mindspeed_rl.tools.sandbox.run_python`,
+inside the wall of tools/wall.py (namespaces: no view of the host's files, processes or network), for a setup without
+the service. Where no wall can be built the tool refuses to load, naming why, unless ``allow_unisolated: true`` (ours),
+which runs the code unisolated with one warning.
 
 Concurrency. ``num_workers`` is how many calls the rollout runs at once (its thread-pool size). ``rate_limit``
 caps the runs in flight: with ``enable_global_rate_limit: true`` one semaphore shared by every such tool of this
@@ -30,7 +32,9 @@ NO_OUTPUT_TEXT = "no stdout here"
 DEFAULTS: dict[str, Any] = {"num_workers": 10, "enable_global_rate_limit": True, "rate_limit": 10,
                             "default_timeout": 30, "default_language": "python", "memory_limit_mb": 1024,
                             "type": "native"}
-CONFIG_KEYS = frozenset(DEFAULTS) | {"sandbox_fusion_url"}
+# Ours: run `local` code without the wall where none can be built (never silently).
+OUR_DEFAULTS: dict[str, Any] = {"allow_unisolated": False}
+CONFIG_KEYS = frozenset(DEFAULTS) | frozenset(OUR_DEFAULTS) | {"sandbox_fusion_url"}
 
 
 class SandboxFusionTool(BaseTool):
@@ -50,6 +54,7 @@ class SandboxFusionTool(BaseTool):
         self.default_timeout: float = values["default_timeout"]
         self.default_language: str = values["default_language"]
         self.memory_limit_mb: int = values["memory_limit_mb"]
+        self.isolated = self.sandbox_fusion_url != LOCAL_URL or local_wall(values["allow_unisolated"], self.name)
         self._slots = self._shared_slots() if self.enable_global_rate_limit else threading.BoundedSemaphore(
             self.rate_limit)
 
@@ -79,7 +84,8 @@ class SandboxFusionTool(BaseTool):
             if language != "python":
                 return SandboxRun(status=FAILED, stdout="", stderr=f"{LOCAL_URL} runs python only, not {language!r}",
                                   seconds=0.0)
-            return run_python(code, timeout_seconds=timeout_seconds, memory_limit_mb=self.memory_limit_mb)
+            return run_python(code, timeout_seconds=timeout_seconds, memory_limit_mb=self.memory_limit_mb,
+                              isolated=self.isolated)
 
     def _timeout_of(self, parameters: dict[str, Any]) -> float:
         # The model may ask for a shorter run than default_timeout, never a longer one: the argument is its text.
@@ -87,6 +93,27 @@ class SandboxFusionTool(BaseTool):
         if isinstance(asked, (int, float)) and not isinstance(asked, bool) and 0 < asked < self.default_timeout:
             return float(asked)
         return self.default_timeout
+
+
+def local_wall(allow_unisolated: bool, tool_name: str) -> bool:
+    """Whether `local` runs inside the wall: yes where one can be built; else a ValueError naming why, or (with
+    allow_unisolated) False and one warning."""
+    from mindspeed_rl.tools.wall import wall_unavailable_reason
+
+    reason = wall_unavailable_reason()
+    if reason is None:
+        return True
+    if not allow_unisolated:
+        raise ValueError(f"sandbox_fusion_url {LOCAL_URL!r}: no wall around the model's code can be built on this host "
+                         f"({reason}); set allow_unisolated: true to run it unisolated, or use a SandboxFusion service")
+    if not _warned_unisolated.is_set():
+        _warned_unisolated.set()
+        logger.warning("tool %s: the model's code runs UNISOLATED on this host (allow_unisolated: true): %s",
+                       tool_name, reason)
+    return False
+
+
+_warned_unisolated = threading.Event()  # one warning per run
 
 
 def output_text(run: SandboxRun) -> str:
@@ -100,7 +127,7 @@ def read_sandbox_config(config: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(str(key) for key in set(config) - CONFIG_KEYS)
     if unknown:
         problems.append(f"unknown keys {unknown}; known: {sorted(CONFIG_KEYS)}")
-    values = {**DEFAULTS, **{key: value for key, value in config.items() if key in CONFIG_KEYS}}
+    values = {**DEFAULTS, **OUR_DEFAULTS, **{key: value for key, value in config.items() if key in CONFIG_KEYS}}
     url = values.get("sandbox_fusion_url")
     if not isinstance(url, str) or not url.strip():
         problems.append(f"sandbox_fusion_url must be the service's run_code URL or {LOCAL_URL!r}, got {url!r}")
@@ -110,6 +137,8 @@ def read_sandbox_config(config: dict[str, Any]) -> dict[str, Any]:
     timeout = values["default_timeout"]
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         problems.append(f"default_timeout must be a positive number of seconds, got {timeout!r}")
+    if not isinstance(values["allow_unisolated"], bool):
+        problems.append(f"allow_unisolated must be true or false, got {values['allow_unisolated']!r}")
     if not isinstance(values["enable_global_rate_limit"], bool):
         problems.append(f"enable_global_rate_limit must be true or false, got {values['enable_global_rate_limit']!r}")
     if values["default_language"] not in SUPPORTED_LANGUAGES:
