@@ -50,3 +50,17 @@ def test_the_retool_demo_calls_the_tool_and_trains_only_on_sampled_tokens(tmp_pa
         assert r["rollout/logprob_max_abs_diff"] < 1e-4
         # retool_reward: a box at the end scores 1; else two calls and no box: -1 + 0.1 (one tool turn).
         assert math.isclose(r["reward/mean"], r["reward/accuracy"] - 0.9 * (1 - r["reward/accuracy"]), abs_tol=1e-6)
+
+
+def test_the_search_demo_calls_their_search_tool_against_the_shipped_server(tmp_path):
+    """dapo_tiny_search_cpu: the demo's model calls MindSpeed-RL's SearchTool (configs/tools/search_local.yaml), the run
+    serves the retrieval server from its own process, and the passages come back as a tool turn."""
+    done = run_cli(tmp_path, "dapo_tiny_search_cpu", "megatron_training.train_iters=2", script="cli/train_dapo.py",
+                   timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for r in records:
+        assert 0.1 < r["tool_call_num/mean"] < 0.9 and r["multi_turn/turns"] == 2
+        # A call (4 tokens) then the passages' tool turn: far longer than an answer at once (2 tokens).
+        assert r["response_length/max"] > 20 and r["response_length/min"] == 2

@@ -12,7 +12,8 @@ DEVICES = ("auto", "cpu", "cuda", "npu")
 # math_word: small-integer word problems in DAPO-Math-17k's parquet schema, chat template, \boxed{n}
 # answers (verifiers math_17k_acc, format).
 # tool_call: a model programmed to call the code interpreter (multi-turn tool use, verifier retool_reward).
-SYNTHETIC_TASKS = ("arith", "math_word", "tool_call")
+# search_call: the same model calling MindSpeed-RL's search tool (configs/tools/search_local.yaml).
+SYNTHETIC_TASKS = ("arith", "math_word", "tool_call", "search_call")
 
 
 @dataclass(kw_only=True)

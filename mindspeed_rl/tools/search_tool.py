@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import urllib.error
@@ -39,7 +40,8 @@ class SearchTool(BaseTool):
         super().__init__(config, tool_schema)
         values = read_search_config(self.config)
         self.retrieval_service_url: str = values["retrieval_service_url"]
-        self.corpus_path: str | None = values.get("corpus_path")
+        # Resolved now, at load: the run may change its working directory before the first call.
+        self.corpus_path: str | None = os.path.abspath(values["corpus_path"]) if values.get("corpus_path") else None
         self.topk: int = values["topk"]
         self.timeout: float = values["timeout"]
         self.num_workers: int = values["num_workers"]
@@ -117,6 +119,8 @@ def read_search_config(config: dict[str, Any]) -> dict[str, Any]:
         problems.append(f"retrieval_service_url must be the service's /retrieve URL or {LOCAL_URL!r}, got {url!r}")
     elif url == LOCAL_URL and not values.get("corpus_path"):
         problems.append(f"retrieval_service_url {LOCAL_URL!r} needs corpus_path (a JSONL of {{id, contents}})")
+    elif url == LOCAL_URL and not os.path.isfile(str(values["corpus_path"])):
+        problems.append(f"corpus_path {values['corpus_path']!r} is not a file (relative paths: to the launch directory)")
     for key in ("num_workers", "rate_limit", "topk"):
         if isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] <= 0:
             problems.append(f"{key} must be a positive integer, got {values[key]!r}")

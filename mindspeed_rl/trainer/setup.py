@@ -147,8 +147,8 @@ def resolve_eval_data_path(config: GRPOConfig) -> str | None:
         return None
     from mindspeed_rl.data import arith_task, tiny_math, tiny_tool_call
 
-    eval_file = {"math_word": tiny_math.EVAL_FILE, "tool_call": tiny_tool_call.EVAL_FILE}.get(synthetic.task,
-                                                                                             arith_task.EVAL_FILE)
+    eval_file = {"math_word": tiny_math.EVAL_FILE, "tool_call": tiny_tool_call.EVAL_FILE,
+                 "search_call": tiny_tool_call.EVAL_FILE}.get(synthetic.task, arith_task.EVAL_FILE)
     return str(_generate_synthetic_assets(synthetic)[1].with_name(eval_file))  # checked in GRPOConfig: generated
 
 
@@ -161,10 +161,11 @@ def _generate_synthetic_assets(synthetic) -> tuple[Path, Path]:
         from mindspeed_rl.data.tiny_math import ensure_tiny_math_assets
 
         return ensure_tiny_math_assets(synthetic.data_dir, **sizes)
-    if synthetic.task == "tool_call":  # its questions and answer are fixed (max_operand unused)
+    if synthetic.task in ("tool_call", "search_call"):  # its questions and answer are fixed (max_operand unused)
         from mindspeed_rl.data.tiny_tool_call import ensure_tool_call_assets
 
-        return ensure_tool_call_assets(synthetic.data_dir, **{k: v for k, v in sizes.items() if k != "max_operand"})
+        return ensure_tool_call_assets(synthetic.data_dir, task=synthetic.task,
+                                       **{k: v for k, v in sizes.items() if k != "max_operand"})
     from mindspeed_rl.data.arith_task import ensure_demo_assets
 
     return ensure_demo_assets(synthetic.data_dir, vocab_size=synthetic.vocab_size, **sizes)
