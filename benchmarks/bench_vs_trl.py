@@ -126,7 +126,8 @@ def _median(values):
 
 
 # -- ours --------------------------------------------------------------------------------------------
-INIT_STEP = re.compile(r"\[init\] (checkpoint read|Megatron actor and reference built|vLLM started) \(([\d.]+)s\)")
+# The rank's progress lines: seconds since its initialize began (workers/parts: one line per part built).
+INIT_STEP = re.compile(r"\[init\] (Megatron actor built|Megatron reference built|vLLM started)\b.*\(([\d.]+)s\)")
 INIT_DONE = re.compile(r"\[init\] ranks=\d+ device=\S+ ([\d.]+)s")
 
 
@@ -178,10 +179,11 @@ def run_ours(iterations: int, warmup: int, workdir: Path, echo: bool, overrides:
         "driver: resource table, memory plan": t_plan_last - t_data,
         "Ray start (ray.init) + reward group": t_starting - t_plan_last,
         "worker process start (spawn, imports, RPC)": t_rank - t_starting,
-        "initialize: dist init + checkpoint read": worker.get("checkpoint read"),
-        "initialize: Megatron actor + reference build": worker.get("Megatron actor and reference built", 0)
-        - worker.get("checkpoint read", 0),
-        "initialize: vLLM start": worker.get("vLLM started", 0) - worker.get("Megatron actor and reference built", 0),
+        "initialize: dist init, checkpoint read, Megatron actor build": worker.get("Megatron actor built", 0),
+        "initialize: Megatron reference build": worker.get("Megatron reference built", worker.get(
+            "Megatron actor built", 0)) - worker.get("Megatron actor built", 0),
+        "initialize: vLLM start": worker.get("vLLM started", 0) - max(worker.get("Megatron actor built", 0),
+                                                                      worker.get("Megatron reference built", 0)),
         "initialize: switch + memory setup": init_total - worker.get("vLLM started", 0),
         "initialize: RPC/log overhead (driver-seen minus worker-reported)": (t_init_done - t_rank) - init_total,
         "driver: between initialize and iteration 1": first_start - t_init_done,

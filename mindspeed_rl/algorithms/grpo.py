@@ -263,11 +263,6 @@ def grpo_loss(
         logprobs, old_logprobs, advantages, response_mask, config.clip_ratio, config.clip_ratio_high,
         config.clip_ratio_c,
     )
-    tokens = float(max(response_mask.bool().sum().item(), 1)) if mini_batch_tokens is None else float(mini_batch_tokens)
-
-    def token_mean(values: Tensor) -> float:
-        return (masked_sum(values, response_mask) / tokens).item()
-
     if is_weights is not None:
         pg_tokens = pg_tokens * is_weights
     pg_loss = aggregate(pg_tokens)
@@ -278,16 +273,17 @@ def grpo_loss(
     )
     entropy_mean = zero if entropy is None else aggregate(entropy)
     loss = pg_loss + config.kl_coef * kl_loss - config.entropy_coeff * entropy_mean
-    stats = {
-        "actor/pg_loss": pg_loss.item(),
-        "actor/pg_clipfrac": token_mean(clipfrac_tokens),
-        "actor/ppo_kl": token_mean(ppo_kl_tokens),
-        "actor/kl_loss": kl_loss.item(),
-        "actor/entropy": entropy_mean.item(),
-    }
+    stats = {"actor/pg_loss": pg_loss.item(), "actor/kl_loss": kl_loss.item(), "actor/entropy": entropy_mean.item()}
+    fractions = {"actor/pg_clipfrac": clipfrac_tokens, "actor/ppo_kl": ppo_kl_tokens}
     if config.clip_ratio_c is not None:
-        stats["actor/pg_clipfrac_lower"] = token_mean(clipfrac_lower_tokens)
-    return loss, stats
+        fractions["actor/pg_clipfrac_lower"] = clipfrac_lower_tokens
+    return loss, stats | _token_means(fractions, response_mask, mini_batch_tokens)
+
+
+def _token_means(values: dict[str, Tensor], response_mask: Tensor, tokens: Optional[float]) -> dict[str, float]:
+    """Each value's sum over the valid tokens over `tokens` (the mini-batch's; default: these valid tokens)."""
+    count = float(max(response_mask.bool().sum().item(), 1)) if tokens is None else float(tokens)
+    return {key: (masked_sum(tokens_of, response_mask) / count).item() for key, tokens_of in values.items()}
 
 
 def _resolve_denominator(
