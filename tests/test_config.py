@@ -543,7 +543,7 @@ def test_sequence_parallel_at_tp1_runs_without_it_as_megatron_does_saying_so() -
 
 def test_synthetic_task_is_one_of_the_demos() -> None:
     assert config_error(TINY, "synthetic_data.task=poetry") == (
-        "synthetic_data.task: must be one of arith, math_word, tool_call, got 'poetry'"
+        "synthetic_data.task: must be one of arith, math_word, tool_call, search_call, got 'poetry'"
     )
 
 

@@ -50,6 +50,8 @@ VALIDATED_ONLY: dict[str, str] = {
     "actor_config.lora_fusion": "the schema keeps false; true (MindSpeed's CCLoRA kernel) is a listed no-effect knob",
     "critic_config.lora_fusion": "the schema keeps false; true (MindSpeed's CCLoRA kernel) is a listed no-effect knob",
     "runtime.strict_keys": "read by config/loader.py from the raw tree, before the schema: no-effect keys become errors",
+    "rl_config.rollout_correction.preset": "applied at load: it sets the rollout_is/rs/veto keys it names "
+                                           "(config/rollout_correction.py), which the correction reads",
     # ROLL's role sections (config/resources.py): parsed, computed and checked; the values other than
     # these are refused at load as not supported yet, so they are listed here although resources.py reads them.
     "actor_train.num_gpus_per_worker": "1 only: a training role has one device per worker (computed)",
