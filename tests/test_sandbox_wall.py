@@ -134,7 +134,7 @@ def test_a_fork_bomb_is_bounded_and_ends_with_the_call():
     done.set()
     watcher.join()
     assert run.status != FINISHED
-    assert peak[0] - before <= PROCESS_LIMIT + 8  # the sandbox's processes, and a few of the host's own
+    assert peak[0] - before <= PROCESS_LIMIT + 32  # the sandbox's processes, and room for the host's own churn
     time.sleep(0.3)
     assert _processes_with(token) == []
 
