@@ -44,16 +44,15 @@ def reinforce_plus_plus_advantages(rewards: Tensor, response_mask: Tensor, gamma
     its running return at every masked token, so there the tokens before a tool output get return 0; the two agree
     wherever the mask has no holes (docs/algorithms.md).
     """
-    mask = response_mask.to(torch.float64)
-    if rewards.shape != mask.shape[:1]:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and response_mask {tuple(mask.shape)} disagree")
+    mask = _token_mask(rewards, response_mask)
     # Steps from each token to its response's last token (the reward), counted over valid tokens only.
     steps_to_end = mask.flip(-1).cumsum(-1).flip(-1) - 1.0
     returns = rewards.to(torch.float64).unsqueeze(-1) * gamma ** steps_to_end.clamp(min=0) * mask
     return (masked_whiten(returns, mask) * mask).to(torch.float32)
 
 
-def reinforce_plus_plus_baseline_advantages(rewards: Tensor, response_mask: Tensor, n_samples_per_prompt: int) -> Tensor:
+def reinforce_plus_plus_baseline_advantages(rewards: Tensor, response_mask: Tensor,
+                                            n_samples_per_prompt: int) -> Tensor:
     """REINFORCE++ with a baseline (verl's ``reinforce_plus_plus_baseline``): the reward minus its prompt's mean
     reward (0 for a group of one), on every response token, whitened over every response token of the batch:
 
@@ -62,12 +61,18 @@ def reinforce_plus_plus_baseline_advantages(rewards: Tensor, response_mask: Tens
     Per token ``[num_samples, response_len]``, 0 on padding.
     """
     grouped = grouped_rewards(rewards, n_samples_per_prompt)
-    mask = response_mask.to(torch.float64)
-    if rewards.shape != mask.shape[:1]:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and response_mask {tuple(mask.shape)} disagree")
+    mask = _token_mask(rewards, response_mask)
     baseline = grouped.mean(dim=1, keepdim=True) if n_samples_per_prompt > 1 else torch.zeros_like(grouped)
     scores = (grouped - baseline).reshape(-1, 1) * mask
     return (masked_whiten(scores, mask) * mask).to(torch.float32)
+
+
+def _token_mask(rewards: Tensor, response_mask: Tensor) -> Tensor:
+    """The response mask in float64, checked against the per-sample rewards."""
+    mask = response_mask.to(torch.float64)
+    if rewards.shape != mask.shape[:1]:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and response_mask {tuple(mask.shape)} disagree")
+    return mask
 
 
 def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:

@@ -177,7 +177,6 @@ class GRPOLossConfig:
     norm_length: Optional[int] = None
     clip_ratio_c: Optional[float] = None  # dual-clip PPO's bound (verl); None: off
 
-
     def __post_init__(self) -> None:
         if self.clip_ratio <= 0 or (self.clip_ratio_high is not None and self.clip_ratio_high <= 0):
             raise ValueError(f"clip ratios must be > 0, got {self.clip_ratio} and {self.clip_ratio_high}")

@@ -23,43 +23,52 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from mindspeed_rl.algorithms.grpo import masked_mean
 from mindspeed_rl.config.rollout_correction import RolloutCorrectionConfig
 
 SAFETY_BOUND = 20.0  # |log ratio| clamp before exp, as verl's
 
 
-def _mean(values: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
-    """The masked mean over everything, or along `dim`; 0 where nothing is valid."""
-    if dim is None:
-        return (values * mask).sum() / mask.sum().clamp(min=1)
-    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+def rollout_mismatch(rollout_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor,
+                     tokens: Optional[float] = None) -> dict[str, float]:
+    """|vLLM log-prob - Megatron log-prob| over the sampled tokens: max and mean. The mean is over `tokens` (default:
+    this mask's); an update's micro-batch passes its mini-batch's, so that the micro-batches' means add up (their
+    max reduced by max: engines/megatron_engine.MAX_REDUCED_STATS). After an exact weight push the two differ only by
+    the arithmetic of the two engines (fp32: ~1e-6; bf16: see docs/bf16_logprobs.md)."""
+    diff = (rollout_logprobs.to(old_logprobs.dtype) - old_logprobs).abs() * mask
+    count = mask.sum().clamp(min=1) if tokens is None else tokens
+    return {"rollout/logprob_max_abs_diff": diff.max().item() if diff.numel() else 0.0,
+            "rollout/logprob_mean_abs_diff": (diff.sum() / count).item()}
 
 
 def _ratios(log_ratio: Tensor, mask: Tensor, level: str) -> tuple[Tensor, Tensor]:
     """(per-token weights broadcast over the response, the unclamped log of each unit: token or sequence)."""
     if level == "token":
         return log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp(), log_ratio
-    per_sequence = (log_ratio * mask).sum(-1, keepdim=True) if level == "sequence" else _mean(log_ratio, mask, -1)[:, None]
+    if level == "sequence":
+        per_sequence = (log_ratio * mask).sum(-1, keepdim=True)
+    else:  # geometric
+        per_sequence = masked_mean(log_ratio, mask, -1)[:, None]
     return per_sequence.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp().expand_as(log_ratio), per_sequence
 
 
 def _weight_metrics(prefix: str, weights: Tensor, log_units: Tensor, mask: Tensor, level: str, lower: float,
                     upper: float) -> dict[str, float]:
     valid = mask.bool()
-    out = {f"{prefix}_mean": _mean(weights, mask).item()}
+    out = {f"{prefix}_mean": masked_mean(weights, mask).item()}
     if level == "token":
         out[f"{prefix}_max"] = weights[valid].max().item()
         out[f"{prefix}_min"] = weights[valid].min().item()
-        high, low = _mean((weights > upper).float(), mask), _mean((weights < lower).float(), mask)
+        high, low = masked_mean((weights > upper).float(), mask), masked_mean((weights < lower).float(), mask)
     else:
         out[f"{prefix}_max"] = math.exp(min(log_units.max().item(), SAFETY_BOUND))
         out[f"{prefix}_min"] = math.exp(log_units.min().item())
         high, low = (log_units > math.log(upper)).float().mean(), (log_units < math.log(lower)).float().mean()
     out[f"{prefix}_ratio_fraction_high"], out[f"{prefix}_ratio_fraction_low"] = high.item(), low.item()
     bounded = weights.clamp(lower, upper)
-    mean = _mean(bounded, mask)
-    out[f"{prefix}_std"] = (_mean(bounded.square(), mask) - mean.square()).clamp(min=0).sqrt().item()
-    out[f"{prefix}_eff_sample_size"] = 1.0 / _mean((bounded / (mean + 1e-8)).square(), mask).item()
+    mean = masked_mean(bounded, mask)
+    out[f"{prefix}_std"] = (masked_mean(bounded.square(), mask) - mean.square()).clamp(min=0).sqrt().item()
+    out[f"{prefix}_eff_sample_size"] = 1.0 / masked_mean((bounded / (mean + 1e-8)).square(), mask).item()
     return out
 
 
@@ -71,8 +80,8 @@ def importance_weights(log_ratio: Tensor, mask: Tensor, config: RolloutCorrectio
     weights = weights.clamp(max=threshold).detach()
     if config.rollout_is_batch_normalize:
         unit_mask = mask if config.rollout_is == "token" else (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
-        unit_weights = weights if config.rollout_is == "token" else _mean(weights, mask, -1)[:, None]
-        factor = _mean(unit_weights, unit_mask)
+        unit_weights = weights if config.rollout_is == "token" else masked_mean(weights, mask, -1)[:, None]
+        factor = masked_mean(unit_weights, unit_mask)
         if factor > 1e-8:
             weights = weights / factor
         metrics["rollout_is_batch_norm_factor"] = factor.item() if factor > 1e-8 else 1.0
@@ -84,7 +93,7 @@ def rejection_mask(log_ratio: Tensor, mask: Tensor, config: RolloutCorrectionCon
     weights, log_units = _ratios(log_ratio, mask, config.rollout_rs)
     kept = ((weights >= lower) & (weights <= upper)).to(mask.dtype)
     metrics = _weight_metrics("rollout_rs", weights, log_units, mask, config.rollout_rs, lower, upper)
-    metrics["rollout_rs_masked_fraction"] = _mean(1 - kept, mask).item()
+    metrics["rollout_rs_masked_fraction"] = masked_mean(1 - kept, mask).item()
     rejected_sequences = ((1 - kept) * mask).sum(-1) > 0
     metrics["rollout_rs_seq_masked_fraction"] = rejected_sequences.float().mean().item()
     return mask * kept, metrics
@@ -93,18 +102,18 @@ def rejection_mask(log_ratio: Tensor, mask: Tensor, config: RolloutCorrectionCon
 def divergence_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
     """How far the rollout's policy is from the old one (verl's compute_offpolicy_metrics)."""
     log_ratio = old_logprobs - rollout_logprobs
-    old_seq, rollout_seq = _mean(old_logprobs, mask, -1), _mean(rollout_logprobs, mask, -1)
+    old_seq, rollout_seq = masked_mean(old_logprobs, mask, -1), masked_mean(rollout_logprobs, mask, -1)
     log_ppl_diff = rollout_seq - old_seq
     rho = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
     sequence_log_ratio = (log_ratio * mask).sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     return {"training_ppl": (-old_seq).exp().mean().item(), "training_log_ppl": (-old_seq).mean().item(),
-            "kl": _mean(rollout_logprobs - old_logprobs, mask).item(),
-            "k3_kl": _mean(rho - log_ratio - 1, mask).item(),
+            "kl": masked_mean(rollout_logprobs - old_logprobs, mask).item(),
+            "k3_kl": masked_mean(rho - log_ratio - 1, mask).item(),
             "rollout_ppl": (-rollout_seq).exp().mean().item(), "rollout_log_ppl": (-rollout_seq).mean().item(),
             "log_ppl_diff": log_ppl_diff.mean().item(), "log_ppl_abs_diff": log_ppl_diff.abs().mean().item(),
             "log_ppl_diff_max": log_ppl_diff.max().item(), "log_ppl_diff_min": log_ppl_diff.min().item(),
             "ppl_ratio": log_ppl_diff.exp().mean().item(),
-            "chi2_token": (_mean(rho.square(), mask) - 1.0).item(),
+            "chi2_token": (masked_mean(rho.square(), mask) - 1.0).item(),
             "chi2_seq": ((2.0 * sequence_log_ratio).exp().mean() - 1.0).item()}
 
 
@@ -126,7 +135,7 @@ def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
     if config.rollout_token_veto_threshold is not None:
         bad_tokens = (log_ratio < math.log(config.rollout_token_veto_threshold)) & mask.bool()
         vetoed = bad_tokens.any(-1, keepdim=True)
-        veto, catastrophic = vetoed.float().mean().item(), _mean(bad_tokens.float(), mask).item()
+        veto, catastrophic = vetoed.float().mean().item(), masked_mean(bad_tokens.float(), mask).item()
         kept = kept * (~vetoed).to(kept.dtype)
     metrics |= {"rollout_is_veto_fraction": veto, "rollout_is_catastrophic_token_fraction": catastrophic}
     metrics |= divergence_metrics(old_logprobs.float(), rollout_logprobs.float(), mask)

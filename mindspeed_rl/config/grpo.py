@@ -189,8 +189,8 @@ class GRPOConfig:
     def old_logprobs_from_update(self) -> bool:
         """Whether the update's own first forward gives the old log-probs (no separate pass): where the update is
         exactly on-policy (one epoch of one mini-batch, sampled by the weights that train) and nothing reads them
-        before it (PPO's KL in the reward and the rollout correction do). TRL's GRPO does the same; `rl_config.old_logprobs_from_update`
-        false keeps the separate pass."""
+        before it (PPO's KL in the reward and the rollout correction do). TRL's GRPO does the same;
+        `rl_config.old_logprobs_from_update` false keeps the separate pass."""
         rl = self.rl_config
         one_step = rl.epochs == 1 and rl.mini_batch_size_in_samples >= self.trained_samples_per_iteration
         kl_in_reward = self.critic_config is not None and rl.use_kl_in_reward

@@ -1,4 +1,4 @@
-"""`rl_config.rollout_correction`: verl's rollout-correction keys (algorithms/rollout_correction.py has the formulas)."""
+"""`rl_config.rollout_correction`: verl's rollout-correction keys (algorithms/rollout_correction.py: the formulas)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,9 +32,11 @@ class RolloutCorrectionConfig:
             for name, value in PRESETS[self.preset].items():
                 setattr(self, name, value)
         if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
-            raise ConfigError(f"{key}.rollout_is", f"must be null or one of {', '.join(IS_LEVELS)}, got {self.rollout_is!r}")
+            raise ConfigError(f"{key}.rollout_is",
+                              f"must be null or one of {', '.join(IS_LEVELS)}, got {self.rollout_is!r}")
         if self.rollout_rs is not None and self.rollout_rs not in RS_LEVELS:
-            raise ConfigError(f"{key}.rollout_rs", f"must be null or one of {', '.join(RS_LEVELS)}, got {self.rollout_rs!r}")
+            raise ConfigError(f"{key}.rollout_rs",
+                              f"must be null or one of {', '.join(RS_LEVELS)}, got {self.rollout_rs!r}")
         if not self.rollout_is_threshold > 0:
             raise ConfigError(f"{key}.rollout_is_threshold", f"must be > 0, got {self.rollout_is_threshold}")
         if self.rollout_rs is not None and not (self.rollout_rs_threshold or 0) > 0:

@@ -108,8 +108,8 @@ def ensure_demo_assets(
         "max_operand": max_operand,
         "seed": seed,
     }
-    root = ensure_generated(data_dir, TASK_NAME, params,
-                            required=(f"{MODEL_SUBDIR}/config.json", PROMPTS_FILE, EVAL_FILE), generate=_generate_assets)
+    root = ensure_generated(data_dir, TASK_NAME, params, required=(f"{MODEL_SUBDIR}/config.json", PROMPTS_FILE, EVAL_FILE),
+                            generate=_generate_assets)
     return root / MODEL_SUBDIR, root / PROMPTS_FILE
 
 

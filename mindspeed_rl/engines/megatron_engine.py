@@ -79,6 +79,7 @@ def _in_batch_order(outputs: list[torch.Tensor], micro_batches: list[MicroBatch]
 # Loss stats that are maxima: reduced by max over micro-batches and DP ranks; every other stat is a share summed.
 MAX_REDUCED_STATS = frozenset({"rollout/logprob_max_abs_diff"})
 
+
 class MegatronEngine:
     """One Megatron model (actor with optimizer, or reference without) on this rank's shard."""
 

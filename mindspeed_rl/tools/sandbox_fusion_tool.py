@@ -22,6 +22,7 @@ from mindspeed_rl.tools.base_tool import BaseTool
 from mindspeed_rl.tools.sandbox import FAILED, FINISHED, SandboxRun, run_python
 from mindspeed_rl.tools.sandbox_fusion import SUPPORTED_LANGUAGES, call_sandbox_fusion
 from mindspeed_rl.tools.schemas import OpenAIFunctionToolSchema
+from mindspeed_rl.tools.tool_config import ToolConfigCheck
 
 logger = logging.getLogger(__name__)
 
@@ -123,30 +124,18 @@ def output_text(run: SandboxRun) -> str:
 
 def read_sandbox_config(config: dict[str, Any]) -> dict[str, Any]:
     """The config with defaults filled in, or a ValueError naming every bad or unknown key."""
-    problems = []
-    unknown = sorted(str(key) for key in set(config) - CONFIG_KEYS)
-    if unknown:
-        problems.append(f"unknown keys {unknown}; known: {sorted(CONFIG_KEYS)}")
-    values = {**DEFAULTS, **OUR_DEFAULTS, **{key: value for key, value in config.items() if key in CONFIG_KEYS}}
+    check = ToolConfigCheck(config, {**DEFAULTS, **OUR_DEFAULTS}, CONFIG_KEYS)
+    values = check.values
     url = values.get("sandbox_fusion_url")
     if not isinstance(url, str) or not url.strip():
-        problems.append(f"sandbox_fusion_url must be the service's run_code URL or {LOCAL_URL!r}, got {url!r}")
-    for key in ("num_workers", "rate_limit", "memory_limit_mb"):
-        if isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] <= 0:
-            problems.append(f"{key} must be a positive integer, got {values[key]!r}")
-    timeout = values["default_timeout"]
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        problems.append(f"default_timeout must be a positive number of seconds, got {timeout!r}")
-    if not isinstance(values["allow_unisolated"], bool):
-        problems.append(f"allow_unisolated must be true or false, got {values['allow_unisolated']!r}")
-    if not isinstance(values["enable_global_rate_limit"], bool):
-        problems.append(f"enable_global_rate_limit must be true or false, got {values['enable_global_rate_limit']!r}")
+        check.problems.append(f"sandbox_fusion_url must be the service's run_code URL or {LOCAL_URL!r}, got {url!r}")
+    check.positive_integers("num_workers", "rate_limit", "memory_limit_mb")
+    check.positive_seconds("default_timeout")
+    check.booleans("allow_unisolated", "enable_global_rate_limit")
     if values["default_language"] not in SUPPORTED_LANGUAGES:
-        problems.append(f"default_language {values['default_language']!r} is none of {list(SUPPORTED_LANGUAGES)}")
+        check.problems.append(f"default_language {values['default_language']!r} is none of "
+                              f"{list(SUPPORTED_LANGUAGES)}")
     elif url == LOCAL_URL and values["default_language"] != "python":
-        problems.append(f"sandbox_fusion_url {LOCAL_URL!r} runs python only, not {values['default_language']!r}")
-    if values["type"] != "native":
-        problems.append(f"type must be 'native' (MCP tools are not supported), got {values['type']!r}")
-    if problems:
-        raise ValueError("; ".join(problems))
-    return values
+        check.problems.append(f"sandbox_fusion_url {LOCAL_URL!r} runs python only, not {values['default_language']!r}")
+    check.native_type()
+    return check.result()

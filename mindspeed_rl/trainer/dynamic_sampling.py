@@ -1,12 +1,12 @@
 """Each iteration's scored batch: one rollout scored, or with DAPO's dynamic sampling (`rl_config.filter_groups_*`)
 rollouts until enough prompt groups teach something.
 
-A group whose samples all score the same `filter_groups_metric` has zero advantage under group normalisation:
-it only dilutes the batch (a group of one sample is kept, as verl and MindSpeed-RL keep it). Dynamic sampling drops such groups and generates further rollouts of
-`global_batch_size` prompts (drawn from the same sampler, so a checkpoint resumes after every prompt drawn,
-refills included) until `filter_groups_train_batch_size` prompts are kept; the surplus of the last rollout is
-dropped, as in DAPO's reference (verl's dapo_ray_trainer). Past `filter_groups_max_batches` rollouts the run
-stops with a message naming the keys, as the reference does.
+A group whose samples all score the same `filter_groups_metric` has zero advantage under group normalisation: it only
+dilutes the batch (a group of one sample is kept, as verl and MindSpeed-RL keep it). Dynamic sampling drops such
+groups and generates further rollouts of `global_batch_size` prompts (drawn from the same sampler, so a checkpoint
+resumes after every prompt drawn, refills included) until `filter_groups_train_batch_size` prompts are kept; the
+surplus of the last rollout is dropped, as in DAPO's reference (verl's dapo_ray_trainer). Past
+`filter_groups_max_batches` rollouts the run stops with a message naming the keys, as the reference does.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from mindspeed_rl.algorithms.rollout_correction import rollout_mismatch
 from mindspeed_rl.memory.residency import RECORDED_PHASES
 
 # MindSpeed-RL's timing names, each made of the phases our workers time (ROLL's per-RPC timings).
@@ -53,23 +54,13 @@ def reward_metrics(total: torch.Tensor, per_verifier: dict[str, torch.Tensor], a
     return metrics
 
 
-def rollout_mismatch(rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
-                     response_mask: torch.Tensor) -> dict[str, float]:
-    """|vLLM log-prob - Megatron log-prob| over sampled tokens: max and mean. After an exact weight push
-    the two differ only by the arithmetic of the two engines (fp32: ~1e-6; bf16: see docs/bf16_logprobs.md)."""
-    diff = (rollout_logprobs - old_logprobs).abs() * response_mask
-    tokens = response_mask.sum().clamp(min=1)
-    return {"rollout/logprob_max_abs_diff": diff.max().item(),
-            "rollout/logprob_mean_abs_diff": (diff.sum() / tokens).item()}
-
-
 def iteration_metrics(config, batch, phase_metrics: dict, rewards, accuracy_value: float) -> dict:
     """Everything derived from the iteration's batch, rewards and phase timings."""
     response_lengths, prompt_lengths = batch.response_mask.sum(1).long(), batch.prompt_lengths
     metrics = reward_metrics(rewards.total, rewards.per_verifier, accuracy_value)
     metrics |= length_stats("response_length", response_lengths) | length_stats("prompt_length", prompt_lengths)
     # Over the sampled tokens: a multi-turn rollout's tool outputs have no vLLM log-prob. Without a separate old
-    # log-prob pass the update measured it (workers/actor_steps.rollout_mismatch_stats).
+    # log-prob pass the update measured it (workers/actor_steps.train_on_mini_batch).
     if "old_logprobs" in batch.columns:
         metrics |= rollout_mismatch(batch.columns["rollout_logprobs"], batch.columns["old_logprobs"], batch.loss_mask())
     metrics["actor/old_logprobs_from_update"] = float("old_logprobs" not in batch.columns)

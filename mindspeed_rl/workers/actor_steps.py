@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mindspeed_rl.algorithms.grpo import GRPOLossConfig, count_loss_units, grpo_loss
+from mindspeed_rl.algorithms.rollout_correction import rollout_mismatch
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
 
@@ -55,8 +56,9 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
         old_logprobs, on_policy_stats = mb.extras.get("old_logprobs"), {}
         if old_logprobs is None:  # on-policy (GRPOConfig.old_logprobs_from_update): this forward's own values
             old_logprobs = logprobs.detach()
-            on_policy_stats = rollout_mismatch_stats(mb.extras.get("rollout_logprobs"), old_logprobs, mb.loss_mask(),
-                                                     tokens)
+            rollout_logprobs = mb.extras.get("rollout_logprobs")
+            if rollout_logprobs is not None:  # the separate pass's metric, measured here
+                on_policy_stats = rollout_mismatch(rollout_logprobs, old_logprobs, mb.loss_mask(), tokens)
         loss, stats = grpo_loss(
             logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=mb.extras.get("ref_logprobs"),
             advantages=mb.extras["advantages"], response_mask=mb.loss_mask(), entropy=entropy,
@@ -67,18 +69,6 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
 
     return engine.train_step(mini_batch, micro_batch_size=micro_batch_size,
                              temperature=temperature, loss_fn=loss_fn, packing=packing)
-
-
-def rollout_mismatch_stats(rollout_logprobs: torch.Tensor | None, old_logprobs: torch.Tensor, mask: torch.Tensor,
-                           mini_batch_tokens: float) -> dict[str, float]:
-    """The rollout's log-probs against the old policy's, from a micro-batch of the update that gives the old ones:
-    the mean over the mini-batch's tokens (this micro-batch's share) and the max (reduced by max:
-    engines/megatron_engine.MAX_REDUCED_STATS); trainer/metrics.rollout_mismatch's where a separate pass ran."""
-    if rollout_logprobs is None:
-        return {}
-    diff = (rollout_logprobs.to(old_logprobs.dtype) - old_logprobs).abs() * mask
-    return {"rollout/logprob_max_abs_diff": diff.max().item() if diff.numel() else 0.0,
-            "rollout/logprob_mean_abs_diff": diff.sum().item() / mini_batch_tokens}
 
 
 def over_mini_batches(batch: RolloutBatch, rl, shuffler: MiniBatchShuffler, step, *, lr_key: str,
