@@ -42,6 +42,12 @@ test-quick: venv
 test-multinode: venv
 	$(PY) -m pytest -q -m multinode tests/test_two_nodes_e2e.py
 
+# Runs that lose a rank (a kill, a killed save, a killed rollout ahead) and restart themselves from their checkpoint,
+# against uninterrupted runs (runtime.max_restarts); .ci/run runs them too.
+.PHONY: test-restarts
+test-restarts: venv
+	$(PY) -m pytest -q -m restarts tests/test_restarts_e2e.py
+
 # MindSpeed-RL's 16 recipes shrunk by overrides (tests/recipe_smoke.py): each trains 2 iterations, saves, and resumes
 # exactly; .ci/run runs them too.
 .PHONY: test-recipes

@@ -27,6 +27,12 @@ def test_a_ray_address_starts_ray_for_one_rank():
     assert reason_for_ray(config) == "runtime.ray_address=auto"
 
 
+def test_restarts_start_ray_for_one_rank():
+    # The in-process rank is the driver: a restart could not survive its death.
+    assert reason_for_ray(load("grpo_tiny_cpu", "runtime.max_restarts=1")) == \
+        "runtime.max_restarts=1: a restart needs the rank in a process of its own"
+
+
 def test_two_rank_processes_start_ray():
     assert reason_for_ray(load("grpo_tiny_cpu_pp2_infer_tp2")) == "2 rank processes"
 

@@ -34,6 +34,23 @@ def test_a_fault_spec_names_method_rank_call_and_action():
             FaultSpec.parse(bad)
 
 
+def test_a_fault_spec_with_times_fires_that_often_in_the_whole_run_counted_in_its_log(tmp_path, monkeypatch):
+    from mindspeed_rl.workers.fault_injection import FAULT_LOG_ENV_VAR, inject, parse_faults
+
+    monkeypatch.delenv(FAULT_LOG_ENV_VAR, raising=False)
+    with pytest.raises(ValueError, match="xTIMES counts in"):
+        FaultSpec.parse("update:1:2:stop:x1")
+    monkeypatch.setenv(FAULT_LOG_ENV_VAR, str(tmp_path / "faults.log"))
+    kill, raise_ = parse_faults("save_checkpoint:0:1:kill:x1,update:1:3:raise:x2")
+    assert kill == FaultSpec(method="save_checkpoint", rank=0, call=1, action="kill", times=1)
+    assert not raise_.spent(1)
+    for fired in (1, 2):
+        with pytest.raises(RuntimeError, match="injected fault in update on rank 1"):
+            inject(raise_, 1)
+        assert raise_.spent(1) == (fired == 2)  # the next process of rank 1 (a restart) reads the same log
+    assert not kill.spent(0)
+
+
 def test_a_fault_spec_with_a_role_wraps_only_that_groups_worker_class():
     from mindspeed_rl.workers.fault_injection import worker_class_with_faults
     from mindspeed_rl.workers.parts.inference import InferencePart

@@ -6,6 +6,9 @@ ranks land on two nodes with distinct addresses, and loses one of them mid-itera
 * A resume from that checkpoint reaches the first run's iteration 2 exactly (every metric but timing and
   memory); during its iteration 3 node 1's raylet is SIGKILLed: the driver names the node and its rank in one
   line, exits 1 within 60 s, and node 1 keeps no process and no /dev/shm segment of the job.
+* Node 1 back, a run with `runtime.max_restarts=1` loses it in iteration 2: the two ranks no longer fit the head, so
+  the restart waits for node 1 (started again by the test), then resumes from its iteration-1 checkpoint into the
+  first run's metrics.
 * Disaggregated: training on one node, vLLM on the other, 2 iterations with the weight push between them: each
   push moves exactly the model's bytes (counted from the checkpoint file), every range verified, vLLM's log-probs
   equal Megatron's (what tests/test_disaggregated_e2e.py checked on one node, before the suite's time budget moved
@@ -116,7 +119,7 @@ def test_disaggregated_training_and_inference_on_different_nodes(cluster, tmp_pa
 
 
 def test_a_resume_matches_and_then_losing_node_1_ends_the_run_naming_it(cluster, first_run, tmp_path):
-    """Last in this file: it leaves the cluster with one node."""
+    """It leaves the cluster with one node; the next test starts node 1 again."""
     first, _ = first_run
     node1 = cluster.nodes[1]
     shm_before = node1.shm_entries()
@@ -154,3 +157,34 @@ def test_a_resume_matches_and_then_losing_node_1_ends_the_run_naming_it(cluster,
     assert not node1.job_pids(), node1.job_pids()
     if cluster.mode == "netns":
         assert node1.shm_entries() - shm_before == set()
+
+
+def test_a_run_that_loses_node_1_waits_for_it_and_resumes_into_the_first_run(cluster, first_run, tmp_path):
+    """After the test above (node 1 gone): node 1 comes back; a run with runtime.max_restarts=1 loses it again in its
+    iteration 2, the layout (one CPU per node, two ranks) no longer fits the head alone, so the restart waits until
+    node 1 returns, then resumes from the iteration-1 checkpoint: both iterations equal the first run's."""
+    first, _ = first_run
+    node1 = cluster.restart_node1()
+    run = launch(tmp_path, COLOCATED, *_on(cluster, first / "assets", "megatron_training.train_iters=2",
+                                           "megatron_training.save_interval=1", f"actor_config.save={tmp_path / 'save'}",
+                                           "runtime.max_restarts=1", "runtime.restart_wait_seconds=300"),
+                 env={"MINDSPEED_RL_INJECT_FAULT": "update:0:2:sleep:x1",
+                      "MINDSPEED_RL_INJECT_FAULT_LOG": str(tmp_path / "faults.log")})
+    run.wait_for_file_line(tmp_path / "faults.log", "[fault] rank 0: sleep in update")
+    os.kill(node1.raylet_pid(), signal.SIGKILL)
+    killed = time.monotonic()
+    run.wait_for(f"[restart] 1 of 1 after: worker failure during iteration 2: node {node1.ip} was lost", timeout=120)
+    cluster.restart_node1()
+    back = time.monotonic()
+    resumed = run.wait_for("[restart] 1: resuming at iteration 2", timeout=400)
+    code, _ = run.finish(timeout=300)
+    assert code == 0, run.stderr_text()[-3000:]
+    print(f"\n[two nodes] restart: node 1 back {back - killed:.1f} s after the kill, iteration 2 resumed "
+          f"{resumed - back:.1f} s later")
+    assert f"[restart] resuming from {tmp_path / 'save' / 'iter_0000001'} at iteration 2" in run.stdout_text()
+
+    def without_restarts(records):
+        return [{k: v for k, v in record.items() if k != "restarts"} for record in records]
+
+    assert without_restarts(_records(tmp_path / "run" / "metrics.jsonl")) == \
+        without_restarts(_records(first / "run" / "metrics.jsonl"))

@@ -98,6 +98,23 @@ class TwoNodes:
     mode: str  # "netns" or "loopback"
     address: str  # runtime.ray_address
     nodes: list[Node] = field(default_factory=list)
+    work_dir: Path | None = None
+    namespace: str | None = None  # node 1's network namespace (netns mode)
+    cpus_per_node: int = 1
+
+    def restart_node1(self) -> Node:
+        """Node 1 ended (whatever of it is left) and started again at its address, as a machine that comes back:
+        a new raylet joins the head."""
+        old = self.nodes[1]
+        _end_node(old)
+        log = self.work_dir / "node1_restarted.log"
+        if self.namespace:
+            node = _start_node1_in_namespaces(self.namespace, old.ip, self.address, self.cpus_per_node, self.work_dir,
+                                              log)
+        else:
+            node = _start_node1_on_loopback(old.ip, self.address, self.cpus_per_node, log)
+        self.nodes[1] = node
+        return node
 
 
 def _run(*cmd: str) -> None:
@@ -269,7 +286,8 @@ def two_nodes(work_dir: Path, *, cpus_per_node: int = 1, netns: bool = True):
         # Not 127.0.0.1 for the head: Ray registers a node given that address under the machine's own address.
         head_ip, node1_ip = (f"10.77.{subnet}.1", f"10.77.{subnet}.2") if network else ("127.0.0.2", "127.0.0.3")
         head, address = _start_head(head_ip, cpus_per_node, ray_dir, work_dir / "node0.log")
-        cluster = TwoNodes(mode="netns" if network else "loopback", address=address, nodes=[head])
+        cluster = TwoNodes(mode="netns" if network else "loopback", address=address, nodes=[head], work_dir=work_dir,
+                           namespace=network[0] if network else None, cpus_per_node=cpus_per_node)
         if network:
             cluster.nodes.append(_start_node1_in_namespaces(network[0], node1_ip, address, cpus_per_node, work_dir,
                                                             work_dir / "node1.log"))

@@ -22,6 +22,7 @@ HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenize
             "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 LOAD_KEY = "actor_config.load"
 CONTENTS_KEY = "contents"
+ROLLOUT_AHEAD_NAME = "rollout_ahead.pt"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,9 +42,10 @@ def checkpointed(actor_group) -> list:
 
 def save_run_checkpoint(*, actor_group, save_root: str, iteration: int, sampler, kl_coef: float, seed: int,
                         hf_dir: str, keep_last_n: int | None, records: dict | None = None,
-                        contents: Contents = Contents()) -> Path:
+                        contents: Contents = Contents(), rollout_ahead: list | None = None) -> Path:
     """Every rank writes its parts' shards into a temporary dir, the driver adds its state (and `records`: what a
-    feature keeps of its settings, e.g. LoRA's, checkpoint/lora_export.py) and commits it."""
+    feature keeps of its settings, e.g. LoRA's, checkpoint/lora_export.py; `rollout_ahead`: one-step off-policy's
+    finished rollout of the next iteration, sampled by weights no checkpoint holds) and commits it."""
     tmp = begin_save(save_root, iteration)
     parts = dict(with_optimizer=contents.optimizer, with_rng=contents.rng)
     with disk_error_named(tmp):
@@ -52,6 +54,10 @@ def save_run_checkpoint(*, actor_group, save_root: str, iteration: int, sampler,
     state = {"iteration": iteration, "sampler": sampler.state_dict(), **schedulers,
              "kl_coef": kl_coef, "seed": seed, CONTENTS_KEY: dataclasses.asdict(contents), **(records or {})}
     (tmp / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=1, sort_keys=True))
+    if rollout_ahead is not None:
+        import torch
+
+        torch.save(rollout_ahead, tmp / ROLLOUT_AHEAD_NAME)
     (tmp / HF_SUBDIR).mkdir()
     for name in HF_FILES:
         if (Path(hf_dir) / name).is_file():
@@ -77,6 +83,15 @@ def find_resume_point(load: str | None, *, finetune: bool, hf_config: dict,
     path = verify_same_model(load, hf_config, key=LOAD_KEY, fall_back_to_intact=resume_from_last_intact)
     state = json.loads((path / TRAINER_STATE_NAME).read_text())
     return ResumePoint(path=path, iteration=0 if finetune else int(state["iteration"]), state=state)
+
+
+def saved_rollout_ahead(point: ResumePoint | None) -> list | None:
+    """The rollout started ahead that `point` kept (one-step off-policy), or None."""
+    if point is None or not point.iteration or not (point.path / ROLLOUT_AHEAD_NAME).is_file():
+        return None
+    import torch
+
+    return torch.load(point.path / ROLLOUT_AHEAD_NAME, weights_only=False)  # our own file, verified by its manifest
 
 
 def verify_same_model(checkpoint: str, hf_config: dict, *, key: str, fall_back_to_intact: bool = False) -> Path:
@@ -161,4 +176,5 @@ def truncate_metrics_after(metrics_path: Path, iteration: int) -> None:
     tmp.replace(metrics_path)
 
 
-__all__ = ["ResumePoint", "find_resume_point", "resume_actor", "save_run_checkpoint", "truncate_metrics_after"]
+__all__ = ["ResumePoint", "find_resume_point", "resume_actor", "save_run_checkpoint", "saved_rollout_ahead",
+           "truncate_metrics_after"]

@@ -60,6 +60,13 @@ class RuntimeConfig:
     # actor_config.load is a save root whose newest checkpoint is damaged (a file missing, truncated, corrupt):
     # false stops the run naming the newest intact one; true resumes from that one, saying so.
     resume_from_last_intact: bool = False
+    # A worker that fails (raises, dies, freezes) or a node lost: the run tears its ranks down and starts them again
+    # from the newest intact checkpoint of actor_config.save (or from the start when none is saved yet), at most this
+    # many times; the iterations after a restart equal an uninterrupted run's (docs/checkpoints_and_failures.md).
+    # 0: the run ends at the first failure, naming it.
+    max_restarts: int = 0
+    # A restart whose cluster no longer holds the layout (a node lost) waits this long for the resources to return.
+    restart_wait_seconds: float = 300.0
     # The libraries' log records (Megatron, vLLM, Ray) reach the console from this level up (debug, info,
     # warning, error); all of them are in the run's log file. Our own lines are always shown.
     log_level: str = "warning"
@@ -73,9 +80,10 @@ class RuntimeConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{self.SECTION_KEY}.{name}", f"expected true or false, got {getattr(self, name)!r}")
         require_choice(self.SECTION_KEY, self, "device", DEVICES)
-        require_non_negative(self.SECTION_KEY, self, "num_threads_per_rank", "progress_seconds")
+        require_non_negative(self.SECTION_KEY, self, "num_threads_per_rank", "progress_seconds", "max_restarts")
         require_positive(self.SECTION_KEY, self, "log_interval", "max_ranks_per_cpu_core", "rpc_timeout_seconds",
-                         "initialize_timeout_seconds", "collective_timeout_seconds", "placement_timeout_seconds")
+                         "initialize_timeout_seconds", "collective_timeout_seconds", "placement_timeout_seconds",
+                         "restart_wait_seconds")
         if self.heartbeat_timeout_seconds < 3:
             raise ConfigError(f"{self.SECTION_KEY}.heartbeat_timeout_seconds",
                               f"must be >= 3 (a rank beats every second), got {self.heartbeat_timeout_seconds}")

@@ -42,16 +42,19 @@ ADVANTAGE_STEPS = {"gae": CriticAdvantageStep}
 def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: PromptDataset, run_dir: Path, *,
           sampler: PromptSampler | None = None, start_iteration: int = 1, hf_dir: str | None = None,
           progress: RunProgress | None = None, prediction=None, reward_group=None,
-          eval_dataset: PromptDataset | None = None, kl_coef: float | None = None) -> list[dict]:
+          eval_dataset: PromptDataset | None = None, kl_coef: float | None = None,
+          rollout_ahead: list | None = None) -> list[dict]:
+    """Iterations start_iteration..train_iters; `sampler`, `kl_coef` and `rollout_ahead` (the rollout a checkpoint
+    kept, started ahead of its next iteration) come from the checkpoint a run resumes from."""
     hf_dir = hf_dir or setup.resolve_assets(config)[0]
-    progress = progress or RunProgress(save_root=config.actor_config.save)
+    progress = progress or RunProgress(save_root=config.actor_config.save, first_iteration=start_iteration)
     actor_group = with_phase_progress(actor_group, every_seconds=config.runtime.progress_seconds,
                                       iteration=lambda: progress.iteration)
     rollouts, sampling, evaluation = _rollout_steps(config, actor_group, tokenizer, dataset, sampler, reward_group,
-                                                    eval_dataset)
+                                                    eval_dataset, rollout_ahead)
     advantages = ADVANTAGE_STEPS.get(config.rl_config.adv_estimator, AdvantageStep)(config, actor_group, kl_coef=kl_coef)
     record = Recorder(config, run_dir, prediction or setup.memory_prediction(
-        config, setup.read_hf_config(hf_dir), quiet=True), start_iteration=start_iteration)
+        config, setup.read_hf_config(hf_dir), quiet=True), progress=progress)
     try:
         if start_iteration == 1 and evaluation.due(0):  # a resumed run was evaluated when it was saved
             record.evaluation_before_train(evaluation.run(0))
@@ -75,8 +78,7 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
             metrics |= evaluation.run(iteration) if evaluation.due(iteration) else {}
             record(iteration, started, batch, rewards, scored.accuracy, metrics)
             if saves_at(config, iteration):
-                save_checkpoint(config, actor_group, iteration, rollouts.resume_sampler, progress, hf_dir,
-                                kl_coef=advantages.kl_coef)
+                save_checkpoint(config, actor_group, iteration, rollouts, progress, hf_dir, kl_coef=advantages.kl_coef)
     finally:
         record.close()
         actor_group.stop_reporting()
@@ -84,11 +86,13 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
 
 
 def _rollout_steps(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: PromptDataset,
-                   sampler: PromptSampler | None, reward_group, eval_dataset: PromptDataset | None):
+                   sampler: PromptSampler | None, reward_group, eval_dataset: PromptDataset | None,
+                   rollout_ahead: list | None):
     """The rollouts (with the tools under multi-turn), their scoring with dynamic sampling's refills, and the
     evaluation, which rolls out and scores the same way."""
     tool_turns = ToolTurns(config, tokenizer) if config.rl_config.multi_turn_enable else None
-    rollouts = Rollouts(actor_group, dataset, sampler or make_sampler(config, dataset), config, tool_turns)
+    rollouts = Rollouts(actor_group, dataset, sampler or make_sampler(config, dataset), config, tool_turns,
+                        resumed_ahead=rollout_ahead)
     scoring = Scoring(config, tokenizer, actor_group, reward_group)
     return rollouts, ScoredRollouts(rollouts, scoring, config), Evaluation(config, scoring, eval_dataset, tool_turns)
 
@@ -98,11 +102,15 @@ class Rollouts:
     (`async_generation_ratio: 1`, disaggregated), started on the inference ranks during the update before."""
 
     def __init__(self, actor_group: ActorGroup, dataset: PromptDataset, sampler: PromptSampler, config: GRPOConfig,
-                 tool_turns: ToolTurns | None = None):
+                 tool_turns: ToolTurns | None = None, *, resumed_ahead: list | None = None):
         self.actor_group, self.dataset, self.sampler, self.config = actor_group, dataset, sampler, config
         self.tool_turns = tool_turns  # multi-turn tool use: the rollout runs turn by turn (trainer/multi_turn.py)
         self._ahead: list | None = None  # the prompts of the rollout started ahead
         self._sampler_before_ahead: PromptSampler | None = None
+        self.ahead_result: list | None = None  # that rollout's per-rank results, once finished
+        if resumed_ahead is not None:  # a checkpoint's: sampled by the weights before its own, as it was then
+            self._sampler_before_ahead = copy.deepcopy(self.sampler)
+            self._ahead, self.ahead_result = self._draw(), resumed_ahead
 
     def next(self, iteration: int, *, refill: int = 0) -> tuple[list, RolloutBatch, dict]:
         """(prompts, batch, metrics) of `iteration`; `refill` > 0: dynamic sampling's further rollouts of it."""
@@ -116,9 +124,11 @@ class Rollouts:
             # Each refill its own sampling stream; refill 0 is the iteration's own (workers/actor_steps.sampling_seed).
             self.actor_group.start_generate([p.token_ids for p in prompts], (iteration, refill))
         else:
+            self.finish_ahead()
             prompts, self._ahead = self._ahead, None
             staleness = self.config.rollout_staleness
-        batch, metrics = rollout_batch(self.actor_group.finish_generate(), [p.token_ids for p in prompts], self.config)
+        results, self.ahead_result = self.ahead_result or self.actor_group.finish_generate(), None
+        batch, metrics = rollout_batch(results, [p.token_ids for p in prompts], self.config)
         metrics["rollout/staleness"] = staleness
         return prompts, batch, metrics
 
@@ -129,6 +139,12 @@ class Rollouts:
         self._sampler_before_ahead = copy.deepcopy(self.sampler)  # a checkpoint now resumes at those prompts
         self._ahead = self._draw()
         self.actor_group.start_generate([p.token_ids for p in self._ahead], iteration)
+
+    def finish_ahead(self) -> list | None:
+        """The rollout started ahead, waited for (a checkpoint keeps it: its weights are gone after the update)."""
+        if self._ahead is not None and self.ahead_result is None:
+            self.ahead_result = self.actor_group.finish_generate()
+        return self.ahead_result
 
     @property
     def resume_sampler(self) -> PromptSampler:
@@ -144,9 +160,9 @@ class Recorder:
     the end the curves, the memory timeline and the HF export. Nothing is kept per iteration in memory (a
     week-long run would hold gigabytes): the end of the run reads its records back from metrics.jsonl."""
 
-    def __init__(self, config: GRPOConfig, run_dir: Path, prediction, *, start_iteration: int = 1):
+    def __init__(self, config: GRPOConfig, run_dir: Path, prediction, *, progress: RunProgress):
         self.config, self.run_dir, self.prediction = config, run_dir, prediction
-        self.start_iteration = start_iteration
+        self.progress = progress  # the run's first iteration (its summary's), its restarts
         self.sinks = MetricsSinks(run_dir, metrics_file=config.runtime.metrics_file,
                                   trackers=build_trackers(run_dir, config))
         self.before_train: dict | None = None  # the evaluation before the first update, drawn with the curves
@@ -161,6 +177,7 @@ class Recorder:
                  accuracy_value: float, metrics: dict) -> None:
         metrics["iteration"] = iteration
         metrics["timing/all"] = time.perf_counter() - started
+        metrics["restarts"] = self.progress.restarts  # runtime.max_restarts used before this iteration
         metrics.update(iteration_metrics(self.config, batch, metrics, rewards, accuracy_value))
         if self.prediction is not None:  # the planner's bytes at this iteration's sequence width, beside the ledger's
             metrics.update(self.prediction.with_seq_length(batch.input_ids.shape[1]).ledger_metrics())
@@ -179,7 +196,8 @@ class Recorder:
         from mindspeed_rl.memory.timeline import read_jsonl
 
         path = self.sinks.metrics_path
-        history = [r for r in read_jsonl(path) if r["iteration"] >= self.start_iteration] if path.is_file() else []
+        first = self.progress.first_iteration
+        history = [r for r in read_jsonl(path) if r["iteration"] >= first] if path.is_file() else []
         if history:
             plot_curves(history, self.run_dir, self.config, before_train=self.before_train)
         artefacts = [path.name for path in sorted(self.run_dir.iterdir()) if path.suffix in (".jsonl", ".png", ".log")]
@@ -191,7 +209,8 @@ class Recorder:
             artefacts.append(f"{exported} (HF export)")
         if self.config.actor_config.save is not None:
             artefacts.append(f"{self.config.actor_config.save} (checkpoints)")
-        print("\n".join(summary_lines(history, run_dir=self.run_dir, artefacts=artefacts)), flush=True)
+        print("\n".join(summary_lines(history, run_dir=self.run_dir, artefacts=artefacts,
+                                       restarts=self.progress.restarts)), flush=True)
         return history
 
 
@@ -207,13 +226,14 @@ def saves_at(config: GRPOConfig, iteration: int) -> bool:
     return config.actor_config.save is not None and (last or (interval is not None and iteration % interval == 0))
 
 
-def save_checkpoint(config: GRPOConfig, actor_group: ActorGroup, iteration: int, sampler: PromptSampler,
+def save_checkpoint(config: GRPOConfig, actor_group: ActorGroup, iteration: int, rollouts: Rollouts,
                     progress: RunProgress, hf_dir: str, *, kl_coef: float) -> None:
     path = save_run_checkpoint(actor_group=actor_group, save_root=config.actor_config.save, iteration=iteration,
-                               sampler=sampler, kl_coef=kl_coef, seed=config.megatron_training.seed, hf_dir=hf_dir,
-                               keep_last_n=config.actor_config.keep_last_n, records=lora_record(config, hf_dir),
-                               contents=checkpoint_contents(config))
-    progress.last_checkpoint = str(path)
+                               sampler=rollouts.resume_sampler, kl_coef=kl_coef, seed=config.megatron_training.seed,
+                               hf_dir=hf_dir, keep_last_n=config.actor_config.keep_last_n,
+                               records=lora_record(config, hf_dir), contents=checkpoint_contents(config),
+                               rollout_ahead=rollouts.finish_ahead())
+    progress.last_checkpoint, progress.saved_by_this_run = str(path), True
     print(f"[checkpoint] saved {path}", flush=True)
 
 

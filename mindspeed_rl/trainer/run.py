@@ -3,6 +3,7 @@ train, and end every process whatever happened."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -11,12 +12,13 @@ from pathlib import Path
 from mindspeed_rl import interrupts
 from mindspeed_rl.checkpoint.store import discard_unfinished_saves
 from mindspeed_rl.checkpoint.trainer_state import (ResumePoint, check_optimizer_split, find_resume_point, resume_actor,
-                                                  truncate_metrics_after)
+                                                  saved_rollout_ahead, truncate_metrics_after)
 from mindspeed_rl.config import ConfigError, GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler, check_prompt_rows, load_prompt_dataset
 from mindspeed_rl.interrupts import RunInterrupted
 from mindspeed_rl.trainer import setup
 from mindspeed_rl.trainer.grpo_trainer import make_sampler, train
+from mindspeed_rl.trainer.restarts import Restarts, wait_for_cluster
 from mindspeed_rl.trainer.reward_model import resolve_reward_model
 from mindspeed_rl.trainer.stopping import DISK_ERRNOS, WORKER_FAILURE_EXIT_CODE, RunProgress, RunStopped
 from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics
@@ -56,15 +58,48 @@ class PreparedRun:
     ref_checkpoint: Path | None
     device: str
     prediction: object  # the planner's MemoryPlan, or None
+    restarted: bool = False  # resume is this run's own save: everything in it loads, whatever actor_config says
 
 
 def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]:
     with contextlib.ExitStack() as held:  # the run and save directories, held from prepare_run to the end
         run = prepare_run(config, run_dir, held)
-        return _start_and_train(config, run, run_dir, progress)
+        progress.first_iteration = run.resume.iteration + 1 if run.resume else 1
+        restarts = Restarts(max_restarts=config.runtime.max_restarts,
+                            restart_wait_seconds=config.runtime.restart_wait_seconds)
+        while True:
+            try:
+                return _start_and_train(restarts.config_for_restart(config) if restarts.count else config, run,
+                                        run_dir, progress, restarts)
+            except WorkerFailure as failure:
+                restarts.after(failure, progress)  # raises when the run ends here
+            except ConfigError as error:
+                if not restarts.count:
+                    raise
+                # A restart that Ray could not place (a node not back in time) ends the run, not its config.
+                raise RunStopped(WORKER_FAILURE_EXIT_CODE, f"restart {restarts.count} failed: {error}") from None
+            run = restart_point(config, run, run_dir, progress)
 
 
-def _start_and_train(config: GRPOConfig, run: PreparedRun, run_dir: Path, progress: RunProgress) -> list[dict]:
+def restart_point(config: GRPOConfig, run: PreparedRun, run_dir: Path, progress: RunProgress) -> PreparedRun:
+    """Where a restart resumes: the newest intact checkpoint of actor_config.save once this run saved one (an
+    interrupted save was discarded with the ranks), else where the run started; a fresh sampler that the
+    checkpoint positions, and the metrics records after it dropped (the restarted iterations write them again)."""
+    resume = run.resume
+    if progress.saved_by_this_run:
+        resume = find_resume_point(config.actor_config.save, finetune=False,
+                                   hf_config=setup.read_hf_config(run.model_dir), resume_from_last_intact=True)
+    start_iteration = resume.iteration + 1 if resume else 1
+    # From the start: the evaluation before training (iteration 0) runs again too.
+    truncate_metrics_after(run_dir / config.runtime.metrics_file, start_iteration - 1 if start_iteration > 1 else -1)
+    print(f"[restart] resuming from {resume.path if resume else 'the initial weights'} at iteration "
+          f"{start_iteration}", flush=True)
+    return dataclasses.replace(run, resume=resume, sampler=make_sampler(config, run.dataset),
+                               restarted=progress.saved_by_this_run)
+
+
+def _start_and_train(config: GRPOConfig, run: PreparedRun, run_dir: Path, progress: RunProgress,
+                     restarts: Restarts) -> list[dict]:
     import ray
 
     from mindspeed_rl.workers.reward_workers import RewardWorkerGroup
@@ -72,7 +107,7 @@ def _start_and_train(config: GRPOConfig, run: PreparedRun, run_dir: Path, progre
 
     actor_group, reward_group, completed = None, None, False
     try:
-        in_process = start_hosts(config, run.device, progress)
+        in_process = start_hosts(config, run.device, progress, restarts)
         reward_group = RewardWorkerGroup.from_config(config)  # rewards.<name>.world_size CPU workers, or None
         progress.phase = "initialize"
         print(f"[init] starting {config.num_rank_processes} rank(s) on {run.device}: checkpoint load, Megatron "
@@ -82,11 +117,14 @@ def _start_and_train(config: GRPOConfig, run: PreparedRun, run_dir: Path, progre
                                         on_hang=_hang_reporter(config, progress))
         initialize(config, actor_group, run.device)
         restore(config, run, actor_group, run_dir, progress)
+        if restarts.count:
+            print(restarts.resumed_line(run.resume.iteration + 1 if run.resume else 1), flush=True)
         history = train(config, actor_group, run.tokenizer, run.dataset, run_dir, sampler=run.sampler,
                         start_iteration=run.resume.iteration + 1 if run.resume else 1, hf_dir=run.model_dir,
                         progress=progress, prediction=run.prediction, reward_group=reward_group,
                         eval_dataset=run.eval_dataset,
-                        kl_coef=run.resume.state.get("kl_coef") if run.resume and run.resume.iteration else None)
+                        kl_coef=run.resume.state.get("kl_coef") if run.resume and run.resume.iteration else None,
+                        rollout_ahead=saved_rollout_ahead(run.resume) if config.rollout_staleness else None)
         completed = True
         return history
     finally:
@@ -169,7 +207,7 @@ def load_eval_dataset(config: GRPOConfig, tokenizer) -> PromptDataset | None:
     return dataset
 
 
-def start_hosts(config: GRPOConfig, device: str, progress: RunProgress) -> bool:
+def start_hosts(config: GRPOConfig, device: str, progress: RunProgress, restarts: Restarts | None = None) -> bool:
     """Whether the one rank runs in this process; otherwise Ray is started (or joined) for the ranks."""
     from mindspeed_rl.workers.local_group import check_local_devices, reason_for_ray
 
@@ -184,7 +222,11 @@ def start_hosts(config: GRPOConfig, device: str, progress: RunProgress) -> bool:
     with interrupts.shielded():
         setup.start_ray(config, device, setup.threads_per_rank(config))
     interrupts.install()
-    config.resource_plan.check_ray_cluster(device)
+    if restarts is not None and restarts.count:  # a lost node may be on its way back
+        wait_for_cluster(lambda: config.resource_plan.check_ray_cluster(device),
+                         seconds=restarts.restart_wait_seconds, what="the cluster's resources for the layout")
+    else:
+        config.resource_plan.check_ray_cluster(device)
     return False
 
 
@@ -204,13 +246,14 @@ def restore(config: GRPOConfig, run: PreparedRun, actor_group: ActorGroup, run_d
     ac = config.actor_config
     if run.resume is not None:
         progress.phase = "checkpoint load"
-        resume_actor(actor_group, run.resume, finetune=ac.finetune, no_load_optim=ac.no_load_optim,
-                     no_load_rng=ac.no_load_rng)
+        finetune = ac.finetune and not run.restarted
+        resume_actor(actor_group, run.resume, finetune=finetune, no_load_optim=ac.no_load_optim and not run.restarted,
+                     no_load_rng=ac.no_load_rng and not run.restarted)
         progress.last_checkpoint = str(run.resume.path)
         if run.resume.iteration:
             run.sampler.load_state_dict(run.resume.state["sampler"])
             truncate_metrics_after(run_dir / config.runtime.metrics_file, run.resume.iteration)
-        print(f"[checkpoint] loaded {run.resume.path} ({'weights only' if ac.finetune else 'resuming'} "
+        print(f"[checkpoint] loaded {run.resume.path} ({'weights only' if finetune else 'resuming'} "
               f"after iteration {run.resume.iteration})", flush=True)
     if run.ref_checkpoint is not None:
         actor_group.call("load_reference_checkpoint", str(run.ref_checkpoint))

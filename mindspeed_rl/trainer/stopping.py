@@ -33,6 +33,9 @@ class RunProgress:
     iteration: int = 0                      # the iteration in progress; 0 = start-up
     last_checkpoint: str | None = None      # saved or loaded by this run
     phase: str = field(default="start-up")
+    saved_by_this_run: bool = False         # a restart resumes from actor_config.save only then
+    restarts: int = 0                       # runtime.max_restarts used so far
+    first_iteration: int = 1                # where the run started: its summary covers every iteration from there
 
     def last_checkpoint_text(self) -> str:
         if self.save_root and (Path(self.save_root) / LATEST_NAME).is_file():

@@ -12,12 +12,13 @@ ENDS_WINDOW = 10
 _MIB = 1 << 20
 
 
-def summary_lines(history: list[dict], *, run_dir: Path, artefacts: list[str]) -> list[str]:
-    """`[summary]` lines for this run's records (empty without any)."""
+def summary_lines(history: list[dict], *, run_dir: Path, artefacts: list[str], restarts: int = 0) -> list[str]:
+    """`[summary]` lines for this run's records (empty without any); `restarts`: runtime.max_restarts used."""
     if not history:
         return []
     lines = [f"[summary] {len(history)} iterations, {sum(r.get('timing/all', 0.0) for r in history):.1f} s "
-             f"({mean(r.get('timing/all', 0.0) for r in history):.2f} s each)"]
+             f"({mean(r.get('timing/all', 0.0) for r in history):.2f} s each)"
+             + (f", {restarts} restart(s) from a checkpoint (runtime.max_restarts)" if restarts else "")]
     lines.append(f"  {'phase':<14}{'seconds/iter':>14}{'peak device MiB':>18}")
     for phase in PHASES:
         seconds = [r[f"timing/{phase}/total"] for r in history if f"timing/{phase}/total" in r]

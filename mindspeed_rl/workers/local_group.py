@@ -54,6 +54,8 @@ def reason_for_ray(config) -> str | None:
         return "runtime.local_single_rank=false"
     if runtime.ray_address:
         return f"runtime.ray_address={runtime.ray_address}"
+    if runtime.max_restarts:  # the in-process rank is the driver: its death could not be survived
+        return f"runtime.max_restarts={runtime.max_restarts}: a restart needs the rank in a process of its own"
     if config.disaggregated:
         return "disaggregated: actor_train and actor_infer have ranks of their own"
     if config.num_rank_processes != 1:
