@@ -1,6 +1,6 @@
 """End to end through the CLI: a run that restarts itself (`runtime.max_restarts`) after losing a rank.
 
-- The 2-rank demo (train PP2 -> vLLM TP2), 6 iterations, checkpoints every 2: rank 0 is SIGKILLed as the
+- The 2-rank demo (train PP2 -> vLLM TP2) with DAPO's dynamic sampling, 6 iterations, checkpoints every 2: rank 0 is SIGKILLed as the
   iteration-2 save starts (no checkpoint yet: the run restarts from its initial weights) and, in the second life,
   rank 1 is SIGKILLed in the update of iteration 3 (restart from iter_0000002). The run ends rc 0 with every
   iteration's metrics and the final weights and optimizer states equal to an uninterrupted run's, bit for bit (fp32
@@ -27,6 +27,11 @@ from run_watch import launch, leftovers, shm_entries
 pytestmark = pytest.mark.restarts
 
 TWO_RANKS = "grpo_tiny_cpu_pp2_infer_tp2"
+# DAPO's dynamic sampling: 8 of each rollout's 16 prompts must differ in accuracy, more rollouts drawn until they do
+# (refills, each with its own sampling stream) - the sampler position and the streams must come back exactly.
+DYNAMIC_SAMPLING = ("rl_config.filter_groups_enable=true", "rl_config.filter_groups_metric=acc",
+                    "rl_config.filter_groups_train_batch_size=8", "rl_config.filter_groups_max_batches=-1")
+SIX_ITERATIONS = ("megatron_training.train_iters=6", "megatron_training.save_interval=2", *DYNAMIC_SAMPLING)
 ASYNC = ("grpo_tiny_cpu_disaggregated", "async_generation_ratio=1")
 VOLATILE_PREFIXES = ("timing/", "memory/", "offload/")
 VOLATILE_SUFFIXES = ("_tps", "seconds")
@@ -73,7 +78,7 @@ def _finished(run) -> int:
 def uninterrupted(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("restarts") / "uninterrupted"
     tmp_path.mkdir()
-    run = _run(tmp_path, TWO_RANKS, "megatron_training.train_iters=6", "megatron_training.save_interval=2")
+    run = _run(tmp_path, TWO_RANKS, *SIX_ITERATIONS)
     assert _finished(run) == 0, run.stderr_text()[-3000:]
     return tmp_path
 
@@ -82,8 +87,8 @@ def test_a_killed_save_and_a_killed_rank_restart_into_the_uninterrupted_run(worl
     tmp_path = uninterrupted.parent / "restarted"
     tmp_path.mkdir()
     shm_before = shm_entries()
-    run = _run(tmp_path, TWO_RANKS, "megatron_training.train_iters=6", "megatron_training.save_interval=2",
-               faults="save_checkpoint:0:1:kill:x1,update:1:3:kill:x1", max_restarts=2)
+    run = _run(tmp_path, TWO_RANKS, *SIX_ITERATIONS, faults="save_checkpoint:0:1:kill:x1,update:1:3:kill:x1",
+               max_restarts=2)
     run.wait_for("[restart] 1 of 2 after: worker failure during iteration 2: rank 0 (host ")
     first_life = {int(pid) for pid in INIT_PID.findall(run.stdout_text())}
     run.wait_for("[restart] 1: resuming at iteration 1")
@@ -97,7 +102,9 @@ def test_a_killed_save_and_a_killed_rank_restart_into_the_uninterrupted_run(worl
     assert "[restart] resuming from the initial weights at iteration 1" in stdout
     assert f"[restart] resuming from {tmp_path / 'save' / 'iter_0000002'} at iteration 3" in stdout
     assert "2 restart(s) from a checkpoint (runtime.max_restarts)" in stdout
-    assert _records(tmp_path / "run") == _records(uninterrupted / "run")
+    expected = _records(uninterrupted / "run")
+    assert any(r["dynamic_sampling/rollouts"] > 1 for r in expected[2:]), expected  # a refill after the restart
+    assert _records(tmp_path / "run") == expected
     assert _restarts(tmp_path / "run") == [1, 1, 2, 2, 2, 2]
     _assert_same_checkpoint(uninterrupted / "save" / "iter_0000006", tmp_path / "save" / "iter_0000006")
     processes, shm = leftovers(run, shm_before)

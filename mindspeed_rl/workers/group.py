@@ -19,8 +19,9 @@ from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.workers.actor_group import RankGroupBase
 from mindspeed_rl.workers.rank_process import RankInfo
 from mindspeed_rl.workers.placement import place_ranks
-from mindspeed_rl.workers.processes import (descendants, free_port, mapped_shm_segments, remove_shm_segments,
-                                            sigkill_rank_processes, wait_for_exit)
+from mindspeed_rl.workers.processes import (RANK_GROUP_ENV_VAR, descendants, free_port, mapped_shm_segments,
+                                            processes_of_group, remove_shm_segments, sigkill_rank_processes,
+                                            wait_for_exit)
 from mindspeed_rl.workers.supervision import (Deadlines, HeartbeatWatch, WorkerAddress, WorkerFailure,
                                               deadline_text, describe_worker_error, lost_nodes, lost_nodes_text,
                                               silent_ranks)
@@ -76,7 +77,7 @@ class RayActorGroup(RankGroupBase):
                 num_gpus=1 if device == "cuda" else 0,
                 resources={"NPU": 1} if device == "npu" else None,
                 scheduling_strategy=self.placement.strategy_for(rank),
-                runtime_env={"env_vars": env_vars},
+                runtime_env={"env_vars": env_vars | {RANK_GROUP_ENV_VAR: self.run_key}},
                 max_restarts=0,
             ).remote(config, RankInfo(rank=rank, world_size=world_size, master_addr="127.0.0.1",
                                       master_port=self.master_port, run_key=self.run_key),
@@ -132,7 +133,7 @@ class RayActorGroup(RankGroupBase):
         # Children first found, then orphaned by the kill: Megatron's checkpoint writer starts a
         # multiprocessing Manager in each rank, and Python a resource tracker; neither dies with it.
         rank_pids = self._local_pids()
-        local_pids = rank_pids + descendants(rank_pids)
+        local_pids = sorted(set(rank_pids + descendants(rank_pids) + processes_of_group(self.run_key)))
         self.shm_segments.update(mapped_shm_segments(local_pids))
         for worker in self.workers:
             with contextlib.suppress(Exception):

@@ -81,6 +81,25 @@ def descendants(pids: list[int]) -> list[int]:
     return found
 
 
+# Set in every rank process of a group (its run key) and so inherited by whatever the rank starts: a rank killed
+# outright orphans its children (Megatron's checkpoint writer's Manager, Python's resource tracker), which its pid
+# no longer leads to.
+RANK_GROUP_ENV_VAR = "MINDSPEED_RL_RANK_GROUP"
+
+
+def processes_of_group(run_key: str) -> list[int]:
+    """The live local processes whose environment carries `run_key` (RANK_GROUP_ENV_VAR)."""
+    tag = f"{RANK_GROUP_ENV_VAR}={run_key}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/environ", "rb") as handle:
+                    if tag in handle.read().split(b"\0"):
+                        found.append(int(entry))
+    return found
+
+
 def is_running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:
