@@ -79,3 +79,15 @@ def test_local_serves_the_corpus_from_this_process(monkeypatch):
     assert json.loads(text)["result"].startswith("Doc 1 (Title: Olympic Games)")
     missing = tool.execute(tool.create(), {"query": "no list"})[0]
     assert "query_list" in json.loads(missing)["result"]
+
+
+def test_the_global_rate_limit_is_one_semaphore_per_kind_of_tool_in_the_process():
+    from mindspeed_rl.tools.sandbox_fusion_tool import SandboxFusionTool
+    from mindspeed_rl.tools.search_tool import SearchTool
+
+    (first,), (second,) = (load_tools(str(THEIR_FILE)).values() for _ in range(2))
+    assert first._slots is second._slots  # their file's enable_global_rate_limit: true
+    separate = SearchTool({**first.config, "enable_global_rate_limit": False}, first.tool_schema)
+    assert separate._slots is not first._slots
+    code = SandboxFusionTool({"sandbox_fusion_url": "http://127.0.0.1:9/run_code"}, first.tool_schema)
+    assert code._slots is not first._slots  # the code tools share their own

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, ClassVar
+from typing import Any
 
 from mindspeed_rl.tools.base_tool import BaseTool
 from mindspeed_rl.tools.sandbox import FAILED, FINISHED, SandboxRun, run_python
 from mindspeed_rl.tools.sandbox_fusion import SUPPORTED_LANGUAGES, call_sandbox_fusion
 from mindspeed_rl.tools.schemas import OpenAIFunctionToolSchema
-from mindspeed_rl.tools.tool_config import ToolConfigCheck
+from mindspeed_rl.tools.tool_config import ToolConfigCheck, rate_limit_slots
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +41,6 @@ CONFIG_KEYS = frozenset(DEFAULTS) | frozenset(OUR_DEFAULTS) | {"sandbox_fusion_u
 class SandboxFusionTool(BaseTool):
     """Runs the ``code`` argument (``timeout``/``language`` arguments optional) and answers its output."""
 
-    _global_slots: ClassVar[threading.BoundedSemaphore | None] = None
-    _global_slots_size: ClassVar[int] = 0
-    _global_slots_lock: ClassVar[threading.Lock] = threading.Lock()
-
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None) -> None:
         super().__init__(config, tool_schema)
         values = read_sandbox_config(self.config)
@@ -56,19 +52,8 @@ class SandboxFusionTool(BaseTool):
         self.default_language: str = values["default_language"]
         self.memory_limit_mb: int = values["memory_limit_mb"]
         self.isolated = self.sandbox_fusion_url != LOCAL_URL or local_wall(values["allow_unisolated"], self.name)
-        self._slots = self._shared_slots() if self.enable_global_rate_limit else threading.BoundedSemaphore(
-            self.rate_limit)
-
-    def _shared_slots(self) -> threading.BoundedSemaphore:
-        with SandboxFusionTool._global_slots_lock:
-            if SandboxFusionTool._global_slots is None:
-                SandboxFusionTool._global_slots = threading.BoundedSemaphore(self.rate_limit)
-                SandboxFusionTool._global_slots_size = self.rate_limit
-            elif SandboxFusionTool._global_slots_size != self.rate_limit:
-                logger.warning("tool %s: rate_limit %d ignored: the global rate limit of this process is %d (set "
-                               "by the first tool built)", self.name, self.rate_limit,
-                               SandboxFusionTool._global_slots_size)
-            return SandboxFusionTool._global_slots
+        self._slots = rate_limit_slots(kind="code", rate_limit=self.rate_limit, shared=self.enable_global_rate_limit,
+                                       tool_name=self.name)
 
     def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> tuple[str, float, dict]:
         code = parameters.get("code", "")

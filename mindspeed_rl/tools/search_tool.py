@@ -7,6 +7,8 @@ Their keys and defaults (``num_workers``, ``enable_global_rate_limit``, ``rate_l
 ``type``); ours: ``retrieval_service_url: local`` with ``corpus_path`` serves the corpus from this process
 (tools/retrieval_server.py, started at the first call, ending with the run). A call is bounded: at most ``timeout``
 seconds in all, at most 3 tries, at most ``MAX_QUERIES`` queries of the model's, each cut to ``MAX_QUERY_CHARS``.
+``rate_limit`` caps the calls in flight; with ``enable_global_rate_limit`` every search tool of this process waits on
+one semaphore (tools/tool_config.rate_limit_slots, as the code tools do on theirs).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any
 from mindspeed_rl.tools.base_tool import BaseTool
 from mindspeed_rl.tools.retrieval_server import MAX_QUERIES, MAX_QUERY_CHARS, serve_in_background
 from mindspeed_rl.tools.schemas import OpenAIFunctionToolSchema
-from mindspeed_rl.tools.tool_config import ToolConfigCheck
+from mindspeed_rl.tools.tool_config import ToolConfigCheck, rate_limit_slots
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,9 @@ class SearchTool(BaseTool):
         self.timeout: float = values["timeout"]
         self.num_workers: int = values["num_workers"]
         self.rate_limit: int = values["rate_limit"]
-        self._slots = threading.BoundedSemaphore(self.rate_limit)
+        self.enable_global_rate_limit: bool = values["enable_global_rate_limit"]
+        self._slots = rate_limit_slots(kind="search", rate_limit=self.rate_limit,
+                                       shared=self.enable_global_rate_limit, tool_name=self.name)
         self._local_url: str | None = None
         self._local_lock = threading.Lock()
 

@@ -2,7 +2,29 @@
 values collected, so that the tool raises one ValueError naming them all (tools/registry.py reports it at load)."""
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
+
+logger = logging.getLogger(__name__)
+# enable_global_rate_limit: one semaphore per kind of tool in this process, sized by the first such tool built.
+_SHARED_SLOTS: dict[str, threading.BoundedSemaphore] = {}
+_SHARED_SIZES: dict[str, int] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def rate_limit_slots(*, kind: str, rate_limit: int, shared: bool, tool_name: str) -> threading.BoundedSemaphore:
+    """The slots a tool's calls wait for (MindSpeed-RL's `rate_limit`): with `enable_global_rate_limit` (`shared`)
+    the one semaphore of every tool of this `kind` in this process, else one of the tool's own."""
+    if not shared:
+        return threading.BoundedSemaphore(rate_limit)
+    with _SHARED_LOCK:
+        if kind not in _SHARED_SLOTS:
+            _SHARED_SLOTS[kind], _SHARED_SIZES[kind] = threading.BoundedSemaphore(rate_limit), rate_limit
+        elif _SHARED_SIZES[kind] != rate_limit:
+            logger.warning("tool %s: rate_limit %d ignored: the global rate limit of this process's %s tools is %d "
+                           "(set by the first one built)", tool_name, rate_limit, kind, _SHARED_SIZES[kind])
+        return _SHARED_SLOTS[kind]
 
 
 class ToolConfigCheck:
