@@ -56,6 +56,10 @@ class MegatronTrainingConfig:
     sequence_parallel: bool = False
     bf16: bool = False
     use_distributed_optimizer: bool = False
+    # MindSpeed's swap optimizer: the optimizer states (Adam moments, fp32 masters) stay in host memory through every
+    # phase; the step brings them to the device in swap_optimizer_times buckets (memory/swap_optimizer.py).
+    swap_optimizer: bool = False
+    swap_optimizer_times: int = 16
     # Validated only: the tokenizer is always the HF one in tokenizer_name_or_path.
     tokenizer_type: str = "PretrainedFromHF"
     # HF model directory: tokenizer, and the HF config/weights the engines are built from. null exactly
@@ -108,7 +112,7 @@ class MegatronTrainingConfig:
 
     def __post_init__(self) -> None:
         prefix = self.SECTION_KEY
-        require_positive(prefix, self, "global_batch_size", "train_iters", "logprob_chunk_tokens")
+        require_positive(prefix, self, "global_batch_size", "train_iters", "logprob_chunk_tokens", "swap_optimizer_times")
         require_in_range(prefix, self, "attention_dropout", 0.0, 1.0, high_open=True)
         require_in_range(prefix, self, "hidden_dropout", 0.0, 1.0, high_open=True)
         require_only(prefix, self, "use_mcore_models", True, "the engine builds Megatron-core (mcore) models only")

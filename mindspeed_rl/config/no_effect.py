@@ -83,10 +83,6 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
     "megatron_training.no_pad_to_seq_lengths": _entry("sequences are never padded to seq_length here", (True,)),
     "megatron_training.reset_attention_mask": _entry(
         "packed samples never attend to each other here (rl_config.use_remove_padding)", (True,)),
-    "megatron_training.swap_optimizer": _entry(
-        "NPU optimizer-state swapping within a step; between phases generate_config.offload_train_optimizer moves them",
-        memory=DIFFERS + "MindSpeed keeps the optimizer states in host memory through the step; here they are on the "
-                         "device in the update (and off it between phases with offload_train_optimizer)"),
     "megatron_training.shape_order": _entry(_NPU_KERNEL, memory=_KERNEL_MEMORY),
     "megatron_training.moe_alltoall_overlap_comm": _entry(_MOE_KERNEL, memory=_KERNEL_MEMORY),
     "megatron_training.use_rotary_position_embeddings": _entry("every model here uses RoPE (rotary_base)", (True,)),

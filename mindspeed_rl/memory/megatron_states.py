@@ -41,9 +41,11 @@ def optimizer_state_tensors(optimizer) -> Iterator[torch.Tensor]:
 
 
 
-def register_megatron_states(offloader, actor, reference=None, *, keep_grads: bool = False) -> None:
+def register_megatron_states(offloader, actor, reference=None, *, keep_grads: bool = False,
+                             swap_optimizer_times: int | None = None) -> None:
     """The actor's params (with LoRA: the backbone's, and the adapters' as a group of their own), grads and
-    optimizer states, and the reference model's params.
+    optimizer states, and the reference model's params. `swap_optimizer_times`: the optimizer states are MindSpeed's
+    swapped buckets (memory/swap_optimizer.py), stepped bucket by bucket.
 
     Grads are dropped by default (MindSpeed-RL does the same): the next step zeroes them before
     its backward, so copying them out would move bytes nobody reads. `keep_grads` copies them.
@@ -58,7 +60,12 @@ def register_megatron_states(offloader, actor, reference=None, *, keep_grads: bo
         offloader.register(ADAPTER_PARAMS, lambda: (p.data for n, p in actor.module.named_parameters()
                                                     if is_lora_param(n)))
     offloader.register(TRAIN_GRADS, lambda: grad_buffer_tensors(actor.model), keep_contents=keep_grads)
-    offloader.register(TRAIN_OPTIMIZER, lambda: optimizer_state_tensors(actor.optimizer))
+    if swap_optimizer_times is None:
+        offloader.register(TRAIN_OPTIMIZER, lambda: optimizer_state_tensors(actor.optimizer))
+    else:
+        from mindspeed_rl.memory.swap_optimizer import SwappedOptimizerStates
+
+        offloader.add(SwappedOptimizerStates(actor.optimizer, offloader.accelerator, times=swap_optimizer_times))
     if reference is not None:
         register_reference_states(offloader, reference)
 

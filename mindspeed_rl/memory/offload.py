@@ -191,10 +191,16 @@ class Offloader:
     def resident_bytes(self) -> dict[str, int]:
         return {name: state.resident_bytes() for name, state in self.states.items()}
 
+    def phase_bytes(self) -> dict[str, int]:
+        """What the ledger records: resident bytes, or for a state that moves within a phase (the swapped optimizer
+        states) the most it held since the last record."""
+        return {name: state.peak_since_read() if hasattr(state, "peak_since_read") else state.resident_bytes()
+                for name, state in self.states.items()}
+
     def host_bytes(self) -> dict[str, int]:
         """Host bytes per state: the storage groups' mirrors (vLLM's states keep none of their own here) and the
         host-only states."""
-        out = {name: state.host_bytes() for name, state in self.states.items() if isinstance(state, StorageGroup)}
+        out = {name: state.host_bytes() for name, state in self.states.items() if hasattr(state, "host_bytes")}
         for name, collect in self.host_states.items():
             out[name] = sum(tensor.untyped_storage().nbytes() for tensor in collect())
         return out
@@ -203,6 +209,6 @@ class Offloader:
         """Storages owned by storage groups: the activation meter must not count them."""
         keys: set[int] = set()
         for state in self.states.values():
-            if isinstance(state, StorageGroup):
+            if hasattr(state, "storage_keys"):
                 keys |= state.storage_keys()
         return keys

@@ -89,6 +89,9 @@ class ResidencyPolicy:
     adapter_only_switch: bool = False
     # False where the update gives its own old log-probs (GRPOConfig.old_logprobs_from_update): no old_logprob phase.
     has_old_logprob_pass: bool = True
+    # megatron_training.swap_optimizer: the optimizer states are in no row; the update's step brings them in bucket by
+    # bucket itself (memory/swap_optimizer.py).
+    swap_optimizer: bool = False
 
     @classmethod
     def offloading(cls, **fields) -> "ResidencyPolicy":
@@ -108,7 +111,8 @@ class ResidencyPolicy:
                    has_critic=has_critic, offload_critic=not critic_only,
                    reference_is_backbone=config.reference_is_backbone, has_adapters=config.actor_config.uses_lora,
                    adapter_only_switch=config.adapter_only_switch,
-                   has_old_logprob_pass=not config.old_logprobs_from_update)
+                   has_old_logprob_pass=not config.old_logprobs_from_update,
+                   swap_optimizer=config.megatron_training.swap_optimizer)
 
     @property
     def pinned(self) -> frozenset[str]:
@@ -141,6 +145,7 @@ class ResidencyPolicy:
         if phase == REF_LOGPROB and self.reference_is_backbone:
             needs = _NEEDS[OLD_LOGPROB]
         absent = ({REF_PARAMS} if not self.has_reference or self.reference_is_backbone else set()) | (
+            {TRAIN_OPTIMIZER} if self.swap_optimizer else set()) | (
             {ADAPTER_PARAMS} if not self.has_adapters else set()) | (
             {REWARD_PARAMS} if not self.has_reward_model else set()) | (
             CRITIC_STATES if not self.has_critic else set())

@@ -116,6 +116,7 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
                        gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
                        max_model_len=gen.max_model_len),
         device_memory=device_memory, bucket_bytes=int(gen.resharding_bucket_mb * 2**20),
+        swap_optimizer_times=mt.swap_optimizer_times,
         packed=rl.use_remove_padding,
         recompute_granularity=ac.recompute_granularity, recompute_method=ac.recompute_method,
         recompute_num_layers=ac.recompute_num_layers,

@@ -49,6 +49,7 @@ class PlanInputs:
     kv: KVCacheSpec = field(default_factory=lambda: KVCacheSpec(on_cpu=True))
     device_memory: int | None = None
     bucket_bytes: int = 64 << 20  # generate_config.resharding_bucket_mb
+    swap_optimizer_times: int = 16  # megatron_training.swap_optimizer_times (policy.swap_optimizer)
     # The reward model's architecture (rewards.<name>.model_path) when policy.has_reward_model; None: the actor's.
     reward_arch: Architecture | None = None
     activation_profile: str = "cpu"  # ACTIVATION_PROFILES: which kernels' activations the update keeps

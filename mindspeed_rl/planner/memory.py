@@ -34,12 +34,16 @@ class RankBytes:
     switch_staging: int = 0
     # A device with a table of its own (the critic's own devices); None: the plan's.
     policy: ResidencyPolicy | None = None
+    # megatron_training.swap_optimizer: the optimizer states the update's step holds at once (one bucket)
+    swap_bucket_bytes: int = 0
 
     def phase(self, policy: ResidencyPolicy, phase: str) -> dict[str, int]:
         """Bytes per category on this rank in `phase` (0 for what is not resident); the switch (its first push, the
-        largest) adds the push's staging buffers."""
+        largest) adds the push's staging buffers; a swapped optimizer's step holds one bucket in the update."""
         resident = policy.first_switch() if phase == SWITCH else policy.resident(phase)
         out = {c: (self.states[c] if c in resident else 0) for c in STATE_GROUPS}
+        if policy.swap_optimizer and phase == UPDATE:
+            out[TRAIN_OPTIMIZER] = min(self.swap_bucket_bytes, self.states[TRAIN_OPTIMIZER])
         out[ACTIVATIONS] = {UPDATE: self.states[ACTIVATIONS],
                             CRITIC_UPDATE: self.states.get(CRITIC_ACTIVATIONS, 0)}.get(phase, 0)
         if phase == SWITCH:
@@ -82,7 +86,9 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
         ACTIVATIONS: activation_bytes(inputs, c["pp_rank"]),
         **critic_states(inputs, c, on_this_rank=not inputs.critic_world_size),
     }
-    return RankBytes(rank, states, switch_staging)
+    # memory/swap_optimizer.py: a bucket is the share of swap_optimizer_times plus at most its largest param
+    bucket = -(-train.optimizer // inputs.swap_optimizer_times) + train.largest_optimizer
+    return RankBytes(rank, states, switch_staging, swap_bucket_bytes=bucket if inputs.policy.swap_optimizer else 0)
 
 
 def critic_device_bytes(inputs: PlanInputs, index: int) -> RankBytes:
@@ -212,7 +218,7 @@ def plan_memory(inputs: PlanInputs, *, switch_staging: dict[int, int] | None = N
         key = (c["pp_rank"], c["dp_rank"], c["expert_dp_rank"], c["infer_pp_rank"])
         if key not in by_key:
             by_key[key] = rank_bytes(inputs, rank)
-        ranks.append(RankBytes(rank, by_key[key].states, staging.get(rank, 0)))
+        ranks.append(replace(by_key[key], rank=rank, switch_staging=staging.get(rank, 0)))
     ranks += [critic_device_bytes(inputs, index) for index in range(inputs.critic_world_size)]
     return MemoryPlan(inputs, tuple(ranks))
 

@@ -135,6 +135,7 @@ class TrainStateBytes:
     optimizer: int
     reference: int  # the reference model: the same shard, no DDP buffer
     adapter_params: int = 0  # LoRA's adapters, a state group of their own (then `params` is the frozen backbone)
+    largest_optimizer: int = 0  # the optimizer bytes of the rank's largest param (a swap bucket's overshoot)
 
 
 def train_state_bytes(params: tuple[Param, ...], *, bf16: bool, distributed_optimizer: bool, dp: int,
@@ -154,7 +155,10 @@ def train_state_bytes(params: tuple[Param, ...], *, bf16: bool, distributed_opti
     else:
         train = unpadded
         optimizer = sum(p.numel for p in params) * (12 if bf16 else 8)
-    return TrainStateBytes(params=train, grads=grads, optimizer=optimizer, reference=unpadded)
+    largest = max((p.numel for p in params), default=0)
+    largest = -(-largest // dp) if distributed_optimizer else largest  # its shard, about
+    return TrainStateBytes(params=train, grads=grads, optimizer=optimizer, reference=unpadded,
+                           largest_optimizer=largest * (12 if bf16 else 8))
 
 
 @lru_cache(maxsize=4096)

@@ -132,7 +132,7 @@ class RankWorker(RankProcess):
         from mindspeed_rl.memory import MemoryLedger
         from mindspeed_rl.memory.context_managers import log_gpu_memory_usage, register_memory_source
 
-        self.ledger = MemoryLedger(self.offloader.resident_bytes, self.accelerator,
+        self.ledger = MemoryLedger(self.offloader.phase_bytes, self.accelerator,
                                    read_host_states=self.offloader.host_bytes)
         register_memory_source(self.offloader.resident_bytes, self.accelerator)
         self.sharding_manager.enter(IDLE)

@@ -34,7 +34,9 @@ class TrainingPart(Part):
         self.actor = build.build_actor(self.config, self.accelerator, self.model_options(),
                                        checkpoint=self.hf_checkpoint(self.model_dir),
                                        progress=lambda step: self._progress(step, started))
-        register_megatron_states(self.offloader, self.actor)
+        mt = self.config.megatron_training
+        register_megatron_states(self.offloader, self.actor,
+                                 swap_optimizer_times=mt.swap_optimizer_times if mt.swap_optimizer else None)
 
     @property
     def model(self):
@@ -94,8 +96,11 @@ class TrainingPart(Part):
         the scheduler state (rank 0 writes it into trainer_state.json)."""
         from mindspeed_rl.checkpoint.rng_state import save_rng_state
 
+        from mindspeed_rl.memory.swap_optimizer import swapped_states_in
+
         started = time.perf_counter()
-        scheduler_state = self.actor.save_sharded(checkpoint_dir, with_optimizer=with_optimizer)
+        with swapped_states_in(self.offloader) if with_optimizer else contextlib.nullcontext():
+            scheduler_state = self.actor.save_sharded(checkpoint_dir, with_optimizer=with_optimizer)
         if with_rng:
             save_rng_state(checkpoint_dir, self.rank_info.rank, {"shuffler": self.shuffler.generator})
         return scheduler_state, {"timing/save_checkpoint": time.perf_counter() - started}
@@ -106,8 +111,11 @@ class TrainingPart(Part):
         """Collective: the inverse of save_checkpoint into this rank's layout (any TP/PP)."""
         from mindspeed_rl.checkpoint.rng_state import load_rng_state
 
+        from mindspeed_rl.memory.swap_optimizer import swapped_states_in
+
         started = time.perf_counter()
-        self.actor.load_sharded(checkpoint_dir, load_optimizer=load_optimizer, scheduler_state=scheduler_state)
+        with swapped_states_in(self.offloader) if load_optimizer else contextlib.nullcontext():
+            self.actor.load_sharded(checkpoint_dir, load_optimizer=load_optimizer, scheduler_state=scheduler_state)
         if load_rng:
             load_rng_state(checkpoint_dir, self.rank_info.rank, {"shuffler": self.shuffler.generator})
         return {"timing/load_checkpoint": time.perf_counter() - started}
