@@ -44,9 +44,14 @@ from bench_long_assets import make_assets  # noqa: E402
 from bench_long_responses import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB  # noqa: E402
 from bench_vs_trl import code_state, run_ours, run_trl, summarize  # noqa: E402
 from bench_venv import ensure_bench_venv  # noqa: E402
+from roofline import measure_peaks, roofline, roofline_lines  # noqa: E402
 
 PROMPTS, SAMPLES, MAX_PROMPT, MAX_TOKENS, MICRO, BUDGET, LR = 4, 8, 256, 512, 8, 4096, 1e-6
 LEDGER_PHASES = ("generate", "ref_logprob", "old_logprob", "update")
+# The model's shape, for the roofline's FLOPs and bytes (untied embedding and head: 20.7M parameters).
+SHAPE = {"vocab": VOCAB, "hidden": HIDDEN, "ffn": FFN, "layers": LAYERS, "heads": HEADS, "kv_heads": KV_HEADS,
+         "params": 2 * VOCAB * HIDDEN + LAYERS * (HIDDEN * (HIDDEN + 2 * KV_HEADS * HIDDEN // HEADS) + HIDDEN * HIDDEN
+                                                  + 3 * HIDDEN * FFN + 2 * HIDDEN) + HIDDEN}
 
 
 def ours_overrides(assets: dict, padded: bool) -> list[str]:
@@ -206,6 +211,8 @@ def report(result: dict) -> str:
                          + ", ".join(f"{k} {v:.2f}" for k, v in d["phases_median_s"].items()))
             lines.append("ours, response lengths per iteration (mean/min/max): " + "; ".join(
                 f"{x['mean']:.0f}/{x['min']:.0f}/{x['max']:.0f}" for x in d["response_lengths_per_iteration"]))
+            if "roofline" in d:
+                lines.extend(roofline_lines(d["roofline"], result["peaks"]))
             lines.append("ours, memory per phase (the iteration of the largest ledger peak): ledger | planner | "
                          "planner/ledger")
             for phase, x in d["ledger_vs_planner"].items():
@@ -234,7 +241,15 @@ def main(argv=None) -> int:
         (workdir / "assets.json").write_text(json.dumps(assets, indent=2))
         print(f"[bench-long] assets {json.dumps(assets)}", flush=True)
         runs = run_all(args, workdir, assets)
-    result = {"host": {"cpu_count": os.cpu_count()}, "assets": assets, "iterations": args.iterations,
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)  # as the one rank runs (num_threads_per_rank 0: every core)
+    peaks = measure_peaks()  # in the same session as the runs, after them: the same machine state
+    for run in runs:
+        if run["side"] == "ours":
+            measured = [r for r in _rows(run) if r["iteration"] > args.warmup]
+            run["detail"]["roofline"] = roofline(measured, SHAPE, PROMPTS * SAMPLES, peaks)
+    result = {"peaks": peaks, "host": {"cpu_count": os.cpu_count()}, "assets": assets, "iterations": args.iterations,
               "warmup": args.warmup, "repeats": args.repeats, "padded": args.padded,
               "trl_generation": "vLLM colocate" if args.trl_vllm_colocate else "transformers generate (use_vllm=False)",
               "ours_overrides": ours_overrides(assets, args.padded), "runs": runs, "summary": summarize(runs),

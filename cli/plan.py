@@ -1,12 +1,15 @@
 """Plan a run's device memory before launching it:
 ``python cli/plan.py --config-name NAME [key=value ...] [--device-memory 64GiB] [--json FILE|-]
-[--h2d-gbps 25] [--link-gbps 50] [--profile cpu|accelerator]``.
+[--h2d-gbps 25] [--link-gbps 50] [--profile cpu|accelerator] [--search]``.
 
 Composes the config exactly like ``cli/train_grpo.py`` (Hydra, the same overrides, ``load_config``), then prints,
 per device and per phase, the bytes of every state group (train params, grads, optimizer states, reference,
 inference weights, KV cache, activations), the peak phase, whether it fits ``--device-memory`` and, if not, which
 offload flags, micro-batch sizes or layouts would; and for the switch the bytes each rank sends and receives
 (the resharding plan itself) with times at the stated bandwidths. Starts no Ray, no vLLM, allocates no model.
+``--search`` (with ``--device-memory``): the layouts, offload flags and micro-batch sizes that fit with a 10% margin,
+fastest first by a time model calibrated on this machine (mindspeed_rl/planner/search.py), and one line
+``overrides: key=value ...`` that applies the best.
 
 Exit codes: 0 (also when the plan does not fit: the verdict is in the output); 2 on bad input, one line
 ``config error: <key>: <message>`` on stderr.
@@ -48,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
                              "flash attention (Korthikanti et al. 2022, Table 2, adjusted for GQA and SwiGLU). "
                              "Default: accelerator with --device-memory when the recipe selects use_fused_rmsnorm and "
                              "use_fused_swiglu, cpu otherwise")
+    parser.add_argument("--search", action="store_true",
+                        help="with --device-memory: the fastest layouts that fit with a 10%% margin, and the overrides "
+                             "of the best")
     return parser
 
 
@@ -69,6 +75,16 @@ def _compose(config_name: str, overrides: list[str], config_dir: str | None):
         first = " ".join(line.strip() for line in str(error).splitlines()[:2]) or type(error).__name__
         raise ConfigError("--config-name" if "config" in first.lower() and "override" not in first.lower()
                           else "overrides", first) from None
+
+
+def _search(cfg, arch, plan, args, device_memory: int | None) -> tuple[list[str], dict]:
+    from mindspeed_rl.config import ConfigError
+    from mindspeed_rl.planner.search import Rates, search_report
+
+    if device_memory is None:
+        raise ConfigError("--search", "needs --device-memory (what the layouts must fit)")
+    rates = Rates.of_this_machine(link_bytes_per_s=args.link_gbps * 1e9, h2d_bytes_per_s=args.h2d_gbps * 1e9)
+    return search_report(cfg, arch, plan, device_memory=device_memory, rates=rates, profile=args.profile)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,10 +131,13 @@ def main(argv: list[str] | None = None) -> int:
             suggestions = suggest(cfg, arch, device_memory=device_memory, profile=args.profile)
         report_args = dict(model_name=config.actor_config.model, source=source.source, switch=switch,
                            suggestions=suggestions, h2d_bytes_per_second=h2d, link_bytes_per_second=link)
+        searched = _search(cfg, arch, plan, args, device_memory) if args.search else None
         if args.json is None:
             print(text_report(plan, **report_args))
+            print("\n" + "\n".join(searched[0]) if searched else "", end="\n" if searched else "")
         else:
-            document = json.dumps(json_report(plan, **report_args), indent=2)
+            document = json.dumps(json_report(plan, **report_args) | ({"search": searched[1]} if searched else {}),
+                                  indent=2)
             if args.json == "-":
                 print(document)
             else:
