@@ -89,8 +89,9 @@ class WatchedRun:
         return "".join(self.stdout)
 
 
-def launch(tmp_path: Path, config_name: str, *overrides: str, env: dict[str, str] | None = None) -> WatchedRun:
-    cmd = [sys.executable, "cli/train_grpo.py", "--config-name", config_name, *overrides,
+def launch(tmp_path: Path, config_name: str, *overrides: str, env: dict[str, str] | None = None,
+           script: str = "cli/train_grpo.py") -> WatchedRun:
+    cmd = [sys.executable, script, "--config-name", config_name, *overrides,
            f"hydra.run.dir={tmp_path / 'run'}"]
     process = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, env={**os.environ, **(env or {})})

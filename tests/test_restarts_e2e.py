@@ -9,10 +9,12 @@
   inference rank is SIGKILLed as the rollout of iteration 4 starts ahead (during iteration 3's update); the restart
   from iter_0000002 takes iteration 3's rollout from the checkpoint (sampled by the weights before iteration 2's
   update, which no checkpoint holds), so iterations 3-4 equal the uninterrupted run's, staleness included.
+- Multi-turn tool use (the ReTool demo, one rank): a rank killed in iteration 3's update; iterations 3-4, their tool
+  calls included, equal the uninterrupted run's.
 - max_restarts exhausted ends as a run without restarts does (exit 1, the failure line); a failure that repeats
   at the same point after a restart stops at once, saying so.
 
-Runs where: subprocesses (Ray, 1-2 rank processes each); ~5 min on 2 cores: `make test-restarts` (.ci/run runs
+Runs where: subprocesses (Ray, 1-2 rank processes each); ~6 min on 2 cores: `make test-restarts` (.ci/run runs
 it after `make test`).
 """
 import json
@@ -38,12 +40,13 @@ VOLATILE_SUFFIXES = ("_tps", "seconds")
 INIT_PID = re.compile(r"\[init\] (?:\S+ )?rank \d+ \(host [^,]+, pid (\d+)\)")
 
 
-def _run(tmp_path, config: str, *overrides: str, faults: str | None = None, max_restarts: int = 0):
-    """(the watched run, its exit code); faults as MINDSPEED_RL_INJECT_FAULT, logged in tmp_path/faults.log."""
+def _run(tmp_path, config: str, *overrides: str, faults: str | None = None, max_restarts: int = 0,
+         script: str = "cli/train_grpo.py"):
+    """The watched run; faults as MINDSPEED_RL_INJECT_FAULT, logged in tmp_path/faults.log."""
     env = {"MINDSPEED_RL_INJECT_FAULT": faults, "MINDSPEED_RL_INJECT_FAULT_LOG": str(tmp_path / "faults.log")} \
         if faults else {}
     return launch(tmp_path, config, *overrides, f"actor_config.save={tmp_path / 'save'}",
-                  f"runtime.max_restarts={max_restarts}", env=env)
+                  f"runtime.max_restarts={max_restarts}", env=env, script=script)
 
 
 def _records(run_dir):
@@ -128,6 +131,21 @@ def test_a_rollout_started_ahead_survives_a_restart(world, tmp_path_factory):
     assert _records(root / "restarted" / "run") == expected
     _assert_same_checkpoint(root / "uninterrupted" / "save" / "iter_0000004",
                             root / "restarted" / "save" / "iter_0000004")
+
+
+def test_multi_turn_tool_use_restarts_into_the_uninterrupted_run(tmp_path_factory):
+    # The ReTool demo (the model's code run by the code interpreter between turns), one rank: both runs through Ray.
+    root = tmp_path_factory.mktemp("restarts_multi_turn")
+    for name, faults in (("uninterrupted", None), ("restarted", "update:0:3:kill:x1")):
+        (root / name).mkdir()
+        run = _run(root / name, "dapo_tiny_retool_cpu", "megatron_training.train_iters=4",
+                   "megatron_training.save_interval=2", "runtime.local_single_rank=false", faults=faults,
+                   max_restarts=1 if faults else 0, script="cli/train_dapo.py")
+        assert _finished(run) == 0, run.stderr_text()[-3000:]
+    expected = _records(root / "uninterrupted" / "run")
+    assert all(r["tool_call_num/mean"] > 0 for r in expected[2:]), expected  # the code interpreter ran
+    assert _records(root / "restarted" / "run") == expected
+    assert _restarts(root / "restarted" / "run") == [0, 0, 1, 1]
 
 
 def test_restarts_exhausted_end_the_run_as_without_them(tmp_path):
