@@ -12,7 +12,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "mindspeed_rl"
 # The states' own implementations (an offloadable state moves itself when asked); everything else asks the
 # sharding manager.
-STATE_IMPLEMENTATIONS = {"memory/offload.py", "memory/vllm_states.py", "engines/vllm_engine.py"}
+# The states' own implementations; the swap optimizer's bucketed step moves its buckets below the manager, which
+# moves the group.
+STATE_IMPLEMENTATIONS = {"memory/offload.py", "memory/vllm_states.py", "engines/vllm_engine.py",
+                         "memory/swap_optimizer.py"}
 MOVES = {"offload", "reload", "offload_all", "reload_all", "release_kv_cache", "rebuild_kv_cache"}
 
 

@@ -10,8 +10,10 @@ the result is the unswapped step's, bit for bit. Megatron's `step()` around it (
 distributed optimizer's param all-gather) is unchanged.
 
 `SwappedOptimizerStates` is the TRAIN_OPTIMIZER state group of such a run: the residency table never brings it
-in (memory/residency.py), a checkpoint save or ROLL's `reload_states` brings all of it, and the ledger reads the
-most it held during a phase (`peak_since_read`): one bucket in the update.
+in (memory/residency.py); a checkpoint save or load, or ROLL's `reload_states`, brings all of it through the sharding
+manager; the ledger reads the most it held during a phase (`peak_since_read`): one bucket in the update. Like the
+other state implementations (memory/offload.py, memory/vllm_states.py), it moves its own storage: the bucketed step
+is the one place a bucket moves, below the sharding manager, which sees the group only.
 """
 from __future__ import annotations
 
@@ -114,22 +116,6 @@ class SwappedOptimizerStates:
         copied = sum(group.reload() for group in self._groups())
         self._held(self.resident_bytes())
         return copied
-
-
-@contextlib.contextmanager
-def swapped_states_in(offloader):
-    """Every swapped optimizer state on the device for the block (a checkpoint's save or load reads and writes the
-    whole state dict: Megatron's dist-checkpointing has no bucketed path), back on the host after; nothing where the
-    optimizer is not swapped."""
-    state = offloader.states.get(TRAIN_OPTIMIZER)
-    if not isinstance(state, SwappedOptimizerStates) or state.resident:
-        yield
-        return
-    offloader.reload(TRAIN_OPTIMIZER)
-    try:
-        yield
-    finally:
-        offloader.offload(TRAIN_OPTIMIZER)
 
 
 def _collector(inner, bucket: list[torch.Tensor], masters: set[int]):

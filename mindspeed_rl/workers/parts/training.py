@@ -96,10 +96,8 @@ class TrainingPart(Part):
         the scheduler state (rank 0 writes it into trainer_state.json)."""
         from mindspeed_rl.checkpoint.rng_state import save_rng_state
 
-        from mindspeed_rl.memory.swap_optimizer import swapped_states_in
-
         started = time.perf_counter()
-        with swapped_states_in(self.offloader) if with_optimizer else contextlib.nullcontext():
+        with self._whole_optimizer(with_optimizer):
             scheduler_state = self.actor.save_sharded(checkpoint_dir, with_optimizer=with_optimizer)
         if with_rng:
             save_rng_state(checkpoint_dir, self.rank_info.rank, {"shuffler": self.shuffler.generator})
@@ -111,14 +109,25 @@ class TrainingPart(Part):
         """Collective: the inverse of save_checkpoint into this rank's layout (any TP/PP)."""
         from mindspeed_rl.checkpoint.rng_state import load_rng_state
 
-        from mindspeed_rl.memory.swap_optimizer import swapped_states_in
-
         started = time.perf_counter()
-        with swapped_states_in(self.offloader) if load_optimizer else contextlib.nullcontext():
+        with self._whole_optimizer(load_optimizer):
             self.actor.load_sharded(checkpoint_dir, load_optimizer=load_optimizer, scheduler_state=scheduler_state)
         if load_rng:
             load_rng_state(checkpoint_dir, self.rank_info.rank, {"shuffler": self.shuffler.generator})
         return {"timing/load_checkpoint": time.perf_counter() - started}
+
+    @contextlib.contextmanager
+    def _whole_optimizer(self, needed: bool):
+        """With the swap optimizer, every optimizer state on the device for the block (a checkpoint's save or load
+        reads and writes the whole state dict: Megatron's dist-checkpointing has no bucketed path), back after."""
+        swapped = needed and self.sharding_manager.policy.swap_optimizer
+        if swapped:
+            self.sharding_manager.reload_states([TRAIN_OPTIMIZER])
+        try:
+            yield
+        finally:
+            if swapped:
+                self.sharding_manager.offload_states([TRAIN_OPTIMIZER])
 
     # An export reads the train params only: the old_logprob row.
     @phase_rpc(OLD_LOGPROB, label="export_hf", progress="HF export")
