@@ -27,16 +27,17 @@ def test_two_failures_that_differ_only_in_process_ids_have_one_signature():
     assert first != failure_signature(WorkerFailure(KILLED.format(pid=202)), _progress(4))
 
 
-def test_each_restart_is_counted_and_said_in_one_line(capsys):
+def test_each_restart_is_counted_and_said_in_one_line():
     restarts, progress = Restarts(max_restarts=2, restart_wait_seconds=10), _progress(3)
     restarts.after(WorkerFailure(KILLED.format(pid=1)), progress)
+    assert restarts.restart_line(1, "the initial weights") == (
+        f"[restart] 1 of 2 after worker failure during iteration 3: {KILLED.format(pid=1)}; last checkpoint: none "
+        "(actor_config.save is not set); resuming from iteration 1 (the initial weights)")
     progress.iteration = 5
     restarts.after(WorkerFailure(KILLED.format(pid=2)), progress)
     assert (restarts.count, progress.restarts) == (2, 2)
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == (f"[restart] 1 of 2 after: worker failure during iteration 3: {KILLED.format(pid=1)}; "
-                        "last checkpoint: none (actor_config.save is not set)")
-    assert lines[1].startswith("[restart] 2 of 2 after: worker failure during iteration 5: ")
+    assert restarts.restart_line(5, "SAVE/iter_0000004").startswith(
+        "[restart] 2 of 2 after worker failure during iteration 5: ")
 
 
 def test_no_restart_left_ends_the_run_with_the_failure_itself(capsys):

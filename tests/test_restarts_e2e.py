@@ -92,7 +92,7 @@ def test_a_killed_save_and_a_killed_rank_restart_into_the_uninterrupted_run(worl
     shm_before = shm_entries()
     run = _run(tmp_path, TWO_RANKS, *SIX_ITERATIONS, faults="save_checkpoint:0:1:kill:x1,update:1:3:kill:x1",
                max_restarts=2)
-    run.wait_for("[restart] 1 of 2 after: worker failure during iteration 2: rank 0 (host ")
+    run.wait_for("[restart] 1 of 2 after worker failure during iteration 2: rank 0 (host ")
     first_life = {int(pid) for pid in INIT_PID.findall(run.stdout_text())}
     run.wait_for("[restart] 1: resuming at iteration 1")
     assert len(first_life) == 2 and not any(os.path.exists(f"/proc/{pid}") for pid in first_life), first_life
@@ -102,8 +102,8 @@ def test_a_killed_save_and_a_killed_rank_restart_into_the_uninterrupted_run(worl
     print(f"\n[restarts] {resumed - killed_in_update:.1f} s from the kill in iteration 3 to resuming it")
 
     stdout = run.stdout_text()
-    assert "[restart] resuming from the initial weights at iteration 1" in stdout
-    assert f"[restart] resuming from {tmp_path / 'save' / 'iter_0000002'} at iteration 3" in stdout
+    assert "last checkpoint: none; resuming from iteration 1 (the initial weights)" in stdout
+    assert f"; resuming from iteration 3 ({tmp_path / 'save' / 'iter_0000002'})" in stdout
     assert "2 restart(s) from a checkpoint (runtime.max_restarts)" in stdout
     expected = _records(uninterrupted / "run")
     assert any(r["dynamic_sampling/rollouts"] > 1 for r in expected[2:]), expected  # a refill after the restart
@@ -123,7 +123,7 @@ def test_a_rollout_started_ahead_survives_a_restart(world, tmp_path_factory):
                    faults=faults, max_restarts=1 if faults else 0)
         assert _finished(run) == 0, run.stderr_text()[-3000:]
         runs[name] = run
-    assert "[restart] 1 of 1 after: worker failure during iteration 4: actor_infer rank 0" in \
+    assert "[restart] 1 of 1 after worker failure during iteration 4: actor_infer rank 0" in \
         runs["restarted"].stdout_text()
     assert (root / "restarted" / "save" / "iter_0000002" / "rollout_ahead.pt").is_file()
     expected = _records(root / "uninterrupted" / "run")

@@ -35,6 +35,7 @@ class Restarts:
         self.max_restarts, self.restart_wait_seconds = max_restarts, restart_wait_seconds
         self.count = 0
         self.failed_at: float | None = None  # monotonic, of the last failure: the restart's seconds are counted from it
+        self.cause = ""  # the last failure's line
         self._last: tuple[int, str, str] | None = None
 
     def after(self, failure: WorkerFailure, progress: RunProgress) -> None:
@@ -50,9 +51,13 @@ class Restarts:
                 print(f"[restart] none left: all {self.max_restarts} of runtime.max_restarts used", flush=True)
             raise failure
         self.count, self._last, self.failed_at = self.count + 1, signature, time.monotonic()
+        self.cause = progress.worker_failure_line(failure)
         progress.restarts = self.count
-        print(f"[restart] {self.count} of {self.max_restarts} after: {progress.worker_failure_line(failure)}",
-              flush=True)
+
+    def restart_line(self, start_iteration: int, resume_from: str) -> str:
+        """The one line of a restart: its number, the failure, where it resumes."""
+        return (f"[restart] {self.count} of {self.max_restarts} after {self.cause}; resuming from iteration "
+                f"{start_iteration} ({resume_from})")
 
     def config_for_restart(self, config):
         """The run's config with Ray's placement waiting up to restart_wait_seconds (a node may be coming back)."""

@@ -78,10 +78,11 @@ def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]
                     raise
                 # A restart that Ray could not place (a node not back in time) ends the run, not its config.
                 raise RunStopped(WORKER_FAILURE_EXIT_CODE, f"restart {restarts.count} failed: {error}") from None
-            run = restart_point(config, run, run_dir, progress)
+            run = restart_point(config, run, run_dir, progress, restarts)
 
 
-def restart_point(config: GRPOConfig, run: PreparedRun, run_dir: Path, progress: RunProgress) -> PreparedRun:
+def restart_point(config: GRPOConfig, run: PreparedRun, run_dir: Path, progress: RunProgress,
+                  restarts: Restarts) -> PreparedRun:
     """Where a restart resumes: the newest intact checkpoint of actor_config.save once this run saved one (an
     interrupted save was discarded with the ranks), else where the run started; a fresh sampler that the
     checkpoint positions, and the metrics records after it dropped (the restarted iterations write them again)."""
@@ -92,8 +93,7 @@ def restart_point(config: GRPOConfig, run: PreparedRun, run_dir: Path, progress:
     start_iteration = resume.iteration + 1 if resume else 1
     # From the start: the evaluation before training (iteration 0) runs again too.
     truncate_metrics_after(run_dir / config.runtime.metrics_file, start_iteration - 1 if start_iteration > 1 else -1)
-    print(f"[restart] resuming from {resume.path if resume else 'the initial weights'} at iteration "
-          f"{start_iteration}", flush=True)
+    print(restarts.restart_line(start_iteration, str(resume.path) if resume else "the initial weights"), flush=True)
     return dataclasses.replace(run, resume=resume, sampler=make_sampler(config, run.dataset),
                                restarted=progress.saved_by_this_run)
 
