@@ -102,25 +102,31 @@ def test_a_bucket_is_at_most_its_share_plus_its_largest_param():
     assert all(sum(p.numel() for p in bucket) <= share + max(p.numel() for p in bucket) for bucket in buckets)
 
 
+def _their_plan(*overrides: str):
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from mindspeed_rl.config import load_config
+    from mindspeed_rl.config.overrides import search_path_override
+    from mindspeed_rl.planner.from_config import architecture, plan_config, resolve_hf_config
+
+    repo = Path(__file__).resolve().parents[1]
+    with initialize_config_dir(config_dir=str(repo / "tests/data/mindspeed_rl_recipes"), version_base="1.3"):
+        cfg = compose(config_name="grpo_deepseek_r1_671b_A3",
+                      overrides=[*overrides, search_path_override(str(repo / "configs"))])
+    config = load_config(cfg)
+    return plan_config(config, architecture(resolve_hf_config(config)), device_memory=64 * 10**9,
+                       with_switch=False)[0]
+
+
 def test_their_swap_recipes_plan_one_bucket_of_optimizer_states_and_fit_their_devices():
     """The plan of MindSpeed-RL's DeepSeek-V3 recipe (swap_optimizer: true, its 256 devices of 64 GB): the optimizer
     states are on the device in no phase but the update, and there one bucket (1/16 of them, plus at most the largest
-    param's); FITS, where keeping them on the device all through did not."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    args = [sys.executable, "cli/plan.py", "--config-dir", "tests/data/mindspeed_rl_recipes", "--config-name",
-            "grpo_deepseek_r1_671b_A3", "--device-memory", "64GB", "--json", "-"]
-    swapped = subprocess.run(args, cwd=repo, capture_output=True, text=True, timeout=300)
-    kept = subprocess.run([*args, "megatron_training.swap_optimizer=false"], cwd=repo, capture_output=True, text=True,
-                          timeout=300)
-    assert swapped.returncode == 0 and kept.returncode == 0, swapped.stderr[-2000:] + kept.stderr[-2000:]
-    plan, plan_kept = json.loads(swapped.stdout), json.loads(kept.stdout)
-    optimizer = {phase: row["optimizer_states"] for phase, row in plan["phases"].items()}
-    full = plan_kept["phases"]["update"]["optimizer_states"]
+    param's); FITS, where keeping them on the device all through did not (as `cli/plan.py` plans it)."""
+    swapped, kept = _their_plan(), _their_plan("megatron_training.swap_optimizer=false")
+    optimizer = {phase: row["optimizer_states"] for phase, row in swapped.table().items()}
+    full = kept.table()["update"]["optimizer_states"]
     assert all(value == 0 for phase, value in optimizer.items() if phase != "update"), optimizer
     assert full / 16 <= optimizer["update"] < full / 8
-    assert plan["fits"] is True and plan_kept["fits"] is False
+    assert swapped.fits() is True and kept.fits() is False
