@@ -54,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--search", action="store_true",
                         help="with --device-memory: the fastest layouts that fit with a 10%% margin, and the overrides "
                              "of the best")
+    parser.add_argument("--matmul-tflops", type=float, default=None,
+                        help="--search's matmul rate of one device in TFLOP/s (default: measured on this machine)")
+    parser.add_argument("--memory-gbps", type=float, default=None,
+                        help="--search's memory bandwidth of one device in GB/s (default: measured on this machine)")
     return parser
 
 
@@ -83,7 +87,16 @@ def _search(cfg, arch, plan, args, device_memory: int | None) -> tuple[list[str]
 
     if device_memory is None:
         raise ConfigError("--search", "needs --device-memory (what the layouts must fit)")
-    rates = Rates.of_this_machine(link_bytes_per_s=args.link_gbps * 1e9, h2d_bytes_per_s=args.h2d_gbps * 1e9)
+    links = dict(link_bytes_per_s=args.link_gbps * 1e9, h2d_bytes_per_s=args.h2d_gbps * 1e9)
+    for name in ("matmul_tflops", "memory_gbps"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')}", f"must be a positive figure, got {getattr(args, name)}")
+    if args.matmul_tflops is not None and args.memory_gbps is not None:
+        rates = Rates(matmul_flops_per_s=args.matmul_tflops * 1e12, memory_bytes_per_s=args.memory_gbps * 1e9, **links)
+    elif args.matmul_tflops is None and args.memory_gbps is None:
+        rates = Rates.of_this_machine(**links)
+    else:
+        raise ConfigError("--matmul-tflops", "give it with --memory-gbps (a device's two rates), or neither")
     return search_report(cfg, arch, plan, device_memory=device_memory, rates=rates, profile=args.profile)
 
 

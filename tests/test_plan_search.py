@@ -77,3 +77,14 @@ def test_the_time_model_divides_each_part_by_its_rate(recipe):
 def test_the_peaks_are_measured_here():
     peaks = measure_peaks(seconds=0.1, matmul_n=256, copy_bytes=16 << 20)
     assert peaks["matmul_flops_per_s"] > 1e8 and peaks["copy_bytes_per_s"] > 1e8
+
+
+def test_a_device_s_rates_replace_the_measured_ones():
+    searched = _plan_cli("--device-memory", "32GiB", "--search", "--matmul-tflops", "300", "--memory-gbps", "1600")
+    assert "time model at 300000 GFLOP/s and 1600 GB/s" in searched
+    done = subprocess.run([sys.executable, "cli/plan.py", "--config-name", "grpo_qwen25_7b_A3", "--device-memory",
+                           "32GiB", "--search", "--matmul-tflops", "300"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("config error: --matmul-tflops: give it with --memory-gbps (a device's two rates), "
+                                   "or neither")

@@ -20,7 +20,8 @@ and host-to-device rates:
 Forward FLOPs per token: 2 x active parameters, plus causal attention 2 x 2 x layers x (q width) x tokens / 2.
 `Rates.of_this_machine()` measures the matmul rate and the copy bandwidth here; the efficiencies are those
 `make bench-long-iteration` measured for each phase on this machine (docs/results.md "Roofline"). For an accelerator
-pass its rates (`--search-rates`): the ranking depends on their ratios, the seconds on their values.
+give its rates (`--matmul-tflops`, `--memory-gbps`; the efficiencies stay this machine's): the ranking depends on the
+rates' ratios, the seconds on their values.
 """
 from __future__ import annotations
 
