@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 
 from mindspeed_rl.config import load_config
 from mindspeed_rl.planner.from_config import architecture, plan_config, resolve_hf_config
-from mindspeed_rl.planner.search import Rates, forward_flops_per_token, measure_peaks, predicted_seconds, search
+from mindspeed_rl.planner.search import (Rates, forward_flops_per_token, forward_link_bytes, measure_peaks,
+                                         predicted_seconds, search)
 
 REPO = Path(__file__).resolve().parents[1]
 RATES = Rates(matmul_flops_per_s=200e9, memory_bytes_per_s=40e9)
@@ -88,3 +89,19 @@ def test_a_device_s_rates_replace_the_measured_ones():
     assert done.returncode == 2
     assert done.stderr.strip() == ("config error: --matmul-tflops: give it with --memory-gbps (a device's two rates), "
                                    "or neither")
+
+
+def test_the_link_carries_each_parallelism_s_traffic(recipe):
+    """TP2 all-reduces 2 x (1/2) of the activations twice per layer; CP2 passes its keys and values once per layer;
+    PP2 sends the activations once; none of it at TP1 x PP1 x CP1."""
+    from dataclasses import replace as with_
+
+    from mindspeed_rl.planner.inputs import PlanInputs
+
+    _, _, arch = recipe
+    base = PlanInputs(arch=arch, world_size=8)
+    tokens, h, layers = 1000.0, arch.hidden_size, arch.num_layers
+    assert forward_link_bytes(arch, base, tokens_per_rank=tokens) == 0
+    assert forward_link_bytes(arch, with_(base, tp=2), tokens_per_rank=tokens) == 2 * 2 * 0.5 * tokens * h * 2 * layers
+    assert forward_link_bytes(arch, with_(base, cp=2), tokens_per_rank=tokens) == 2 * arch.kv_width * tokens * 2 * layers
+    assert forward_link_bytes(arch, with_(base, pp=2), tokens_per_rank=tokens) == tokens * h * 2

@@ -11,7 +11,8 @@ rank's weights and its sequences' KV cache) or at the matmul rate where that is 
 and host-to-device rates:
 
 - update: 3 x forward FLOPs / (train ranks x rate x efficiency), x the pipeline bubble (1 + (PP - 1) / micro-batches
-  per step), plus TP's activation all-reduces (4 per layer and token, x 2 in the backward) over the link;
+  per step), plus the forward's link bytes twice (`forward_link_bytes`: TP's all-reduces, CP's ring of keys and
+  values, PP's stage-to-stage activations, EP's dispatch and combine);
 - log-prob passes (reference, old): 1 x forward FLOPs each, alike;
 - generate: response-limit steps per batch of max_num_seqs sequences per inference DP rank;
 - the switch: the inference weights of a rank over the link; offload/reload: the iteration's moves (planner/switch.py)
@@ -95,7 +96,7 @@ def predicted_seconds(config: GRPOConfig, arch: Architecture, plan: MemoryPlan, 
     micro_batches = max(1, i.mini_batch_samples // max(1, dp * i.micro_batch_size))
     steps = max(1, samples // max(1, i.mini_batch_samples))
     bubble = 1 + (i.pp - 1) / micro_batches
-    tp_bytes = 4 * (arch.num_layers / i.pp) * (samples * i.seq_length / dp) * arch.hidden_size * 2 * (i.tp - 1) / i.tp
+    comm = forward_link_bytes(arch, i, tokens_per_rank=samples * i.seq_length / (dp * i.cp)) / rates.link_bytes_per_s
 
     def compute(flops: float, efficiency: float) -> float:
         return flops / i.world_size / (rates.matmul_flops_per_s * efficiency) * bubble
@@ -104,11 +105,25 @@ def predicted_seconds(config: GRPOConfig, arch: Architecture, plan: MemoryPlan, 
     states = {k: max(r.states[k] for r in plan.ranks) for k in plan.ranks[0].states}
     moved = sum(m.onload + m.offload for m in iteration_moves(i, states) if m.onload or m.offload)
     swapped = 2 * states[TRAIN_OPTIMIZER] * steps if i.policy.swap_optimizer else 0
-    return {"update": compute(3 * forward, rates.update_efficiency) + 2 * tp_bytes / rates.link_bytes_per_s,
-            "log-probs": passes * (compute(forward, rates.logprob_efficiency) + tp_bytes / rates.link_bytes_per_s),
+    return {"update": compute(3 * forward, rates.update_efficiency) + 2 * comm,  # the backward's mirrors the forward's
+            "log-probs": passes * (compute(forward, rates.logprob_efficiency) + comm),
             "generate": _generate_seconds(config, arch, plan, rates, samples, states[INFER_WEIGHTS]),
             "switch": states[INFER_WEIGHTS] / rates.link_bytes_per_s,
             "offload": (moved + swapped) / rates.h2d_bytes_per_s}
+
+
+def forward_link_bytes(arch: Architecture, i, *, tokens_per_rank: float) -> float:
+    """Bytes one training rank sends over the link in one forward pass over `tokens_per_rank` tokens (bf16 activations):
+    TP's two all-reduces per layer (2 (t-1)/t of the activation each), CP's ring passing its keys and values to the
+    cp - 1 others per layer, PP's activations to the next stage, EP's dispatch and combine of top-k copies per MoE
+    layer."""
+    layers, h, e = arch.num_layers / i.pp, arch.hidden_size, 2
+    tp = 2 * 2 * (i.tp - 1) / i.tp * tokens_per_rank * h * e * layers
+    cp = (i.cp - 1) * 2 * arch.kv_width / i.tp * tokens_per_rank * e * layers
+    pp = tokens_per_rank * h * e / i.tp if i.pp > 1 else 0.0
+    moe_layers = sum(arch.is_moe_layer(layer) for layer in range(arch.num_layers)) / i.pp
+    ep = 2 * (i.ep - 1) / i.ep * tokens_per_rank * arch.moe_topk * h * e * moe_layers
+    return tp + cp + pp + ep
 
 
 def _generate_seconds(config: GRPOConfig, arch: Architecture, plan: MemoryPlan, rates: Rates, samples: int,
@@ -216,5 +231,5 @@ def search_report(cfg, arch: Architecture, plan: MemoryPlan, *, device_memory: i
     return lines, document
 
 
-__all__ = ["Candidate", "Rates", "forward_flops_per_token", "largest_consumers", "measure_peaks",
+__all__ = ["Candidate", "Rates", "forward_flops_per_token", "forward_link_bytes", "largest_consumers", "measure_peaks",
            "predicted_seconds", "search", "search_report"]
