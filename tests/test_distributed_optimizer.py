@@ -5,43 +5,29 @@ run is in test_metrics_dp_multiprocess.py: same stats and weights as one rank.)
 
 Runs where: in the pytest process, a 1-rank gloo world (shared with the other single-rank tests).
 """
+import dataclasses
+
 import pytest
 import torch
 
-from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
-from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
+from mindspeed_rl.engines.megatron_engine import MegatronEngine
 from mindspeed_rl.memory import Offloader
 from mindspeed_rl.memory.megatron_states import TRAIN_OPTIMIZER, optimizer_state_tensors, register_megatron_states
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
-from mindspeed_rl.protocol import RolloutBatch
+from tiny_actor import ADAM, response_loss_fn, tiny_checkpoint, token_batch
 
-SETTINGS = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-                             clip_grad=1.0, use_distributed_optimizer=True)
+SETTINGS = dataclasses.replace(ADAM, use_distributed_optimizer=True)
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_distopt") / "model"
-    create_tiny_qwen2_checkpoint(out, vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=2,
-                                 num_attention_heads=4, num_query_groups=2, seed=17)
-    return str(out)
-
-
-def _batch() -> RolloutBatch:
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, 64, (4,), generator=g).tolist() for _ in range(8)]
-    responses = [torch.randint(1, 64, (int(n),), generator=g).tolist() for n in torch.randint(2, 7, (8,), generator=g)]
-    return RolloutBatch.from_token_lists(prompts, responses, pad_id=0, response_width=6)
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny_distopt") / "model", seed=17)
 
 
 def _train(actor: MegatronEngine, offloader: Offloader | None) -> None:
-    batch = _batch()
-
-    def loss_fn(logprobs, entropy, mb):
-        loss = -(logprobs * mb.response_mask).sum() / batch.response_mask.sum()
-        return loss, {"loss": loss.item()}
-
+    batch = token_batch(seed=5)
+    loss_fn = response_loss_fn(batch)
     for _ in range(STEPS):
         actor.train_step(batch, micro_batch_size=4, temperature=1.0, loss_fn=loss_fn)
         if offloader is not None:

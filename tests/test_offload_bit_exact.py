@@ -9,37 +9,23 @@ Runs where: in the pytest process, a 1-rank gloo world (shared with the other si
 import pytest
 import torch
 
-from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
-from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
+from mindspeed_rl.engines.megatron_engine import MegatronEngine
 from mindspeed_rl.memory import Offloader
 from mindspeed_rl.memory.megatron_states import REF_PARAMS, TRAIN_GRADS, register_megatron_states
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from tiny_actor import ADAM, response_loss_fn, tiny_checkpoint, token_batch
 
-ADAM = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_offload") / "model"
-    create_tiny_qwen2_checkpoint(out, vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=2,
-                                 num_attention_heads=4, num_query_groups=2, seed=11)
-    return str(out)
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny_offload") / "model", seed=11)
 
 
 def _batch() -> RolloutBatch:
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 64, (4,), generator=g).tolist() for _ in range(8)]
-    responses = [torch.randint(1, 64, (int(n),), generator=g).tolist() for n in torch.randint(2, 7, (8,), generator=g)]
-    return RolloutBatch.from_token_lists(prompts, responses, pad_id=0, response_width=6)
-
-
-def _loss_fn(batch: RolloutBatch):
-    def loss_fn(logprobs, entropy, mb):
-        loss = -(logprobs * mb.response_mask).sum() / batch.response_mask.sum()
-        return loss, {"loss": loss.item()}
-    return loss_fn
+    return token_batch(seed=3)
 
 
 def _optimizer_tensors(actor: MegatronEngine) -> list[torch.Tensor]:
@@ -50,7 +36,7 @@ def _optimizer_tensors(actor: MegatronEngine) -> list[torch.Tensor]:
 
 def _train(actor: MegatronEngine, batch: RolloutBatch, offloader: Offloader | None) -> None:
     for _ in range(STEPS):
-        actor.train_step(batch, micro_batch_size=4, temperature=1.0, loss_fn=_loss_fn(batch))
+        actor.train_step(batch, micro_batch_size=4, temperature=1.0, loss_fn=response_loss_fn(batch))
         if offloader is not None:
             offloader.offload_all()
             assert sum(offloader.resident_bytes().values()) == 0
@@ -101,7 +87,7 @@ def test_reference_model_and_kept_grads_round_trip(world, checkpoint):
     assert all(torch.equal(a, b) for a, b in zip(reference.module.parameters(), params))
     assert torch.equal(reference.compute_logprobs(batch, micro_batch_size=4, temperature=1.0), before)
 
-    actor.train_step(batch, micro_batch_size=4, temperature=1.0, loss_fn=_loss_fn(batch))
+    actor.train_step(batch, micro_batch_size=4, temperature=1.0, loss_fn=response_loss_fn(batch))
     grads = [b.grad_data.clone() for b in actor.model.buffers]
     assert any(g.abs().sum() > 0 for g in grads)
     assert offloader.offload(TRAIN_GRADS) == sum(g.nbytes for g in grads)

@@ -11,41 +11,21 @@ import dataclasses
 import pytest
 import torch
 
-from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
-from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
+from mindspeed_rl.engines.megatron_engine import MegatronEngine
 from mindspeed_rl.memory import Offloader
 from mindspeed_rl.memory.megatron_states import optimizer_state_tensors, register_megatron_states
 from mindspeed_rl.memory.residency import PHASES, TRAIN_OPTIMIZER, ResidencyPolicy
 from mindspeed_rl.memory.swap_optimizer import split_into_buckets
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
-from mindspeed_rl.protocol import RolloutBatch
+from tiny_actor import ADAM, response_loss_fn, tiny_checkpoint, token_batch
 
-ADAM = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-                         clip_grad=1.0)
 STEPS = 3
 TIMES = 4
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_swap") / "model"
-    create_tiny_qwen2_checkpoint(out, vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=2,
-                                 num_attention_heads=4, num_query_groups=2, seed=12)
-    return str(out)
-
-
-def _batch() -> RolloutBatch:
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, 64, (4,), generator=g).tolist() for _ in range(8)]
-    responses = [torch.randint(1, 64, (int(n),), generator=g).tolist() for n in torch.randint(2, 7, (8,), generator=g)]
-    return RolloutBatch.from_token_lists(prompts, responses, pad_id=0, response_width=6)
-
-
-def _loss_fn(batch: RolloutBatch):
-    def loss_fn(logprobs, entropy, mb):
-        loss = -(logprobs * mb.response_mask).sum() / batch.response_mask.sum()
-        return loss, {"loss": loss.item()}
-    return loss_fn
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny_swap") / "model", seed=12)
 
 
 @pytest.mark.parametrize("dtype,distributed", [(torch.float32, False), (torch.bfloat16, False),
@@ -58,14 +38,14 @@ def test_the_swapped_step_is_the_unswapped_step_bit_for_bit(world, checkpoint, d
     offloader = Offloader(world)
     register_megatron_states(offloader, actor, swap_optimizer_times=TIMES)
     swapped = offloader.states[TRAIN_OPTIMIZER]
-    batch = _batch()
+    batch = token_batch(seed=5)
     if dtype == torch.bfloat16:  # the fp32 masters exist from the build: they leave with the first phase change
         assert swapped.resident_bytes() > 0
     offloader.offload(TRAIN_OPTIMIZER)
     peaks = []
     for _ in range(STEPS):
-        oracle.train_step(batch, micro_batch_size=4, temperature=1.0, loss_fn=_loss_fn(batch))
-        actor.train_step(batch, micro_batch_size=4, temperature=1.0, loss_fn=_loss_fn(batch))
+        oracle.train_step(batch, micro_batch_size=4, temperature=1.0, loss_fn=response_loss_fn(batch))
+        actor.train_step(batch, micro_batch_size=4, temperature=1.0, loss_fn=response_loss_fn(batch))
         assert swapped.resident_bytes() == 0, "every bucket went back to the host"
         peaks.append(swapped.peak_since_read())
 
