@@ -100,6 +100,24 @@ def _search(cfg, arch, plan, args, device_memory: int | None) -> tuple[list[str]
     return search_report(cfg, arch, plan, device_memory=device_memory, rates=rates, profile=args.profile)
 
 
+def _emit(args, plan, report_args: dict, searched: tuple[list[str], dict] | None) -> None:
+    """The table (and the search's lines) on stdout, or the JSON document on stdout or in --json's file."""
+    from mindspeed_rl.planner.report import json_report, text_report
+
+    if args.json is None:
+        print(text_report(plan, **report_args))
+        if searched:
+            print("\n" + "\n".join(searched[0]))
+        return
+    document = json.dumps(json_report(plan, **report_args) | ({"search": searched[1]} if searched else {}), indent=2)
+    if args.json == "-":
+        print(document)
+        return
+    Path(args.json).write_text(document + "\n", encoding="utf-8")
+    print(text_report(plan, **report_args))
+    print(f"\nJSON written to {args.json}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
     from mindspeed_rl.config import ConfigError, default_config_name, error_lines, load_config
@@ -129,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr)
 
         from mindspeed_rl.planner.from_config import architecture, plan_config, resolve_hf_config, suggest
-        from mindspeed_rl.planner.report import json_report, text_report
 
         source = resolve_hf_config(config)
         arch = architecture(source)
@@ -144,19 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             suggestions = suggest(cfg, arch, device_memory=device_memory, profile=args.profile)
         report_args = dict(model_name=config.actor_config.model, source=source.source, switch=switch,
                            suggestions=suggestions, h2d_bytes_per_second=h2d, link_bytes_per_second=link)
-        searched = _search(cfg, arch, plan, args, device_memory) if args.search else None
-        if args.json is None:
-            print(text_report(plan, **report_args))
-            print("\n" + "\n".join(searched[0]) if searched else "", end="\n" if searched else "")
-        else:
-            document = json.dumps(json_report(plan, **report_args) | ({"search": searched[1]} if searched else {}),
-                                  indent=2)
-            if args.json == "-":
-                print(document)
-            else:
-                Path(args.json).write_text(document + "\n", encoding="utf-8")
-                print(text_report(plan, **report_args))
-                print(f"\nJSON written to {args.json}")
+        _emit(args, plan, report_args, _search(cfg, arch, plan, args, device_memory) if args.search else None)
     except ConfigError as error:
         print("\n".join(error_lines(error)), file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
