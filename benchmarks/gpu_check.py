@@ -6,10 +6,12 @@
    cuda): each direction must reach 0.8 of the raw copy's speed, and the round trip must be bit-exact.
 2. On CUDA (`MINDSPEED_RL_TEST_DEVICE=cuda`, a one-rank nccl world): the Megatron engine against HF's
    forward and its weights' round trip, the bit-exact offload tests (fp32, bf16, the distributed
-   optimizer), and the ledger against `torch.cuda.memory_allocated` (tests/test_ledger_on_device.py).
+   optimizer, the swap optimizer), and the ledger against `torch.cuda.memory_allocated` (tests/test_ledger_on_device.py).
+3. The swap optimizer's step with bucket k+1's copy overlapping bucket k's step against one bucket at a time and
+   against the states kept on the device (benchmarks/bench_swap_optimizer.py); the params must end equal.
 
 Prints one markdown table of the figures (README's "Measured on GPU") and writes offload_cuda.json,
-gpu_tests.xml and summary.md under --out. Exit 0 only when every check passed.
+swap_optimizer_cuda.json, gpu_tests.xml and summary.md under --out. Exit 0 only when every check passed.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ DEVICE_TESTS = [
     "tests/test_offload_bit_exact.py",
     "tests/test_distributed_optimizer.py",
     "tests/test_ledger_on_device.py",
+    "tests/test_swap_optimizer.py::test_the_swapped_step_is_the_unswapped_step_bit_for_bit",
 ]
 
 
@@ -51,6 +54,23 @@ def _offload(out: Path, gib: float) -> tuple[bool, list[str]]:
         f"| reload, the same bytes back | {r['gib_per_second_reload']:.1f} GiB/s = {r['reload_vs_raw']:.2f} of a raw "
         f"copy; bit-exact: {r['bit_exact']} |",
     ]
+
+
+def _swap(out: Path) -> tuple[bool, list[str]]:
+    target = out / "swap_optimizer_cuda.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_swap_optimizer.py"), "--device", "cuda",
+                           "--json", str(target)], cwd=ROOT, env=_env())
+    if not target.exists():
+        return False, [f"| swap optimizer benchmark | failed (exit {done.returncode}) |"]
+    r = json.loads(target.read_text())
+    serial, overlapped = r["swapped_serial"], r["swapped_overlapped"]
+    return r["bit_equal"], [
+        f"| swap optimizer step, {r['parameters'] / 1e6:.0f}M {r['dtype']} params, "
+        f"{overlapped['bytes_each_way_per_step'] / 2**30:.2f} GiB of states each way in {overlapped['buckets']} buckets "
+        f"| overlapped {overlapped['step_seconds'] * 1e3:.1f} ms = {r['overlapped_vs_serial']:.2f} of one bucket at a "
+        f"time ({serial['step_seconds'] * 1e3:.1f} ms); states kept on the device "
+        f"{r['resident']['step_seconds'] * 1e3:.1f} ms; at most {overlapped['most_on_device_bytes'] / 2**20:.0f} MiB "
+        f"of states on the device; params equal to the unswapped step's: {r['bit_equal']} |"]
 
 
 def _device_tests(out: Path) -> tuple[bool, list[str]]:
@@ -92,12 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu-check: no CUDA device is visible to torch; nothing to check here", file=sys.stderr)
         return 2
     offload_ok, offload_rows = _offload(args.out, args.gib)
+    swap_ok, swap_rows = _swap(args.out)
     tests_ok, test_rows = _device_tests(args.out)
     summary = "\n".join([f"Measured on {torch.cuda.get_device_name()} (torch {torch.__version__}):", "",
-                         "| check | result |", "| --- | --- |", *offload_rows, *test_rows]) + "\n"
+                         "| check | result |", "| --- | --- |", *offload_rows, *swap_rows, *test_rows]) + "\n"
     (args.out / "summary.md").write_text(summary)
     print(summary)
-    return 0 if offload_ok and tests_ok else 1
+    return 0 if offload_ok and swap_ok and tests_ok else 1
 
 
 if __name__ == "__main__":

@@ -51,6 +51,24 @@ class Accelerator:
         if self.name != "cpu":
             self._module().synchronize()
 
+    def copy_stream(self):
+        """A stream beside the compute stream, for copies that overlap compute (the swap optimizer's next bucket);
+        None on cpu, where a copy is the cores' own work and there is no copy engine to overlap it with."""
+        return None if self.is_host else self._module().Stream()
+
+    def after_current_work(self, stream) -> contextlib.AbstractContextManager:
+        """Work enqueued inside runs on `stream`, after what the current stream has enqueued so far (nothing
+        changes on cpu, or with stream None)."""
+        if stream is None:
+            return contextlib.nullcontext()
+        stream.wait_stream(self._module().current_stream())
+        return self._module().stream(stream)
+
+    def wait_for(self, stream) -> None:
+        """The current stream's later work waits for what `stream` has enqueued so far (None: nothing to wait for)."""
+        if stream is not None:
+            self._module().current_stream().wait_stream(stream)
+
     def empty_cache(self) -> None:
         if self.name != "cpu":
             self._module().empty_cache()

@@ -117,7 +117,9 @@ class StorageGroup:
         self.resident = False
         return copied
 
-    def reload(self) -> int:
+    def reload(self, *, stream=None) -> int:
+        """Bring the storages back; returns the bytes copied. With `stream` (Accelerator.copy_stream) the copies are
+        enqueued there and the call returns at once: `Accelerator.wait_for(stream)` before the contents are used."""
         if self.resident:
             return 0
         copied = 0
@@ -125,11 +127,15 @@ class StorageGroup:
         for slot in self.slots.values():
             # Dropped contents come back as zeros: grads as after zero_grad; inference weights are
             # overwritten by the next switch, and zeros fail its fingerprint check if not.
+            # Acquired on the current stream, which uses the memory and frees it after a synchronize (offload).
             self.accelerator.acquire_storage(slot.storage, slot.nbytes, zeroed=not self._saved)
-            if self._saved:
-                _bytes_view(slot.storage).copy_(slot.mirror, non_blocking=pinned)
-                copied += slot.nbytes
-        self.accelerator.synchronize()
+        with self.accelerator.after_current_work(stream):
+            for slot in self.slots.values():
+                if self._saved:
+                    _bytes_view(slot.storage).copy_(slot.mirror, non_blocking=pinned)
+                    copied += slot.nbytes
+        if stream is None:
+            self.accelerator.synchronize()
         self.resident = True
         return copied
 

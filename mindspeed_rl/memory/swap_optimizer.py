@@ -11,7 +11,8 @@ distributed optimizer's param all-gather) is unchanged.
 
 `SwappedOptimizerStates` is the TRAIN_OPTIMIZER state group of such a run: the residency table never brings it
 in (memory/residency.py); a checkpoint save or load, or ROLL's `reload_states`, brings all of it through the sharding
-manager; the ledger reads the most it held during a phase (`peak_since_read`): one bucket in the update. Like the
+manager; the ledger reads the most it held during a phase (`peak_since_read`): one bucket in the update on cpu, two
+on a device, where bucket k+1's copy in (on the accelerator's copy stream) overlaps bucket k's step. Like the
 other state implementations (memory/offload.py, memory/vllm_states.py), it moves its own storage: the bucketed step
 is the one place a bucket moves, below the sharding manager, which sees the group only.
 """
@@ -64,9 +65,12 @@ class SwappedOptimizerStates:
 
     name = TRAIN_OPTIMIZER
 
-    def __init__(self, optimizer, accelerator, *, times: int):
+    def __init__(self, optimizer, accelerator, *, times: int, overlap_copies: bool = True):
+        """`overlap_copies` False: one bucket at a time on a device too (benchmarks/bench_swap_optimizer.py's
+        serial side)."""
         self._buckets: list[list[_Bucket]] = []  # per leaf optimizer
         self._peak = 0
+        self._stream = accelerator.copy_stream() if overlap_copies else None
         for index, leaf in enumerate(leaf_optimizers(optimizer)):
             masters = {id(p) for attribute in _MASTER_ATTRIBUTES for group in getattr(leaf, attribute, [])
                        for p in group}
@@ -75,7 +79,7 @@ class SwappedOptimizerStates:
                 f"{TRAIN_OPTIMIZER}[{index}.{number}]", _collector(leaf.optimizer, bucket, masters), accelerator))
                 for number, bucket in enumerate(split_into_buckets(params, times))]
             self._buckets.append(buckets)
-            _install_bucketed_step(leaf, buckets, self._held)
+            _install_bucketed_step(leaf, buckets, self._held, accelerator, self._stream)
 
     def _groups(self) -> list[StorageGroup]:
         return [bucket.states for buckets in self._buckets for bucket in buckets]
@@ -103,6 +107,17 @@ class SwappedOptimizerStates:
         """Each bucket's bytes (resident or mirrored): what one bucket of the step brings in."""
         return [max(group.resident_bytes(), group.host_bytes()) for group in self._groups()]
 
+    @property
+    def buckets_in_flight(self) -> int:
+        """Buckets on the device at once in the step: two where the next one's copy overlaps the step, else one."""
+        return 1 if self._stream is None else 2
+
+    def step_peak_bytes(self) -> int:
+        """The most the step holds at once: the largest run of `buckets_in_flight` consecutive buckets."""
+        sizes = [[max(b.states.resident_bytes(), b.states.host_bytes()) for b in buckets] for buckets in self._buckets]
+        n = self.buckets_in_flight
+        return max((sum(run[i:i + n]) for run in sizes for i in range(len(run))), default=0)
+
     def host_bytes(self) -> int:
         return sum(group.host_bytes() for group in self._groups())
 
@@ -129,21 +144,25 @@ def _collector(inner, bucket: list[torch.Tensor], masters: set[int]):
     return collect
 
 
-def _install_bucketed_step(leaf, buckets: list[_Bucket], held) -> None:
+def _install_bucketed_step(leaf, buckets: list[_Bucket], held, accelerator, stream) -> None:
     """The leaf's inner step becomes the bucketed step with each bucket's copy to the model params; Megatron's own
-    copy after it then has nothing left to do."""
+    copy after it then has nothing left to do. With a copy stream (a device), bucket k+1's states come in on it
+    while bucket k steps: two buckets on the device at once, the copy hidden behind the step."""
     inner = leaf.optimizer
     # FP32Optimizer steps the model's own params: nothing to copy.
     step, copy = inner.step, getattr(leaf, "_copy_main_params_to_model_params", lambda: None)
 
     def bucketed_step(closure=None):
-        for bucket in buckets:
-            bucket.states.reload()
+        for number, bucket in enumerate(buckets):
+            bucket.states.reload(stream=stream)  # nothing left to do when it came in ahead
+            accelerator.wait_for(stream)
+            if stream is not None and number + 1 < len(buckets):
+                buckets[number + 1].states.reload(stream=stream)
             with _only(inner, leaf, bucket.members):
                 step()
                 copy()
-            held(bucket.states.resident_bytes())
-            bucket.states.offload()
+            held(sum(other.states.resident_bytes() for other in buckets))
+            bucket.states.offload()  # waits for the device: bucket k+1 has arrived too
 
     inner.step = bucketed_step
     if hasattr(leaf, "_copy_main_params_to_model_params"):

@@ -34,7 +34,8 @@ class RankBytes:
     switch_staging: int = 0
     # A device with a table of its own (the critic's own devices); None: the plan's.
     policy: ResidencyPolicy | None = None
-    # megatron_training.swap_optimizer: the optimizer states the update's step holds at once (one bucket)
+    # megatron_training.swap_optimizer: the optimizer states the update's step holds at once (one bucket; two on a
+    # device, where the next one's copy overlaps the step)
     swap_bucket_bytes: int = 0
 
     def phase(self, policy: ResidencyPolicy, phase: str) -> dict[str, int]:
@@ -86,8 +87,10 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
         ACTIVATIONS: activation_bytes(inputs, c["pp_rank"]),
         **critic_states(inputs, c, on_this_rank=not inputs.critic_world_size),
     }
-    # memory/swap_optimizer.py: a bucket is the share of swap_optimizer_times plus at most its largest param
-    bucket = -(-train.optimizer // inputs.swap_optimizer_times) + train.largest_optimizer
+    # memory/swap_optimizer.py: a bucket is the share of swap_optimizer_times plus at most its largest param; on a
+    # device the next bucket comes in while one steps
+    bucket = (-(-train.optimizer // inputs.swap_optimizer_times) + train.largest_optimizer) * (
+        1 if inputs.kv.on_cpu else 2)
     return RankBytes(rank, states, switch_staging, swap_bucket_bytes=bucket if inputs.policy.swap_optimizer else 0)
 
 
