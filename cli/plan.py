@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             plan, switch = plan_config(config, arch, device_memory=device_memory, link_bytes_per_second=link,
                                        profile=args.profile)
+        except ConfigError:
+            raise  # a ConfigError is a ValueError: it names its own key (generate_config.expert_map_path)
         except ValueError as error:
             raise ConfigError("actor_config", str(error)) from None
         suggestions = None

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RECIPES = Path(__file__).resolve().parent / "data" / "mindspeed_rl_recipes"
+# vllm-ascend's format (tests/eplb_maps.py): the tiny DeepSeek-V3's 2 MoE layers on 2 EP ranks, one redundant expert each
+EPLB_MAP = Path(__file__).resolve().parent / "data" / "eplb" / "tiny_deepseek_v3_ep2_expert_map.json"
 VOCAB = 64
 PROMPTS = 64
 ARCHITECTURES = {"qwen25_7b": "qwen2", "qwen25_32b": "qwen2", "qwen3_8b": "qwen3", "qwen3_32b": "qwen3",
@@ -49,7 +51,9 @@ SHRINKS: dict[str, Shrink] = {
     "grpo_qwen3_235b_a22b_A2": Shrink({**PP2, "num_layers": 4, "noop_layers": "3", "num_layer_list": None},
                                       INFER_EP2),
     "grpo_deepseek_r1_671b_A3": Shrink({**EP2, "num_layer_list": None}, INFER_EP2),
-    "grpo_deepseek_r1_671b_A3_eplb": Shrink({**EP2, "num_layer_list": None}, INFER_EP2),
+    # Their EPLB map is made from their rollouts' expert loads (not published): one for the tiny model at EP2.
+    "grpo_deepseek_r1_671b_A3_eplb": Shrink({**EP2, "num_layer_list": None}, INFER_EP2,
+                                            (f"generate_config.expert_map_path={EPLB_MAP}",)),
     "grpo_deepseek_r1_671b_A2": Shrink(PP2, INFER_EP2),
     "dapo_qwen25_32b_A3": Shrink(TP2, INFER_TP2),
     "dapo_qwen25_32b_A2_20k": Shrink(CP2, INFER_TP2),

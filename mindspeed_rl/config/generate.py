@@ -90,6 +90,10 @@ class GenerateConfig:
     resharding_bucket_mb: int = 64
     # After each train->infer switch, compare cheap fingerprints of inference and training weights.
     check_weights_after_switch: bool = True
+    # MindSpeed-RL's EPLB map (vllm-ascend's format: per MoE layer, per expert-parallel rank, the logical experts that
+    # rank holds, redundant copies included), a path relative to where the run starts. Planned for: the planner counts
+    # each rank's experts from it on an accelerator (planner/expert_map.py); vLLM here places experts evenly.
+    expert_map_path: Optional[str] = None
     sampling_config: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:

@@ -24,6 +24,8 @@ from mindspeed_rl.config.lora import check_lora
 
 # Megatron's WSD also needs an anneal length (lr_wsd_decay_iters) that this schema has no key for.
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+# MindSpeed's context-parallel exchanges MindSpeed-RL accepts (actor_config.context_parallel_algo).
+CP_ALGORITHMS = ("megatron_cp_algo", "ulysses_cp_algo")
 OVERLONG_PROMPT_POLICIES = ("filter", "error")
 TRAINING_STAGES = ("ray_grpo", "ray_dapo", "ray_ppo")  # their entry points: cli/train_grpo.py, train_dapo.py, train_ppo.py
 # Our fields of a dataset row; values of map_keys name where each lives in the row.
@@ -174,6 +176,11 @@ class ActorConfig:
     # Megatron's context parallelism: each sequence split over this many ranks (models/context_parallel.py);
     # padded and packed micro-batches, Qwen2/Qwen3 and Qwen3-MoE.
     context_parallel_size: int = 1
+    # MindSpeed's CP exchange (megatron_cp_algo: ring attention; ulysses_cp_algo: heads all-to-all, MindSpeed-RL's
+    # default). Every one computes the same attention, which this engine computes by gathering each layer's keys and
+    # values; the planner counts the named algorithm's buffers when it plans for an accelerator (planner/activations.py).
+    # None: this engine's gather. hybrid_cp_algo is refused with CP > 1, as MindSpeed-RL's validate_config does.
+    context_parallel_algo: Optional[str] = None
     lr: float
     # Megatron's OptimizerParamScheduler: warmup over lr_warmup_fraction of all optimizer steps, then
     # decay to min_lr.
@@ -225,6 +232,15 @@ class ActorConfig:
     lora_filter: bool = False
     lora_fusion: bool = False
 
+    def _check_context_parallel_algo(self) -> None:
+        key, algo = f"{self.SECTION_KEY}.context_parallel_algo", self.context_parallel_algo
+        if algo is not None and algo not in (*CP_ALGORITHMS, "hybrid_cp_algo"):
+            raise ConfigError(key, f"must be one of {', '.join(CP_ALGORITHMS)} (or hybrid_cp_algo at "
+                                   f"context_parallel_size 1), got {algo!r}")
+        if algo == "hybrid_cp_algo" and self.context_parallel_size > 1:
+            raise ConfigError(key, "hybrid_cp_algo is refused with context_parallel_size > 1, as MindSpeed-RL refuses "
+                                   f"it (its validate_config: ring or Ulysses only); use one of {', '.join(CP_ALGORITHMS)}")
+
     @property
     def uses_lora(self) -> bool:
         return bool(self.lora_target_modules)
@@ -252,6 +268,7 @@ class ActorConfig:
             "adam_eps",
         )
         require_non_negative(prefix, self, "min_lr", "weight_decay", "clip_grad")
+        self._check_context_parallel_algo()
         if self.min_lr > self.lr:
             raise ConfigError(f"{prefix}.min_lr", f"must be <= {prefix}.lr={self.lr}, got {self.min_lr}")
         require_choice(prefix, self, "lr_decay_style", LR_DECAY_STYLES)

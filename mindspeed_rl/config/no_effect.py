@@ -91,11 +91,6 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
         memory=SAME + "each rank holds 1/(TP x EP) of the expert weights in either layout"),
     "actor_config.gemm_gradient_accumulation_fusion": _entry(_NPU_KERNEL, memory=_KERNEL_MEMORY),
     "actor_config.initial_loss_scale": _entry("fp16's loss scale; bf16 and fp32 runs have none"),
-    "actor_config.context_parallel_algo": _entry(
-        "MindSpeed's CP exchange pattern (ring, Ulysses, hybrid); every one computes the same attention, which CP "
-        "here computes by gathering each layer's keys and values over the CP ranks (models/context_parallel.py)",
-        memory=DIFFERS + "ring attention holds two chunks of keys and values at a time and Ulysses all-to-alls heads; "
-                         "here each layer's keys and values are gathered whole, which the planner counts"),
     # CCLoRA overlaps the adapters' TP communication with their compute: the same adapters, outputs and gradients.
     # false stays for the schema (no line); true is listed.
     **{f"{section}.lora_fusion": _entry(
@@ -142,11 +137,6 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
     "generate_config.torchair_graph": _entry(_NPU_KERNEL, memory=_KERNEL_MEMORY),
     "generate_config.ascend_scheduler_config_enabled": _entry(_NPU_KERNEL),
     "generate_config.num_scheduler_steps": _entry("vLLM V1 schedules one step at a time", (1,)),
-    "generate_config.expert_map_path": _entry(
-        "vLLM's expert placement for load balancing (EPLB); the experts computed are the same",
-        memory=DIFFERS + "EPLB's redundant experts add expert weights to the devices holding them; here each device "
-                         "holds its even share",
-        files=SAME + "the map is read there, not written; nothing reads it here"),
     "model.*.moe_grouped_gemm": _entry(_MOE_KERNEL, memory=_KERNEL_MEMORY),
     "model.*.moe_permutation_async_comm": _entry(_MOE_KERNEL, memory=_KERNEL_MEMORY),
     "model.*.moe_token_dispatcher_type": _entry(_MOE_KERNEL, memory=_KERNEL_MEMORY),

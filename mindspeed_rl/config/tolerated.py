@@ -1,6 +1,7 @@
 """Contradictions MindSpeed-RL's recipes carry and their stack runs anyway: here they run too, each said in one warning
 line stating the exact behaviour, instead of a refusal (a refusal stays for what would crash or silently change
-results). `config` is the validated GRPOConfig (not imported: it imports this module's users)."""
+results). Also the keys this engine plans for but runs its own way (planner/from_config.py planned_for_their_stack),
+each said in one line. `config` is the validated GRPOConfig (not imported: it imports this module's users)."""
 from __future__ import annotations
 
 
@@ -17,7 +18,8 @@ def longest_sample_tokens(config) -> int:
 
 
 def warning_lines(config) -> list[str]:
-    """`[config] warning: ...` for each contradiction this config carries, with what the run does about it."""
+    """`[config] warning: ...` for each contradiction this config carries, with what the run does about it, then
+    `[config] note: ...` for each key planned for but run this engine's way."""
     lines = []
     if config.megatron_training.sequence_parallel and not sequence_parallel_in_effect(config):
         lines.append("megatron_training.sequence_parallel: true at actor_config.tensor_model_parallel_size=1 trains "
@@ -29,4 +31,20 @@ def warning_lines(config) -> list[str]:
                      f"{prompt + response} exceeds generate_config.max_model_len={max_model_len}: prompts longer than "
                      f"{max_model_len - response} tokens get a response budget of max_model_len - prompt (vLLM ends "
                      f"them there, as in MindSpeed-RL)")
-    return [f"[config] warning: {line}" for line in lines]
+    return [f"[config] warning: {line}" for line in lines] + [f"[config] note: {line}" for line in planned_for_lines(config)]
+
+
+def planned_for_lines(config) -> list[str]:
+    """The keys the planner counts for the user's devices while this engine computes the same its own way."""
+    lines = []
+    algo = config.actor_config.context_parallel_algo
+    if algo is not None and config.actor_config.context_parallel_size > 1:
+        lines.append(f"actor_config.context_parallel_algo: {algo} is planned for (cli/plan.py counts its buffers on an "
+                     "accelerator); this engine's context parallelism gathers each layer's keys and values over the "
+                     "CP ranks instead (the same attention; models/context_parallel.py)")
+    if config.generate_config.expert_map_path:
+        lines.append(f"generate_config.expert_map_path: {config.generate_config.expert_map_path} is planned for "
+                     "(cli/plan.py counts the redundant experts' weights on the ranks the map puts them on, on an "
+                     "accelerator); vLLM here places the experts evenly (num_experts / EP per rank) and holds no "
+                     "redundant copies")
+    return lines

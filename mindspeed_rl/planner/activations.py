@@ -29,6 +29,13 @@ tokens), c = 4 in fp32 and 4 + e otherwise (the attention probabilities in fp32;
 an accelerator or with packed sequences, whose per-sample attention keeps none: measured within 4%). A
 micro-batch holds micro_batch_size x seq_length tokens, or with use_dynamic_bsz its token budget. A pipeline
 stage p of PP holds min(PP - p, micro-batches per step) micro-batches (1F1B).
+Context parallelism (CP ranks, s / CP tokens each): per layer + the exchange's kept bytes, and once, for the layer
+whose backward runs, its buffers in flight (`cp_exchange_kept`, `cp_exchange_in_flight`): this engine's gather keeps
+each layer's K and V over the whole sequence, 2e kv/t (CP - 1), measured; MindSpeed's ring (megatron_cp_algo) keeps
+nothing more than flash attention and holds 6 x 2e kv/t in flight; Ulysses (ulysses_cp_algo) keeps + e q/t and holds
+e (q + 2 kv)/t in flight (read from MindSpeed's implementations, not measured). `PlanInputs.cp_exchange` says which:
+planner/from_config.py gives the accelerator profile the configured actor_config.context_parallel_algo (the plan is for
+the user's devices) and the cpu profile this engine's gather.
 The cpu coefficients were measured on this engine's path (`with_entropy=True` in the loss) by varying each
 of h, f, head_dim, heads, seq, V, TP, PP and dtype on CPU; they reproduce the demos' measured
 `memory/update/activations_bytes` within 3%. The accelerator profile is the formula, not a measurement
@@ -39,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mindspeed_rl.planner.inputs import CP_GATHER
 from mindspeed_rl.planner.lora import lora_first_stage, lora_layer_change
 from mindspeed_rl.planner.params import stage_layers
 
@@ -55,6 +63,8 @@ class ActivationTerms:
     first_stage: float
     last_stage: float
     last_stage_per_response_token: float
+    # Held once, by the one layer whose backward runs: context parallelism's exchange buffers (cp_exchange_in_flight).
+    exchange_in_flight: float = 0.0
 
 
 def activation_terms(inputs: PlanInputs) -> ActivationTerms:
@@ -67,8 +77,7 @@ def activation_terms(inputs: PlanInputs) -> ActivationTerms:
     no_scores = (inputs.flash_attention or inputs.packed or inputs.recompute_granularity == "selective"
                  or inputs.cp > 1)
     scores = 0.0 if no_scores else (4 if e == 4 else 4 + e) * arch.num_attention_heads / t * s
-    # Context parallelism keeps each layer's K and V gathered over the whole sequence, cp times a rank's own.
-    scores += 2 * e * arch.kv_width / t * (inputs.cp - 1)
+    scores += cp_exchange_kept(inputs, e)
     if inputs.activation_profile == "cpu":
         attention = (16 + 2 * e) * h / h_split + 4 * e * arch.q_width / t + scores
         mlp_per_width = 5 * e
@@ -82,7 +91,34 @@ def activation_terms(inputs: PlanInputs) -> ActivationTerms:
         moe += mlp_per_width * (arch.moe_topk * arch.moe_intermediate_size + arch.shared_expert_size) / t
         moe += 8 * arch.num_experts + 2 * e * arch.moe_topk * h
     return ActivationTerms(dense_layer=dense, moe_layer=moe, first_stage=first_stage, last_stage=(8 + e) * h,
-                           last_stage_per_response_token=e * arch.vocab_size / t + 24)
+                           last_stage_per_response_token=e * arch.vocab_size / t + 24,
+                           exchange_in_flight=cp_exchange_in_flight(inputs, e))
+
+
+def cp_exchange_kept(inputs: PlanInputs, e: int) -> float:
+    """Bytes per token and layer that context parallelism's exchange adds to what the layer keeps for backward.
+    gather (this engine, models/context_parallel.py): each layer's K and V gathered over the whole sequence, cp times
+    a rank's own; ring (megatron_cp_algo): nothing, flash attention keeps the rank's own Q, K, V, output and
+    logsumexp, and backward passes K and V round the ring again; Ulysses: the attention output twice, flash
+    attention's in the heads layout (the full sequence, heads / cp) and linear_proj's input after the all-to-all
+    back (the rank's tokens, every head of the TP rank): + e q / t."""
+    if inputs.cp == 1:
+        return 0.0
+    kv_per_rank = inputs.arch.kv_width / inputs.tp
+    return {CP_GATHER: 2 * e * kv_per_rank * (inputs.cp - 1), "megatron_cp_algo": 0.0,
+            "ulysses_cp_algo": e * inputs.arch.q_width / inputs.tp}[inputs.cp_exchange]
+
+
+def cp_exchange_in_flight(inputs: PlanInputs, e: int) -> float:
+    """Bytes per token held once, by the layer whose backward runs. ring (MindSpeed's ring_context_parallel.py): its
+    backward holds three K/V pairs of a chunk (the current one, the next of the ring, the next round's:
+    ContextParallelKVCache) and three of their gradients (cur_dkv, next_dkv, next_round_dkv): 6 x 2e kv / t; Ulysses
+    (ulysses_context_parallel.py): an all-to-all's input and output coexist, Q, K and V in the sequence layout
+    beside the heads layout's: e (q + 2 kv) / t; gather: the gathered K and V are kept, nothing more."""
+    if inputs.cp == 1 or inputs.cp_exchange == CP_GATHER:
+        return 0.0
+    q, kv = inputs.arch.q_width / inputs.tp, inputs.arch.kv_width / inputs.tp
+    return 6 * 2 * e * kv if inputs.cp_exchange == "megatron_cp_algo" else e * (q + 2 * kv)
 
 
 def activation_bytes(inputs: PlanInputs, pp_rank: int, *, logits: bool = True) -> int:
@@ -100,8 +136,10 @@ def activation_bytes(inputs: PlanInputs, pp_rank: int, *, logits: bool = True) -
         per_token += terms.last_stage + (terms.last_stage_per_response_token * response / inputs.padded_seq_length
                                          if logits else 0.0)
     in_flight = min(inputs.pp - pp_rank, inputs.micro_batches_per_step)
-    # One micro-batch at a time runs its backward, and recomputes there: the others keep what forward left.
-    return int(((in_flight - 1) * per_token + max(per_token, recomputing)) * inputs.tokens_per_micro_batch)
+    # One micro-batch at a time runs its backward, and recomputes there: the others keep what forward left; the
+    # layer running holds CP's exchange buffers.
+    running = max(per_token, recomputing) + terms.exchange_in_flight
+    return int(((in_flight - 1) * per_token + running) * inputs.tokens_per_micro_batch)
 
 
 def _recomputed_layers(inputs: PlanInputs, layer_terms: list[float]) -> tuple[float, float]:

@@ -20,7 +20,8 @@ from mindspeed_rl.memory.residency import ResidencyPolicy
 from mindspeed_rl.planner.arch import Architecture, ArchitectureError, from_hf_config, hf_config_from_model_block
 from mindspeed_rl.planner.critic import critic_inputs
 from mindspeed_rl.planner.lora import lora_inputs
-from mindspeed_rl.planner.inputs import GIB, KVCacheSpec, PlanInputs
+from mindspeed_rl.planner.expert_map import expert_slots, read_expert_map
+from mindspeed_rl.planner.inputs import CP_GATHER, GIB, KVCacheSpec, PlanInputs
 from mindspeed_rl.planner.memory import MemoryPlan, plan_memory
 from mindspeed_rl.planner.switch import SwitchPlan, plan_switch
 
@@ -94,11 +95,14 @@ def on_cpu(config: GRPOConfig, device_memory: int | None, device: str | None = N
 
 
 def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | None = None,
-                seq_length: int | None = None, device: str | None = None, profile: str | None = None) -> PlanInputs:
+                seq_length: int | None = None, device: str | None = None, profile: str | None = None,
+                this_engine: bool = False) -> PlanInputs:
     """`profile` (ACTIVATION_PROFILES) None: accelerator off CPU when the recipe selects the fused RMSNorm and SwiGLU
-    kernels the published count assumes; otherwise cpu (the unfused path's measured amounts)."""
+    kernels the published count assumes; otherwise cpu (the unfused path's measured amounts). `this_engine`: what this
+    engine holds (its CP gather, vLLM's even expert placement), not MindSpeed-RL's planned-for keys."""
     mt, ac, rl, gen = config.megatron_training, config.actor_config, config.rl_config, config.generate_config
     cpu = on_cpu(config, device_memory, device)
+    profile = profile or ("accelerator" if not cpu and mt.use_fused_rmsnorm and mt.use_fused_swiglu else "cpu")
     return PlanInputs(
         arch=replace(arch, pipeline_stage_layers=ac.pipeline_stage_layers), world_size=config.world_size, tp=ac.tensor_model_parallel_size,
         pp=ac.pipeline_model_parallel_size, ep=ac.expert_model_parallel_size, cp=ac.context_parallel_size,
@@ -121,21 +125,38 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
         recompute_granularity=ac.recompute_granularity, recompute_method=ac.recompute_method,
         recompute_num_layers=ac.recompute_num_layers,
         packing_token_budget=rl.packing_budgets["update"][0] if rl.use_dynamic_bsz else None,
-        activation_profile=profile or ("accelerator" if not cpu and mt.use_fused_rmsnorm and mt.use_fused_swiglu
-                                       else "cpu"),
+        activation_profile=profile, **planned_for_their_stack(config, arch, cpu=cpu, profile=profile,
+                                                               this_engine=this_engine),
     )
+
+
+def planned_for_their_stack(config: GRPOConfig, arch: Architecture, *, cpu: bool, profile: str,
+                            this_engine: bool) -> dict:
+    """PlanInputs' cp_exchange and expert_slots: the keys this engine plans for but runs its own way. On an accelerator
+    the plan is for the user's devices (MindSpeed's CP exchange with the accelerator profile; EPLB's expert map, read
+    and checked whenever it is set); on CPU, or for `this_engine`, what this engine holds (its gather; vLLM's even
+    expert placement)."""
+    gen, algo = config.generate_config, config.actor_config.context_parallel_algo
+    exchange = CP_GATHER if this_engine or profile == "cpu" or algo is None else algo
+    slots = None
+    if gen.expert_map_path and not this_engine:
+        slots = expert_slots(read_expert_map(gen.expert_map_path), arch,
+                             ep_size=config.world_size // gen.infer_pipeline_parallel_size,  # vLLM's TP x DP
+                             expert_parallel=gen.infer_expert_parallel_size > 1)
+    return {"cp_exchange": exchange, "expert_slots": None if cpu else slots}
 
 
 def plan_config(config: GRPOConfig, arch: Architecture, *, device_memory: int | None = None,
                 link_bytes_per_second: float = 50e9, with_switch: bool = True, seq_length: int | None = None,
-                device: str | None = None, profile: str | None = None) -> tuple[MemoryPlan, SwitchPlan | None]:
-    """The memory plan of a config (and the switch's bytes from the resharding plan)."""
+                device: str | None = None, profile: str | None = None,
+                this_engine: bool = False) -> tuple[MemoryPlan, SwitchPlan | None]:
+    """The memory plan of a config (and the switch's bytes from the resharding plan); `this_engine`: plan_inputs'."""
     if config.disaggregated:
         # Its phases and the switch assume one device holds every role's states in turn.
         raise ConfigError("actor_infer.device_mapping", "disaggregated roles: the planner models colocated roles "
                                                         "only (every state on one set of devices, taking turns)")
     inputs = plan_inputs(config, arch, device_memory=device_memory, seq_length=seq_length, device=device,
-                         profile=profile)
+                         profile=profile, this_engine=this_engine)
     switch = plan_switch(inputs, link_bytes_per_second=link_bytes_per_second) if with_switch else None
     staging = {r.rank: r.staging for r in switch.ranks} if switch else None
     return plan_memory(inputs, switch_staging=staging), switch
@@ -144,9 +165,10 @@ def plan_config(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
 def predict_run(config: GRPOConfig, hf_config: dict, *, device: str) -> MemoryPlan:
     """What the trainer prints at start and logs beside the ledger: the plan of this run's config and
     checkpoint on its device (no device size is known there: on an accelerator the KV cache is taken as
-    max_num_seqs x max_model_len tokens). Raises ConfigError or ValueError when it cannot size the model."""
+    max_num_seqs x max_model_len tokens), as this engine holds it (its CP gather, vLLM's even expert placement).
+    Raises ConfigError or ValueError when it cannot size the model."""
     arch = architecture(ModelSource(hf_config, "the checkpoint's config.json"))
-    return plan_config(config, arch, with_switch=False, device=device)[0]
+    return plan_config(config, arch, with_switch=False, device=device, this_engine=True)[0]
 
 
 # -- suggestions ----------------------------------------------------------------------------------------

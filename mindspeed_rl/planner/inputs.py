@@ -8,6 +8,10 @@ from mindspeed_rl.parallel.layout import InferLayout, TrainLayout
 from mindspeed_rl.planner.arch import Architecture
 
 ACTIVATION_PROFILES = ("cpu", "accelerator")
+# How context parallelism exchanges keys and values (planner/activations.py): this engine gathers them whole
+# (models/context_parallel.py); MindSpeed's ring (megatron_cp_algo) and Ulysses (ulysses_cp_algo).
+CP_GATHER = "gather"
+CP_EXCHANGES = (CP_GATHER, "megatron_cp_algo", "ulysses_cp_algo")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 GIB = 1 << 30
 
@@ -33,9 +37,13 @@ class PlanInputs:
     pp: int = 1
     ep: int = 1
     cp: int = 1  # context parallelism: each sequence over cp ranks (replicas of the weights, like DP)
+    cp_exchange: str = CP_GATHER  # CP_EXCHANGES: whose K/V exchange the update's activations count
     infer_tp: int = 1
     infer_pp: int = 1  # vLLM pipeline stages (generate_config.infer_pipeline_parallel_size)
     infer_expert_parallel: bool = False
+    # EPLB (generate_config.expert_map_path, planner/expert_map.py): [MoE layer][vLLM EP rank] -> the experts that
+    # rank holds; None: num_experts / EP each (vLLM's even placement).
+    expert_slots: tuple[tuple[int, ...], ...] | None = None
     bf16: bool = False
     infer_dtype: str = "float32"
     distributed_optimizer: bool = False
@@ -86,6 +94,8 @@ class PlanInputs:
                        infer_expert_parallel=False, critic_world_size=0)
 
     def __post_init__(self) -> None:
+        if self.cp_exchange not in CP_EXCHANGES:
+            raise ValueError(f"cp_exchange must be one of {CP_EXCHANGES}, got {self.cp_exchange!r}")
         if self.activation_profile not in ACTIVATION_PROFILES:
             raise ValueError(f"activation_profile must be one of {ACTIVATION_PROFILES}, got {self.activation_profile!r}")
         if self.world_size % self.train_layout.ranks_per_replica:
@@ -149,6 +159,8 @@ class PlanInputs:
         c = self.train_layout.of(rank, self.world_size)
         infer = self.infer_layout
         # dp_rank: the index among the ranks that hold the same weights (DP x CP), what the optimizer shards over.
+        # infer_ep_rank: vLLM's expert-parallel rank within the stage (DP x TP), the device_id of an EPLB map.
         return dict(tp_rank=c.tp_rank, pp_rank=c.pp_rank, dp_rank=c.cp_rank + self.cp * c.dp_rank, ep_rank=c.ep_rank,
                     expert_dp_rank=c.expert_dp_rank, infer_tp_rank=infer.tp_rank(rank),
-                    infer_pp_rank=infer.pp_rank(rank), infer_dp_rank=infer.dp_rank(rank))
+                    infer_pp_rank=infer.pp_rank(rank), infer_dp_rank=infer.dp_rank(rank),
+                    infer_ep_rank=infer.dp_rank(rank) * self.infer_tp + infer.tp_rank(rank))

@@ -19,6 +19,7 @@ from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_UPDATE, IDLE, 
                                            TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
 from mindspeed_rl.planner.activations import activation_bytes
 from mindspeed_rl.planner.critic import CRITIC_ACTIVATIONS, critic_activations, critic_states
+from mindspeed_rl.planner.expert_map import redundant_expert_numel
 from mindspeed_rl.planner.inputs import DTYPE_BYTES, GIB, PlanInputs
 from mindspeed_rl.planner.lora import actor_train_bytes, push_host_copy_bytes
 from mindspeed_rl.planner.params import reward_model_bytes, vllm_numel, vllm_stage_layers
@@ -73,9 +74,7 @@ def kv_needed_bytes(inputs: PlanInputs, infer_pp_rank: int | None = None) -> int
 def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> RankBytes:
     c = inputs.rank_coordinates(rank)
     train = actor_train_bytes(inputs, c)
-    infer = vllm_numel(inputs.arch, tp=inputs.infer_tp, tp_rank=c["infer_tp_rank"], dp=inputs.infer_dp,
-                       dp_rank=c["infer_dp_rank"], expert_parallel=inputs.infer_expert_parallel,
-                       pp=inputs.infer_pp, pp_rank=c["infer_pp_rank"]) * DTYPE_BYTES[inputs.infer_dtype]
+    infer = infer_weight_bytes(inputs, c)
     states = {
         TRAIN_PARAMS: train.params, ADAPTER_PARAMS: train.adapter_params, TRAIN_GRADS: train.grads,
         TRAIN_OPTIMIZER: train.optimizer,
@@ -92,6 +91,19 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
     bucket = (-(-train.optimizer // inputs.swap_optimizer_times) + train.largest_optimizer) * (
         1 if inputs.kv.on_cpu else 2)
     return RankBytes(rank, states, switch_staging, swap_bucket_bytes=bucket if inputs.policy.swap_optimizer else 0)
+
+
+def infer_weight_bytes(inputs: PlanInputs, c: dict[str, int]) -> int:
+    """The vLLM shard of the rank with coordinates `c`, and with an EPLB map (inputs.expert_slots) the experts the map
+    places there beyond the even share (its redundant copies; planner/expert_map.py)."""
+    numel = vllm_numel(inputs.arch, tp=inputs.infer_tp, tp_rank=c["infer_tp_rank"], dp=inputs.infer_dp,
+                       dp_rank=c["infer_dp_rank"], expert_parallel=inputs.infer_expert_parallel,
+                       pp=inputs.infer_pp, pp_rank=c["infer_pp_rank"])
+    if inputs.expert_slots is not None:
+        numel += redundant_expert_numel(inputs.arch, inputs.expert_slots,
+                                        vllm_stage_layers(inputs.arch, c["infer_pp_rank"], inputs.infer_pp),
+                                        c["infer_ep_rank"], inputs.infer_tp * inputs.infer_dp)
+    return numel * DTYPE_BYTES[inputs.infer_dtype]
 
 
 def critic_device_bytes(inputs: PlanInputs, index: int) -> RankBytes:
@@ -217,8 +229,9 @@ def plan_memory(inputs: PlanInputs, *, switch_staging: dict[int, int] | None = N
     for rank in range(inputs.world_size):
         c = inputs.rank_coordinates(rank)
         # TP and EP ranks of a stage hold equal shapes; only the stage (train and vLLM's) and the optimizer's DP
-        # shards differ.
-        key = (c["pp_rank"], c["dp_rank"], c["expert_dp_rank"], c["infer_pp_rank"])
+        # shards differ, and with an EPLB map the experts vLLM's EP rank holds.
+        key = (c["pp_rank"], c["dp_rank"], c["expert_dp_rank"], c["infer_pp_rank"],
+               c["infer_ep_rank"] if inputs.expert_slots is not None else 0)
         if key not in by_key:
             by_key[key] = rank_bytes(inputs, rank)
         ranks.append(replace(by_key[key], rank=rank, switch_staging=staging.get(rank, 0)))

@@ -40,7 +40,8 @@ def count_text(count: int) -> str:
 def _layout_line(plan: MemoryPlan) -> list[str]:
     i = plan.inputs
     # CP shows where it is used; EP wherever there are experts.
-    sizes = [f"TP{i.tp}", f"PP{i.pp}", *[f"CP{i.cp}"][:i.cp > 1], f"DP{i.data_parallel_size}"]
+    cp = f"CP{i.cp} ({i.cp_exchange})"
+    sizes = [f"TP{i.tp}", f"PP{i.pp}", *[cp][:i.cp > 1], f"DP{i.data_parallel_size}"]
     train = f"train {' x '.join(sizes)}" + (f" (EP{i.ep})" if i.arch.is_moe else "")
     extras = ["bf16" if i.bf16 else "fp32"]
     if i.distributed_optimizer:
@@ -52,6 +53,9 @@ def _layout_line(plan: MemoryPlan) -> list[str]:
     extras.append(f"{i.activation_profile} activation profile")
     stages = f" x PP{i.infer_pp}" if i.infer_pp > 1 else ""
     infer = f"infer TP{i.infer_tp}{stages} x DP{i.infer_dp}" + (" (expert parallel)" if i.infer_expert_parallel else "")
+    if i.expert_slots is not None:
+        redundant = sum(i.expert_slots[0]) - i.arch.num_experts  # the map's first MoE layer, as vllm-ascend counts
+        infer += f", EPLB map: {redundant} redundant experts per MoE layer"
     if i.kv.on_cpu:
         kv = f"KV cache {format_bytes(i.kv.cpu_bytes)} (cpu_kvcache_space_gb)"
     elif i.device_memory is not None:
@@ -185,8 +189,18 @@ def activations_formula(i, terms) -> str:
             f"{terms.dense_layer:.0f} B{moe}; first stage +8 B; last stage +(8+e)h = {terms.last_stage:.0f} B, and "
             f"per response token + eV/t + 24 = {terms.last_stage_per_response_token:.0f} B (the logits' response "
             f"rows, vocabulary-sharded); x the micro-batch's tokens (micro_batch_size x seq, or the packing budget) x min(PP - stage, "
-            f"micro-batches) in flight; "
+            f"micro-batches) in flight; {_cp_text(i, terms)}"
             f"{source} (mindspeed_rl/planner/memory.py)")
+
+
+def _cp_text(i, terms) -> str:
+    """The CP exchange's part of the activations formula (planner/activations.py), or nothing without CP."""
+    if i.cp == 1:
+        return ""
+    kept = {"gather": "+ 2e kv/t (CP - 1) per layer (K and V gathered whole, this engine's)",
+            "megatron_cp_algo": "ring: nothing beyond flash attention per layer, 6 x 2e kv/t in flight once",
+            "ulysses_cp_algo": "Ulysses: + e q/t per layer, e (q + 2 kv)/t in flight once"}[i.cp_exchange]
+    return f"CP{i.cp} over s / CP tokens: {kept} = {terms.exchange_in_flight:.0f} B in flight; "
 
 
 def formulas(plan: MemoryPlan) -> list[str]:
@@ -201,7 +215,9 @@ def formulas(plan: MemoryPlan) -> list[str]:
         "reference params: the train shard's elements, unpadded (no DDP)",
         f"inference weights: the vLLM shard's elements (vocabulary padded to 64; with infer PP its stage's layers, "
         f"the embedding on the first stage, the norm and head on the last, on every stage for Qwen3-MoE as vLLM "
-        f"allocates them) x {DTYPE_BYTES[i.infer_dtype]}",
+        f"allocates them) x {DTYPE_BYTES[i.infer_dtype]}" + ("; with the EPLB map + (the experts it places on the "
+                                                            "rank - num_experts / EP) x 3 h F per MoE layer"
+                                                            if i.expert_slots is not None else ""),
         "KV cache: cpu_kvcache_space_gb on CPU; gpu_memory_utilization x device memory - inference weights on an "
         "accelerator (vLLM's own activation reserve not subtracted); per token 2 x layers (of the rank's vLLM stage) "
         "x KV heads per rank x head_dim x dtype (MLA: layers x (kv_lora_rank + rope dim) x dtype)",
@@ -227,7 +243,8 @@ def json_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
                   "mtp_layers_excluded": arch.mtp_layers, "trainable": arch.trainable, "support": arch.support},
         "layout": {"world_size": i.world_size, "critic_world_size": i.critic_world_size, "tp": i.tp, "pp": i.pp, "cp": i.cp, "dp": i.data_parallel_size, "ep": i.ep,
                    "infer_tp": i.infer_tp, "infer_pp": i.infer_pp, "infer_dp": i.infer_dp,
-                   "infer_expert_parallel": i.infer_expert_parallel,
+                   "infer_expert_parallel": i.infer_expert_parallel, "cp_exchange": i.cp_exchange,
+                   "eplb_redundant_experts": None if i.expert_slots is None else sum(i.expert_slots[0]) - i.arch.num_experts,
                    "bf16": i.bf16, "infer_dtype": i.infer_dtype, "distributed_optimizer": i.distributed_optimizer,
                    "sequence_parallel": i.sequence_parallel_effective, "flash_attention": i.flash_attention,
                    "activation_profile": i.activation_profile,

@@ -37,6 +37,12 @@ def resolve_assets(config: GRPOConfig) -> tuple[str, str, str]:
     check_hf_model_dir(model_dir, model_key)
     if not Path(data_path).exists():
         raise ConfigError(DATA_PATH_KEY, f"{data_path} does not exist")
+    if config.generate_config.expert_map_path:
+        # vLLM here places experts evenly, but a map that would not load in MindSpeed-RL's stack (whose engine fails
+        # at start without it) is refused here too, as the planner refuses it.
+        from mindspeed_rl.planner.expert_map import read_expert_map
+
+        read_expert_map(config.generate_config.expert_map_path)
     ref_dir = config.rl_config.integrated_mode_config.ref_model_load_path or model_dir
     if is_checkpoint_dir(ref_dir):
         # The reference is built from the initial HF weights, then one of our checkpoints is loaded over
