@@ -48,6 +48,12 @@ test-multinode: venv
 test-restarts: venv
 	$(PY) -m pytest -q -m restarts tests/test_restarts_e2e.py
 
+# The planner's verdicts against a device of that size (runtime.device_memory_limit): 22 sampled layouts, each
+# one iteration, FITS runs and DOES NOT FIT fails at the predicted phase; .ci/run runs it too.
+.PHONY: test-capacity
+test-capacity: venv
+	$(PY) -m pytest -q -m capacity tests/test_capacity_e2e.py
+
 # MindSpeed-RL's 16 recipes shrunk by overrides (tests/recipe_smoke.py): each trains 2 iterations, saves, and resumes
 # exactly; .ci/run runs them too.
 .PHONY: test-recipes

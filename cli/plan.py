@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device_memory = None
         if args.device_memory is not None:
-            from mindspeed_rl.planner.memory import parse_bytes
+            from mindspeed_rl.sizes import parse_bytes
 
             try:
                 device_memory = parse_bytes(args.device_memory)

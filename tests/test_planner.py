@@ -20,10 +20,10 @@ from mindspeed_rl.memory.residency import PHASES, ResidencyPolicy
 from mindspeed_rl.planner.arch import from_hf_config
 from mindspeed_rl.planner.activations import activation_bytes, activation_terms
 from mindspeed_rl.planner.inputs import KVCacheSpec, PlanInputs
-from mindspeed_rl.planner.memory import (ACTIVATIONS, kv_needed_bytes,
-                                         parse_bytes, plan_memory)
+from mindspeed_rl.planner.memory import ACTIVATIONS, kv_needed_bytes, plan_memory
 from mindspeed_rl.planner.params import megatron_params, train_state_bytes, vllm_numel
 from mindspeed_rl.models.layouts import parameter_shapes, vllm_layout, vllm_pp_layers
+from mindspeed_rl.sizes import parse_bytes
 from mindspeed_rl.resharding.plan import InferLayout
 from mindspeed_rl.planner.switch import plan_switch
 

@@ -84,6 +84,14 @@ class Accelerator:
             return None
         return int(self._module().max_memory_allocated())
 
+    def limit_memory(self, capacity_bytes: int) -> None:
+        """Cap the device allocator at `capacity_bytes` (runtime.device_memory_limit); on cpu the memory ledger
+        enforces the capacity instead (memory/capacity.py)."""
+        if self.name != "cpu":
+            module = self._module()
+            total = module.get_device_properties(module.current_device()).total_memory
+            module.set_per_process_memory_fraction(min(1.0, capacity_bytes / total))
+
     def host_buffer(self, nbytes: int) -> torch.UntypedStorage:
         """A host mirror for offloading; pinned where the device can DMA from it, huge pages on CPU."""
         if self.is_host:

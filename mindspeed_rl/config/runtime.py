@@ -6,6 +6,7 @@ from typing import ClassVar
 from mindspeed_rl.config.checks import require_choice, require_non_negative, require_positive
 from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.console import LOG_LEVELS
+from mindspeed_rl.sizes import parse_bytes
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
 # arith: "a+b=" prompts, answer = the leading integer (verifier arith_acc).
@@ -67,12 +68,20 @@ class RuntimeConfig:
     max_restarts: int = 0
     # A restart whose cluster no longer holds the layout (a node lost) waits this long for the resources to return.
     restart_wait_seconds: float = 300.0
+    # Each device's memory, e.g. "64MiB" or "64GB": past it a phase fails with `out of device memory in <phase>` as on
+    # a device that size. On CPU the engine refuses what the memory ledger attributes (states, activations, KV cache)
+    # past it; on CUDA/NPU the allocator is capped too. null: the device's own memory (on CPU: none enforced).
+    device_memory_limit: str | None = None
     # The libraries' log records (Megatron, vLLM, Ray) reach the console from this level up (debug, info,
     # warning, error); all of them are in the run's log file. Our own lines are always shown.
     log_level: str = "warning"
     # MindSpeed-RL keys of its own implementation are accepted and listed at start as having no effect here
     # (config/no_effect.py); true makes each an error.
     strict_keys: bool = False
+
+    @property
+    def device_memory_limit_bytes(self) -> int | None:
+        return None if self.device_memory_limit is None else parse_bytes(str(self.device_memory_limit))
 
     def __post_init__(self) -> None:
         require_choice(self.SECTION_KEY, self, "log_level", LOG_LEVELS)
@@ -87,6 +96,12 @@ class RuntimeConfig:
         if self.heartbeat_timeout_seconds < 3:
             raise ConfigError(f"{self.SECTION_KEY}.heartbeat_timeout_seconds",
                               f"must be >= 3 (a rank beats every second), got {self.heartbeat_timeout_seconds}")
+        if self.device_memory_limit is not None:
+            try:
+                parse_bytes(str(self.device_memory_limit))
+            except ValueError as error:
+                raise ConfigError(f"{self.SECTION_KEY}.device_memory_limit",
+                                  f"a size such as 64MiB or 64GB, or null ({error})") from None
         if not self.metrics_file:
             raise ConfigError(f"{self.SECTION_KEY}.metrics_file", "must be a file name, got ''")
 

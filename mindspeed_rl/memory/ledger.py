@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from mindspeed_rl.accelerator import Accelerator
+from mindspeed_rl.memory.capacity import DeviceCapacity
 from mindspeed_rl.memory.residency import RECORDED_PHASES, STATE_GROUPS
 
 ACTIVATIONS = "activations"
@@ -63,10 +64,13 @@ class MemoryLedger:
     accelerator: Accelerator
     records: dict[str, LedgerRecord] = field(default_factory=dict)
     read_host_states: Callable[[], dict[str, int]] | None = None  # host bytes per state (Offloader.host_bytes)
+    capacity: DeviceCapacity | None = None  # runtime.device_memory_limit: a record past it is out of memory
 
     def record(self, phase: str, extra: dict[str, int] | None = None) -> LedgerRecord:
         self.accelerator.synchronize()  # pending frees and copies must have landed before counting
         by_category = {**self.read_states(), **(extra or {})}
+        if self.capacity is not None:
+            self.capacity.check(phase.removeprefix("after_"), by_category)
         entry = LedgerRecord(phase=phase, bytes_by_category=by_category,
                              allocator_bytes=self.accelerator.memory_allocated_bytes(),
                              host_bytes_by_category=self.read_host_states() if self.read_host_states else {})
@@ -78,6 +82,14 @@ class MemoryLedger:
 
     def latest(self, phase: str) -> LedgerRecord | None:
         return self.records.get(phase)
+
+    def activation_guard(self, phase: str, held_bytes: dict[str, int]) -> Callable[[int], None] | None:
+        """For `ActivationMeter(on_grow=...)`: out of memory as soon as `held_bytes` (the states resident through
+        the phase) and the live activations pass the capacity; None without one."""
+        if self.capacity is None:
+            return None
+        capacity = self.capacity
+        return lambda live_bytes: capacity.check(phase, {**held_bytes, ACTIVATIONS: live_bytes})
 
 
 class _Saved:
@@ -99,8 +111,10 @@ class ActivationMeter:
     several views of one storage count once. Forward-only phases save nothing and read 0.
     """
 
-    def __init__(self, exclude_storage_keys: set[int]):
+    def __init__(self, exclude_storage_keys: set[int], *, on_grow: Callable[[int], None] | None = None):
+        """`on_grow(live_bytes)` runs each time the live activations grow (a capacity check: it may raise)."""
         self.exclude = exclude_storage_keys
+        self.on_grow = on_grow
         self.peak_bytes = 0
         self._live_bytes = 0
         self._refs: dict[int, list[int]] = {}  # storage key -> [references, nbytes]
@@ -124,11 +138,16 @@ class ActivationMeter:
             return tensor
         with self._lock:
             entry = self._refs.setdefault(key, [0, storage.nbytes()])
-            if entry[0] == 0:
+            grew = entry[0] == 0
+            if grew:
                 self._live_bytes += entry[1]
                 self.peak_bytes = max(self.peak_bytes, self._live_bytes)
             entry[0] += 1
-        return _Saved(tensor, self, key)
+            live = self._live_bytes
+        saved = _Saved(tensor, self, key)  # counted from here: released when dropped, also if the check raises
+        if grew and self.on_grow is not None:
+            self.on_grow(live)
+        return saved
 
     @staticmethod
     def _unpack(packed):

@@ -164,11 +164,12 @@ def plan_config(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
 
 def predict_run(config: GRPOConfig, hf_config: dict, *, device: str) -> MemoryPlan:
     """What the trainer prints at start and logs beside the ledger: the plan of this run's config and
-    checkpoint on its device (no device size is known there: on an accelerator the KV cache is taken as
-    max_num_seqs x max_model_len tokens), as this engine holds it (its CP gather, vLLM's even expert placement).
-    Raises ConfigError or ValueError when it cannot size the model."""
+    checkpoint on its device, of runtime.device_memory_limit where set (else no device size is known: on an
+    accelerator the KV cache is taken as max_num_seqs x max_model_len tokens), as this engine holds it (its CP gather,
+    vLLM's even expert placement). Raises ConfigError or ValueError when it cannot size the model."""
     arch = architecture(ModelSource(hf_config, "the checkpoint's config.json"))
-    return plan_config(config, arch, with_switch=False, device=device, this_engine=True)[0]
+    return plan_config(config, arch, with_switch=False, device=device,
+                       device_memory=config.runtime.device_memory_limit_bytes, this_engine=True)[0]
 
 
 # -- suggestions ----------------------------------------------------------------------------------------

@@ -10,11 +10,10 @@ The update's activations are `planner/activations.py`'s.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from mindspeed_rl.memory.ledger import ACTIVATIONS
-from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_UPDATE, IDLE, INFER_WEIGHTS, INFER_WEIGHTS_HOST,
+from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_OPTIMIZER, CRITIC_UPDATE, IDLE, INFER_WEIGHTS, INFER_WEIGHTS_HOST,
                                            KV_CACHE, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS, SWITCH, TRAIN_GRADS,
                                            TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
 from mindspeed_rl.planner.activations import activation_bytes
@@ -24,6 +23,7 @@ from mindspeed_rl.planner.inputs import DTYPE_BYTES, GIB, PlanInputs
 from mindspeed_rl.planner.lora import actor_train_bytes, push_host_copy_bytes
 from mindspeed_rl.planner.params import reward_model_bytes, vllm_numel, vllm_stage_layers
 from mindspeed_rl.planner.switch import COPIED
+from mindspeed_rl.sizes import format_bytes
 
 
 
@@ -166,6 +166,33 @@ class MemoryPlan:
             out[phase] = (best.rank, sum(self.rank_phase(best, phase).values()))
         return out
 
+    def first_iteration_totals(self) -> dict[str, tuple[int, int]]:
+        """`totals()` of the first iteration: Adam's moments are made by an optimizer's first step (torch's lazy
+        state), so until the update (the critic's until its own) a bf16 model's optimizer states are its fp32 masters
+        only (4 of 12 bytes per param), an fp32 model's none."""
+        out, made = {}, set()
+        for phase in self.table_phases:
+            made |= {UPDATE: {TRAIN_OPTIMIZER}, CRITIC_UPDATE: {CRITIC_OPTIMIZER}}.get(phase, set())
+            rows = []
+            for rank in self.ranks:
+                row = self.rank_phase(rank, phase)
+                for category in {TRAIN_OPTIMIZER, CRITIC_OPTIMIZER} - made:
+                    row[category] = row.get(category, 0) // 3 if self.inputs.bf16 else 0
+                rows.append((sum(row.values()), -rank.rank))
+            total, negative_rank = max(rows)
+            out[phase] = (-negative_rank, total)
+        return out
+
+    def first_over(self, capacity_bytes: int) -> tuple[str, int, int] | None:
+        """(phase, rank, bytes) of the first phase a run enters - the first iteration's, then every later one's -
+        whose largest rank passes `capacity_bytes`: where a run on devices that size runs out (memory/capacity.py);
+        None when every phase fits."""
+        for totals in (self.first_iteration_totals(), self.totals()):
+            for phase, (rank, total) in totals.items():
+                if total > capacity_bytes:
+                    return phase, rank, total
+        return None
+
     def peak(self) -> tuple[str, int, int]:
         """(phase, rank, bytes) of the largest total."""
         phase, (rank, total) = max(self.totals().items(), key=lambda item: item[1][1])
@@ -237,31 +264,3 @@ def plan_memory(inputs: PlanInputs, *, switch_staging: dict[int, int] | None = N
         ranks.append(replace(by_key[key], rank=rank, switch_staging=staging.get(rank, 0)))
     ranks += [critic_device_bytes(inputs, index) for index in range(inputs.critic_world_size)]
     return MemoryPlan(inputs, tuple(ranks))
-
-
-def format_bytes(value: float) -> str:
-    if value == 0:
-        return "-"
-    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{int(value)} B"
-
-
-def parse_bytes(text: str) -> int:
-    """'64GiB', '80GB', '512MiB', '1.5TiB', '123' (bytes)."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "K": 1 << 10, "M": 1 << 20,
-             "G": 1 << 30, "T": 1 << 40}
-    stripped = text.strip().replace(" ", "")
-    number = stripped.rstrip("KMGTiBkmgtib")
-    unit = stripped[len(number):].upper()
-    if unit not in units or not number:
-        raise ValueError(f"{text!r} is not a size like 64GiB, 80GB or 1.5TiB")
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a size like 64GiB, 80GB or 1.5TiB") from None
-    if value <= 0 or not math.isfinite(value):
-        raise ValueError(f"{text!r} must be a positive size")
-    return int(value * units[unit])

@@ -8,9 +8,9 @@ from mindspeed_rl.planner.from_config import Suggestion
 from mindspeed_rl.planner.activations import activation_terms
 from mindspeed_rl.planner.critic import critic_devices_text, critic_layout_lines
 from mindspeed_rl.planner.inputs import DTYPE_BYTES
-from mindspeed_rl.planner.memory import (ACTIVATIONS, MemoryPlan, format_bytes,
-                                         kv_needed_bytes)
+from mindspeed_rl.planner.memory import ACTIVATIONS, MemoryPlan, kv_needed_bytes
 from mindspeed_rl.planner.switch import SwitchPlan, iteration_moves
+from mindspeed_rl.sizes import format_bytes
 
 ROWS = (
     (TRAIN_PARAMS, "train params"),

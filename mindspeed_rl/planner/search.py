@@ -206,7 +206,7 @@ def search_report(cfg, arch: Architecture, plan: MemoryPlan, *, device_memory: i
                   margin: float = 0.10, profile: str | None = None) -> tuple[list[str], dict]:
     """(lines, JSON document) of `--search`: the fastest few that fit with `margin`, and the `overrides:` line of the
     best; or that none fits, with the three largest consumers of the config's own peak."""
-    from mindspeed_rl.planner.memory import format_bytes
+    from mindspeed_rl.sizes import format_bytes
 
     found = search(cfg, arch, device_memory=device_memory, rates=rates, margin=margin, profile=profile)
     head = (f"search: {len(found)} layouts fit {format_bytes(device_memory)} with a {margin:.0%} margin; time model at "

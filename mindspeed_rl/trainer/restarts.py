@@ -16,6 +16,7 @@ import time
 
 from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.trainer.stopping import WORKER_FAILURE_EXIT_CODE, RunProgress, RunStopped
+from mindspeed_rl.memory.capacity import failure_phase_and_detail
 from mindspeed_rl.workers.supervision import WorkerFailure
 
 # Process ids, ports and Ray's ids differ between two failures that are the same failure.
@@ -42,6 +43,9 @@ class Restarts:
         """Count a restart after `failure`, or end the run: none left (as without restarts), or the same failure
         at the same iteration as the one before the last restart (a restart would only repeat it)."""
         signature = failure_signature(failure, progress)
+        if self.max_restarts and failure_phase_and_detail(str(failure)) is not None:
+            print("[restart] not restarting: the same layout runs out of device memory again", flush=True)
+            raise failure
         if self.count and signature == self._last:
             raise RunStopped(WORKER_FAILURE_EXIT_CODE, f"{progress.worker_failure_line(failure)}; it failed the same "
                                                        f"way before restart {self.count}, at the same point: not "

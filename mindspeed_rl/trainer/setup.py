@@ -359,7 +359,7 @@ def memory_prediction(config: GRPOConfig, hf_config: dict, device: str | None = 
     line) when the planner cannot size the model."""
     from mindspeed_rl.accelerator import detect_device
     from mindspeed_rl.planner.from_config import predict_run
-    from mindspeed_rl.planner.memory import format_bytes
+    from mindspeed_rl.sizes import format_bytes
 
     device = device or (detect_device() if config.runtime.device == "auto" else config.runtime.device)
     try:
@@ -374,4 +374,19 @@ def memory_prediction(config: GRPOConfig, hf_config: dict, device: str | None = 
             parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in table[phase].items() if v)
             where = f" at {plan.inputs.padded_seq_length} tokens per sequence" if phase == "update" else ""
             print(f"[plan] {phase}: {format_bytes(totals[phase][1])} per device predicted{where} ({parts})", flush=True)
+        if config.runtime.device_memory_limit_bytes is not None:
+            print(capacity_verdict(plan, config.runtime.device_memory_limit_bytes), flush=True)
     return plan
+
+
+def capacity_verdict(plan, capacity_bytes: int) -> str:
+    """One line: whether the run fits runtime.device_memory_limit, or the first phase that will not."""
+    from mindspeed_rl.sizes import format_bytes
+
+    head = f"[plan] runtime.device_memory_limit {format_bytes(capacity_bytes)}:"
+    over = plan.first_over(capacity_bytes)
+    if over is None:
+        phase, rank, peak = plan.peak()
+        return f"{head} fits (peak {format_bytes(peak)} in {phase} on rank {rank})"
+    phase, rank, total = over
+    return f"{head} does not fit: {phase} needs {format_bytes(total)} on rank {rank}, the first phase over"

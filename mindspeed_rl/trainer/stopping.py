@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mindspeed_rl.checkpoint.store import LATEST_NAME
+from mindspeed_rl.memory.capacity import MARK, failure_phase_and_detail
 
 WORKER_FAILURE_EXIT_CODE = 1
 # A write the disk refused: no space, over quota, a read-only filesystem, an I/O error, a file-size limit.
@@ -45,6 +46,12 @@ class RunProgress:
         return "none" if self.save_root else "none (actor_config.save is not set)"
 
     def worker_failure_line(self, failure: object) -> str:
+        out_of_memory = failure_phase_and_detail(str(failure))
+        if out_of_memory is not None:  # the capacity's line first: what ran out, where, on which rank
+            phase, detail = out_of_memory
+            who = str(failure).split(" failed in ", 1)[0]
+            return (f"{MARK}{phase}: {detail}; on {who} during {self._where()}; last checkpoint: "
+                    f"{self.last_checkpoint_text()}")
         return f"worker failure during {self._where()}: {failure}; last checkpoint: {self.last_checkpoint_text()}"
 
     def disk_failure_line(self, error: OSError) -> str:

@@ -11,10 +11,12 @@ tells an inference rank whose training weights live elsewhere that its generate 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Callable
 
+from mindspeed_rl.memory.capacity import out_of_memory
 from mindspeed_rl.memory.context_managers import state_offload_manager
 from mindspeed_rl.workers.dispatch import Dispatch
 from mindspeed_rl.workers.sharding_manager import PhaseStates
@@ -59,8 +61,8 @@ def phase_rpc(phase: str, *, label: str | None = None, progress: str | None = No
             if info.get("weights_changed"):
                 self.sharding_manager.weights_changed = True
             metrics: dict[str, float] = {}
-            with state_offload_manager(PhaseStates(self.sharding_manager, phase), metrics, label,
-                                       is_offload_states=is_offload_states):
+            with _device_out_of_memory_named(phase), state_offload_manager(
+                    PhaseStates(self.sharding_manager, phase), metrics, label, is_offload_states=is_offload_states):
                 result = method(self, *args, **kwargs)
             metrics.update(self.sharding_manager.pop_metrics())
             metrics.update(self.ledger.record(f"after_{label}").metrics())
@@ -72,6 +74,17 @@ def phase_rpc(phase: str, *, label: str | None = None, progress: str | None = No
         rpc.phase, rpc.progress, rpc.changes_weights, rpc.dispatch = phase, progress, changes_weights, dispatch
         return rpc
     return decorate
+
+
+@contextlib.contextmanager
+def _device_out_of_memory_named(phase: str):
+    """A device allocator's own out-of-memory error (CUDA's, NPU's) as the capacity's: one line naming the phase."""
+    import torch
+
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        raise out_of_memory(phase, str(error).strip().splitlines()[0]) from None
 
 
 def _with_meta_info(signature: inspect.Signature) -> inspect.Signature:

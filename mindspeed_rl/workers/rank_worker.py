@@ -133,11 +133,22 @@ class RankWorker(RankProcess):
         from mindspeed_rl.memory.context_managers import log_gpu_memory_usage, register_memory_source
 
         self.ledger = MemoryLedger(self.offloader.phase_bytes, self.accelerator,
-                                   read_host_states=self.offloader.host_bytes)
+                                   read_host_states=self.offloader.host_bytes, capacity=self._capacity())
+        self.sharding_manager.capacity = self.ledger.capacity
         register_memory_source(self.offloader.resident_bytes, self.accelerator)
         self.sharding_manager.enter(IDLE)
         self.ledger.record("initialize")
         log_gpu_memory_usage(head="initialized", rank=0)
+
+    def _capacity(self):
+        """runtime.device_memory_limit as this rank's device capacity (memory/capacity.py); None without one."""
+        from mindspeed_rl.memory.capacity import DeviceCapacity
+
+        limit = self.config.runtime.device_memory_limit_bytes
+        if limit is None:
+            return None
+        self.accelerator.limit_memory(limit)
+        return DeviceCapacity(limit)
 
     def _progress(self, step: str, started: float) -> None:
         """One line per long start-up step (rank 0 speaks for all), so a slow start shows where it is."""

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
+from mindspeed_rl.memory.capacity import DeviceCapacity
 from mindspeed_rl.memory.offload import Offloader
 from mindspeed_rl.memory.residency import (DROPPED_ON_PHASE_CHANGE, GENERATE, INFER_WEIGHTS_HOST, OLD_LOGPROB,
                                            RELOADED_LAST, STATE_GROUPS, SWITCH, UPDATE, ResidencyPolicy)
@@ -53,6 +54,7 @@ class ShardingManager:
         # An inference rank of a disaggregated actor: the training weights changed since its last push.
         self.weights_changed = False
         self.metrics: dict[str, float] = {}  # timings and push figures since the last pop_metrics
+        self.capacity: DeviceCapacity | None = None  # runtime.device_memory_limit, checked as each phase's states come
         if weight_push is not None:
             self.attach_push(weight_push, colocated=True)
 
@@ -77,6 +79,7 @@ class ShardingManager:
             moved += self._switch()
         if phase != SWITCH:
             moved += self._settle(self.policy.resident(phase), phase_change=True)
+            self._check_capacity(phase)
         if phase in _ENTER_TIMINGS:
             self._add({_ENTER_TIMINGS[phase]: time.perf_counter() - started})
         return moved
@@ -84,6 +87,7 @@ class ShardingManager:
     def _switch(self) -> Moved:
         needed = self.policy.resident(SWITCH) | (self.push.states_needed() if self.push is not None else frozenset())
         moved = self._settle(needed, phase_change=True)
+        self._check_capacity(SWITCH)
         if self.push is not None:
             self._add(self.push.push())
             self.weights_changed = False
@@ -96,6 +100,10 @@ class ShardingManager:
         if phase in _LEAVE_TIMINGS:
             self._add({_LEAVE_TIMINGS[phase]: time.perf_counter() - started})
         return moved
+
+    def _check_capacity(self, phase: str) -> None:
+        if self.capacity is not None:
+            self.capacity.check(phase, self.offloader.resident_bytes())
 
     def pop_metrics(self) -> dict[str, float]:
         metrics, self.metrics = self.metrics, {}

@@ -42,7 +42,8 @@ class CriticPart(Part):
     def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
         from mindspeed_rl.memory import ActivationMeter
 
-        with ActivationMeter(self.offloader.storage_keys()) as activations:
+        guard = self.ledger.activation_guard(CRITIC_UPDATE, self.offloader.resident_bytes())
+        with ActivationMeter(self.offloader.storage_keys(), on_grow=guard) as activations:
             metrics = update_critic(self.critic, self.config, batch, self.critic_shuffler)
             in_phase = self.ledger.record(CRITIC_UPDATE, extra={"activations": activations.peak_bytes})
         return {**metrics, **in_phase.metrics()}

@@ -72,7 +72,8 @@ class TrainingPart(Part):
                                        temperature=self.config.generate_config.sampling_config.temperature,
                                        packing=packing_for(rl, "update"))
 
-        with ActivationMeter(self.offloader.storage_keys()) as activations:
+        guard = self.ledger.activation_guard(UPDATE, self.offloader.resident_bytes())
+        with ActivationMeter(self.offloader.storage_keys(), on_grow=guard) as activations:
             metrics, steps = over_mini_batches(batch, rl, self.shuffler, step, lr_key="actor/lr",
                                                data_parallel_size=self.actor.parallel.dp)
             # Recorded after the steps: the optimizer creates its moments lazily at the first one.
