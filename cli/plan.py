@@ -145,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
 
         for line in warning_lines(config):
             print(line, file=sys.stderr)
+        expert_map = config.generate_config.expert_map_path
+        if expert_map and not Path(expert_map).exists():
+            print(f"[plan] note: generate_config.expert_map_path: {expert_map} is not here (EPLB's map is made from "
+                  "the user's own rollouts, MindSpeed-RL's cli/eplb_generate_map_ds.py): planned with each device's "
+                  "even share of the experts; with the map, its redundant copies add to the inference weights (a run "
+                  "needs the file)", file=sys.stderr)
 
         from mindspeed_rl.planner.from_config import architecture, plan_config, resolve_hf_config, suggest
 

@@ -134,12 +134,13 @@ def planned_for_their_stack(config: GRPOConfig, arch: Architecture, *, cpu: bool
                             this_engine: bool) -> dict:
     """PlanInputs' cp_exchange and expert_slots: the keys this engine plans for but runs its own way. On an accelerator
     the plan is for the user's devices (MindSpeed's CP exchange with the accelerator profile; EPLB's expert map, read
-    and checked whenever it is set); on CPU, or for `this_engine`, what this engine holds (its gather; vLLM's even
-    expert placement)."""
+    and checked whenever it is set and there; a map not made yet - theirs come from the user's own rollouts - plans the
+    even share, said by cli/plan.py); on CPU, or for `this_engine`, what this engine holds (its gather; vLLM's even
+    expert placement). A run checks the map at start (trainer/setup.py)."""
     gen, algo = config.generate_config, config.actor_config.context_parallel_algo
     exchange = CP_GATHER if this_engine or profile == "cpu" or algo is None else algo
     slots = None
-    if gen.expert_map_path and not this_engine:
+    if gen.expert_map_path and not this_engine and Path(gen.expert_map_path).exists():
         slots = expert_slots(read_expert_map(gen.expert_map_path), arch,
                              ep_size=config.world_size // gen.infer_pipeline_parallel_size,  # vLLM's TP x DP
                              expert_parallel=gen.infer_expert_parallel_size > 1)
