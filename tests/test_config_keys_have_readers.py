@@ -51,6 +51,8 @@ VALIDATED_ONLY: dict[str, str] = {
     "critic_config.lora_fusion": "the schema keeps false; true (MindSpeed's CCLoRA kernel) is a listed no-effect knob",
     "critic_config.context_parallel_algo": "checked as actor_config's; the planner counts the critic's update with "
                                            "actor_config.context_parallel_algo (the critic shares the actor's layout)",
+    "critic_config.moe_tp_extend_ep": "the critic shares the actor's layout; the planner counts the critic's update with "
+                                      "actor_config.moe_tp_extend_ep",
     "runtime.strict_keys": "read by config/loader.py from the raw tree, before the schema: no-effect keys become errors",
     "rl_config.rollout_correction.preset": "applied at load: it sets the rollout_is/rs/veto keys it names "
                                            "(config/rollout_correction.py), which the correction reads",

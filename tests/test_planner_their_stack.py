@@ -224,13 +224,37 @@ def test_an_algorithm_mindspeed_rl_refuses_at_cp_above_1_is_a_config_error(overr
         load_recipe(CP_RECIPE, override)
 
 
+# -- actor_config.moe_tp_extend_ep ----------------------------------------------------------------------------------
+def test_tp_extended_experts_keep_each_tp_ranks_own_dispatched_tokens():
+    """MindSpeed's moe_tp_extend_ep with sequence parallelism: a rank dispatches its own s/TP tokens, k copies of each
+    (2 e k h / TP bytes per token of the micro-batch); Megatron's TP-split experts see the TP group's every token."""
+    arch = _moe()
+    inputs = PlanInputs(arch=arch, world_size=4, tp=4, bf16=True, sequence_parallel=True,
+                        activation_profile="accelerator")
+    extended = replace(inputs, moe_tokens_split_over_tp=True)
+    saved = activation_terms(inputs).moe_layer - activation_terms(extended).moe_layer
+    assert saved == pytest.approx(2 * 2 * arch.moe_topk * arch.hidden_size * (1 - 1 / 4))
+    assert activation_terms(inputs).dense_layer == activation_terms(extended).dense_layer
+
+
+def test_their_moe_recipes_plan_tp_extended_experts_on_their_devices_and_this_engines_split_on_cpu():
+    config = load_recipe("grpo_deepseek_r1_671b_A2", "runtime.device=npu")
+    arch = _deepseek_v3()
+    assert config.actor_config.moe_tp_extend_ep and config.megatron_training.sequence_parallel
+    assert plan_inputs(config, arch, device="npu").moe_tokens_split_over_tp
+    assert not plan_inputs(config, arch, device="npu", profile="cpu").moe_tokens_split_over_tp
+    assert not plan_inputs(config, arch, device="npu", this_engine=True).moe_tokens_split_over_tp
+
+
 # -- the no-effect table --------------------------------------------------------------------------------------------
-def test_neither_key_is_listed_as_having_no_effect():
-    assert {"actor_config.context_parallel_algo", "generate_config.expert_map_path"}.isdisjoint(NO_EFFECT_KEYS)
+def test_no_key_planned_for_is_listed_as_having_no_effect():
+    assert {"actor_config.context_parallel_algo", "generate_config.expert_map_path",
+            "actor_config.moe_tp_extend_ep"}.isdisjoint(NO_EFFECT_KEYS)
 
 
 @pytest.mark.parametrize("name, key", [(CP_RECIPE, "actor_config.context_parallel_algo"),
-                                       (EPLB_RECIPE, "generate_config.expert_map_path")])
+                                       (EPLB_RECIPE, "generate_config.expert_map_path"),
+                                       ("grpo_deepseek_r1_671b_A2", "actor_config.moe_tp_extend_ep")])
 def test_their_recipes_keep_the_key_for_the_schema_instead_of_listing_it(name, key):
     notices: list[str] = []
     config = load_recipe(name, notices=notices)

@@ -181,6 +181,11 @@ class ActorConfig:
     # values; the planner counts the named algorithm's buffers when it plans for an accelerator (planner/activations.py).
     # None: this engine's gather. hybrid_cp_algo is refused with CP > 1, as MindSpeed-RL's validate_config does.
     context_parallel_algo: Optional[str] = None
+    # MindSpeed's TP-extended expert parallelism: the TP ranks hold whole experts (num_experts / (TP x EP) each) and,
+    # with sequence parallelism, dispatch only their own s / TP tokens. Each rank holds 1/(TP x EP) of the expert
+    # weights in either layout; the dispatched tokens differ, which the planner counts on an accelerator
+    # (planner/activations.py). This engine splits each expert over TP instead (Megatron's layout).
+    moe_tp_extend_ep: bool = False
     lr: float
     # Megatron's OptimizerParamScheduler: warmup over lr_warmup_fraction of all optimizer steps, then
     # decay to min_lr.

@@ -86,9 +86,6 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
     "megatron_training.shape_order": _entry(_NPU_KERNEL, memory=_KERNEL_MEMORY),
     "megatron_training.moe_alltoall_overlap_comm": _entry(_MOE_KERNEL, memory=_KERNEL_MEMORY),
     "megatron_training.use_rotary_position_embeddings": _entry("every model here uses RoPE (rotary_base)", (True,)),
-    "actor_config.moe_tp_extend_ep": _entry(
-        "MindSpeed's TP-extended expert layout; experts are split by expert_model_parallel_size here",
-        memory=SAME + "each rank holds 1/(TP x EP) of the expert weights in either layout"),
     "actor_config.gemm_gradient_accumulation_fusion": _entry(_NPU_KERNEL, memory=_KERNEL_MEMORY),
     "actor_config.initial_loss_scale": _entry("fp16's loss scale; bf16 and fp32 runs have none"),
     # CCLoRA overlaps the adapters' TP communication with their compute: the same adapters, outputs and gradients.

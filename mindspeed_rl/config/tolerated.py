@@ -42,6 +42,10 @@ def planned_for_lines(config) -> list[str]:
         lines.append(f"actor_config.context_parallel_algo: {algo} is planned for (cli/plan.py counts its buffers on an "
                      "accelerator); this engine's context parallelism gathers each layer's keys and values over the "
                      "CP ranks instead (the same attention; models/context_parallel.py)")
+    if config.actor_config.moe_tp_extend_ep:
+        lines.append("actor_config.moe_tp_extend_ep: true is planned for (cli/plan.py counts each TP rank's own s/TP "
+                     "tokens dispatched to the experts, on an accelerator); this engine splits each expert over TP "
+                     "instead (the same weights per rank, the same results)")
     if config.generate_config.expert_map_path:
         lines.append(f"generate_config.expert_map_path: {config.generate_config.expert_map_path} is planned for "
                      "(cli/plan.py counts the redundant experts' weights on the ranks the map puts them on, on an "

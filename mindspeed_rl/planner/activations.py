@@ -89,7 +89,8 @@ def activation_terms(inputs: PlanInputs) -> ActivationTerms:
     moe = attention
     if arch.is_moe:
         moe += mlp_per_width * (arch.moe_topk * arch.moe_intermediate_size + arch.shared_expert_size) / t
-        moe += 8 * arch.num_experts + 2 * e * arch.moe_topk * h
+        # the dispatched tokens: k copies of each token the rank dispatches (MindSpeed's moe_tp_extend_ep: its own)
+        moe += 8 * arch.num_experts + 2 * e * arch.moe_topk * h / (t if inputs.moe_tokens_split_over_tp else 1)
     return ActivationTerms(dense_layer=dense, moe_layer=moe, first_stage=first_stage, last_stage=(8 + e) * h,
                            last_stage_per_response_token=e * arch.vocab_size / t + 24,
                            exchange_in_flight=cp_exchange_in_flight(inputs, e))

@@ -132,7 +132,8 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
 
 def planned_for_their_stack(config: GRPOConfig, arch: Architecture, *, cpu: bool, profile: str,
                             this_engine: bool) -> dict:
-    """PlanInputs' cp_exchange and expert_slots: the keys this engine plans for but runs its own way. On an accelerator
+    """PlanInputs' cp_exchange, expert_slots and moe_tokens_split_over_tp: the keys this engine plans for but runs its
+    own way (moe_tp_extend_ep: the accelerator profile counts each TP rank's own dispatched tokens). On an accelerator
     the plan is for the user's devices (MindSpeed's CP exchange with the accelerator profile; EPLB's expert map, read
     and checked whenever it is set and there; a map not made yet - theirs come from the user's own rollouts - plans the
     even share, said by cli/plan.py); on CPU, or for `this_engine`, what this engine holds (its gather; vLLM's even
@@ -144,7 +145,10 @@ def planned_for_their_stack(config: GRPOConfig, arch: Architecture, *, cpu: bool
         slots = expert_slots(read_expert_map(gen.expert_map_path), arch,
                              ep_size=config.world_size // gen.infer_pipeline_parallel_size,  # vLLM's TP x DP
                              expert_parallel=gen.infer_expert_parallel_size > 1)
-    return {"cp_exchange": exchange, "expert_slots": None if cpu else slots}
+    their_layout = not (this_engine or profile == "cpu")
+    return {"cp_exchange": exchange, "expert_slots": None if cpu else slots,
+            "moe_tokens_split_over_tp": their_layout and config.actor_config.moe_tp_extend_ep
+            and sequence_parallel_in_effect(config)}
 
 
 def plan_config(config: GRPOConfig, arch: Architecture, *, device_memory: int | None = None,

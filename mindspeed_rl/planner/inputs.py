@@ -44,6 +44,9 @@ class PlanInputs:
     # EPLB (generate_config.expert_map_path, planner/expert_map.py): [MoE layer][vLLM EP rank] -> the experts that
     # rank holds; None: num_experts / EP each (vLLM's even placement).
     expert_slots: tuple[tuple[int, ...], ...] | None = None
+    # MindSpeed's moe_tp_extend_ep with sequence parallelism: a rank dispatches its own s / TP tokens to the experts
+    # (not the TP group's s); False: Megatron's TP-split experts, which see every token of the TP group.
+    moe_tokens_split_over_tp: bool = False
     bf16: bool = False
     infer_dtype: str = "float32"
     distributed_optimizer: bool = False
