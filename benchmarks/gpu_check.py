@@ -32,6 +32,7 @@ DEVICE_TESTS = [
     "tests/test_distributed_optimizer.py",
     "tests/test_ledger_on_device.py",
     "tests/test_swap_optimizer.py::test_the_swapped_step_is_the_unswapped_step_bit_for_bit",
+    "tests/test_capacity_on_device.py",
 ]
 
 

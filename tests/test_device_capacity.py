@@ -129,3 +129,4 @@ def test_a_device_allocators_own_out_of_memory_error_names_the_phase():
     with pytest.raises(OutOfDeviceMemory) as raised, _device_out_of_memory_named(UPDATE):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore text")
     assert str(raised.value) == "out of device memory in update: CUDA out of memory. Tried to allocate 2.00 GiB."
+
