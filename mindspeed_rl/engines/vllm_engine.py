@@ -157,6 +157,25 @@ class VLLMEngine:
                                               top_logprobs=top, text=sample.text if detokenize else None))
         return generations
 
+    def score(self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]) -> list[list[float]]:
+        """vLLM's log-prob of each response token after its prompt and the tokens before it, under the weights
+        loaded now: a prefill with `prompt_logprobs` (one forward, no sampling). The mismatch ledger's re-score
+        (algorithms/mismatch.py). At temperature 1 only: vLLM's prompt log-probs skip the sampler's processors, so
+        they are not the temperature-scaled ones `generate` returns at another temperature."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        assert self.kv_cache_resident, "score() with the KV cache released"
+        assert self.weights_loaded, "score() before the first weight push"
+        params = SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=list(p) + list(r)) for p, r in zip(prompt_token_ids, response_token_ids)]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        scores = []
+        for prompt, response, request in zip(prompt_token_ids, response_token_ids, outputs):
+            steps = request.prompt_logprobs[len(prompt):]  # position i: the log-prob of token i given those before
+            scores.append([step[token].logprob for token, step in zip(response, steps)])
+        return scores
+
     # -- weights -------------------------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
         """vLLM's live parameters (this rank's inference shard); writing them updates the model."""

@@ -1,0 +1,168 @@
+"""The mismatch ledger (algorithms/mismatch.py): its buckets add up to its total, and each cause injected alone — a
+stale version, a dtype difference, one perturbed pushed tensor — lands >= 95% in its own bucket.
+
+The injection tests measure every link of the chain (they re-score even where the engine would take a link as 0 by
+definition), so a cause leaking into another bucket would show: real vLLM (fp32, in-process, the 1-rank world) samples
+and re-scores; the trainer's log-probs come from transformers' Qwen2 on the same weights (fp32 or bf16). The weights
+are rounded to bf16 once so that "the same weights" hold exactly in either dtype.
+Runs where: in the pytest process, a 1-rank gloo world (shared with the other single-rank tests).
+"""
+import pytest
+import torch
+
+from mindspeed_rl.algorithms.mismatch import CAUSES, ledger_from_gap, mismatch_ledger
+from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from mindspeed_rl.resharding.fingerprint import range_fingerprint
+from mindspeed_rl.resharding.naive import load_full_hf
+
+PROMPTS = [[5, 9, 6, 11], [7, 9, 8, 11], [3, 4, 5, 6]]
+MAX_TOKENS = 12
+
+
+def _buckets(metrics):
+    return {cause: metrics[f"mismatch/{cause}"] for cause in CAUSES}
+
+
+# -- the decomposition itself ---------------------------------------------------------------------------------
+def test_the_buckets_sum_to_the_total():
+    generator = torch.Generator().manual_seed(0)
+    shape = (4, 7)
+    roll, now, exact, old = (torch.randn(shape, generator=generator) for _ in range(4))
+    mask = (torch.rand(shape, generator=generator) > 0.3).float()
+    for kwargs in ({}, {"stale": True, "rescored": now}, {"stale": True, "rescored": now, "exact": exact,
+                                                         "weights_exact": False},
+                   {"exact": exact, "weights_exact": False}, {"weights_exact": False}):
+        metrics = mismatch_ledger(roll, old, mask, **kwargs)
+        assert metrics["mismatch/total"] == pytest.approx(sum(_buckets(metrics).values()), rel=1e-12)
+        # the path is never shorter than the end-to-end gap (triangle inequality)
+        end_to_end = ((old.double() - roll.double()).abs() * mask).sum().item() / mask.sum().item()
+        assert metrics["mismatch/total"] >= end_to_end - 1e-9
+    gap = ledger_from_gap(0.25, weights_exact=True)
+    assert gap["mismatch/total"] == sum(_buckets(gap).values()) == gap["mismatch/numerics"] == 0.25
+
+
+def test_on_policy_exact_push_puts_the_gap_in_numerics_and_a_stale_rollout_needs_its_rescore():
+    roll, old, mask = torch.zeros(2, 3), torch.full((2, 3), 0.5), torch.ones(2, 3)
+    assert _buckets(mismatch_ledger(roll, old, mask)) == {"staleness": 0.0, "push": 0.0, "numerics": 0.5,
+                                                          "routing": 0.0}
+    assert mismatch_ledger(roll, old, mask, weights_exact=False)["mismatch/push"] == 0.5
+    with pytest.raises(ValueError, match="re-score"):
+        mismatch_ledger(roll, old, mask, stale=True)
+
+
+# -- each cause injected alone, measured with real engines -----------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_mismatch") / "model"
+    create_tiny_qwen2_checkpoint(out, vocab_size=64, hidden_size=128, ffn_hidden_size=256, num_layers=2,
+                                 num_attention_heads=4, num_query_groups=2, seed=31, init_std=0.2)
+    spec, state = load_hf_checkpoint(str(out))
+    return str(out), spec, {name: t.to(torch.bfloat16).to(torch.float32) for name, t in state.items()}
+
+
+@pytest.fixture(scope="module")
+def rollout(world, checkpoint):
+    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    return VLLMEngine(VLLMEngineConfig(
+        model_dir=checkpoint[0], tensor_parallel_size=1, dtype="float32", max_model_len=64, max_num_seqs=16,
+        max_num_batched_tokens=1024, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
+        cpu_kvcache_space_gb=0.03125, on_cpu=True))
+
+
+def _push(engine, spec, state) -> dict[str, torch.Tensor]:
+    load_full_hf(engine.named_weights(), state, spec, tp=1, tp_rank=0)
+    engine.mark_weights_loaded()
+    return {name: t.clone() for name, t in engine.named_weights().items()}
+
+
+def _fingerprints_agree(engine, pushed: dict[str, torch.Tensor]) -> bool:
+    """The resharding check's verdict, whole tensors: what landed vs what the trainer's weights give."""
+    return all(torch.equal(range_fingerprint(live, 0, 0, live.shape[0], live.dtype),
+                           range_fingerprint(pushed[name], 0, 0, live.shape[0], live.dtype))
+               for name, live in engine.named_weights().items())
+
+
+def _sample(engine):
+    generations = engine.generate(PROMPTS, n=2, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, top_k=-1,
+                                  min_p=0.0, seed=5)
+    prompts = [PROMPTS[g.prompt_index] for g in generations]
+    return prompts, [g.token_ids for g in generations], _padded([g.logprobs for g in generations])
+
+
+def _padded(rows):
+    out, mask = torch.zeros(len(rows), MAX_TOKENS), torch.zeros(len(rows), MAX_TOKENS)
+    for i, row in enumerate(rows):
+        out[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1.0
+    return out, mask
+
+
+def _trainer_logprobs(checkpoint, state, dtype, prompts, responses):
+    """The trainer's old log-probs: transformers' Qwen2 on `state` in `dtype`, log-softmax in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
+    model.load_state_dict(state, strict=True)
+    model = model.to(dtype).eval()
+    rows = []
+    with torch.no_grad():
+        for prompt, response in zip(prompts, responses):
+            ids = torch.tensor([prompt + response])
+            logp = model(ids).logits[0].float().log_softmax(-1)
+            positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+            rows.append(logp[positions, torch.tensor(response)].tolist())
+    return _padded(rows)[0]
+
+
+def _measure(engine, spec, checkpoint_dir, *, sampled_state, pushed_state, trainer_state, trainer_dtype):
+    """Every link of the chain measured: sample under `sampled_state`, push `pushed_state` (what landed in vLLM),
+    re-score; re-score under the trainer's exact weights; the trainer's log-probs under `trainer_state`."""
+    _push(engine, spec, sampled_state)
+    prompts, responses, (roll, mask) = _sample(engine)
+    _push(engine, spec, pushed_state)
+    now = _padded(engine.score(prompts, responses))[0]
+    exact_weights = _push(engine, spec, trainer_state)
+    exact = _padded(engine.score(prompts, responses))[0]
+    _push(engine, spec, pushed_state)
+    agree = _fingerprints_agree(engine, exact_weights)
+    old = _trainer_logprobs(checkpoint_dir, trainer_state, trainer_dtype, prompts, responses)
+    metrics = mismatch_ledger(roll, old, mask, rescored=now, exact=exact, stale=True, weights_exact=agree)
+    return metrics, agree
+
+
+def _share(metrics, cause):
+    return metrics[f"mismatch/{cause}"] / metrics["mismatch/total"]
+
+
+def test_a_stale_version_lands_in_staleness(rollout, checkpoint):
+    directory, spec, state = checkpoint
+    generator = torch.Generator().manual_seed(1)
+    older = {name: t + 0.01 * torch.randn(t.shape, generator=generator) for name, t in state.items()}
+    metrics, agree = _measure(rollout, spec, directory, sampled_state=older, pushed_state=state, trainer_state=state,
+                              trainer_dtype=torch.float32)
+    assert agree
+    assert metrics["mismatch/total"] > 1e-2
+    assert _share(metrics, "staleness") >= 0.95, metrics
+
+
+def test_the_same_weights_in_another_dtype_land_in_numerics(rollout, checkpoint):
+    directory, spec, state = checkpoint
+    metrics, agree = _measure(rollout, spec, directory, sampled_state=state, pushed_state=state, trainer_state=state,
+                              trainer_dtype=torch.bfloat16)
+    assert agree
+    assert metrics["mismatch/total"] > 1e-3
+    assert _share(metrics, "numerics") >= 0.95, metrics
+
+
+def test_one_perturbed_pushed_tensor_lands_in_push(rollout, checkpoint):
+    directory, spec, state = checkpoint
+    corrupted = dict(state)
+    name = "model.layers.0.mlp.down_proj.weight"
+    corrupted[name] = state[name] + 0.05 * torch.randn(state[name].shape, generator=torch.Generator().manual_seed(2))
+    # vLLM sampled with, and holds, what the push landed: on-policy for vLLM, off the trainer's weights
+    metrics, agree = _measure(rollout, spec, directory, sampled_state=corrupted, pushed_state=corrupted,
+                              trainer_state=state, trainer_dtype=torch.float32)
+    assert not agree
+    assert metrics["mismatch/total"] > 1e-3
+    assert _share(metrics, "push") >= 0.95, metrics
