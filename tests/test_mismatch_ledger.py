@@ -166,3 +166,54 @@ def test_one_perturbed_pushed_tensor_lands_in_push(rollout, checkpoint):
     assert not agree
     assert metrics["mismatch/total"] > 1e-3
     assert _share(metrics, "push") >= 0.95, metrics
+
+
+# -- the switch, the records, the summary ----------------------------------------------------------------------
+def _load(*overrides):
+    from test_config import load
+
+    return load(*overrides)
+
+
+def test_the_ledger_is_off_by_default_and_refused_where_it_cannot_split():
+    from test_config import config_error
+
+    assert _load("grpo_tiny_cpu").rl_config.mismatch_ledger is False
+    assert _load("grpo_tiny_cpu", "rl_config.mismatch_ledger=true").rl_config.mismatch_ledger is True
+    assert "synchronous rollouts only" in config_error("grpo_tiny_cpu_disaggregated", "rl_config.mismatch_ledger=true",
+                                                       "async_generation_ratio=1")
+    assert "check_weights_after_switch" in config_error("grpo_tiny_cpu", "rl_config.mismatch_ledger=true",
+                                                        "generate_config.check_weights_after_switch=false")
+
+
+class _Batch:
+    def __init__(self, columns, mask):
+        self.columns, self._mask = columns, mask
+
+    def loss_mask(self):
+        return self._mask
+
+
+def test_records_carry_the_ledger_from_either_old_logprob_source():
+    from mindspeed_rl.trainer.metrics import ledger_metrics
+
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    roll, old = torch.tensor([[-1.0, -2.0, -9.0]]), torch.tensor([[-1.5, -2.5, 0.0]])
+    separate = ledger_metrics(_Batch({"rollout_logprobs": roll, "old_logprobs": old}, mask), {})
+    from_update = ledger_metrics(_Batch({"rollout_logprobs": roll}, mask), {"rollout/logprob_mean_abs_diff": 0.5})
+    assert separate == from_update
+    assert separate["mismatch/numerics"] == separate["mismatch/total"] == 0.5
+    assert separate["mismatch/staleness"] == separate["mismatch/push"] == separate["mismatch/routing"] == 0.0
+
+
+def test_the_summary_gives_the_runs_mean_per_cause():
+    from pathlib import Path
+
+    from mindspeed_rl.trainer.summary import summary_lines
+
+    history = [{"iteration": i, "timing/all": 1.0, "mismatch/staleness": 0.0, "mismatch/push": 0.0,
+                "mismatch/numerics": 0.01 * i, "mismatch/routing": 0.0, "mismatch/total": 0.01 * i} for i in (1, 3)]
+    line = next(line for line in summary_lines(history, run_dir=Path("/run"), artefacts=[]) if "mismatch" in line)
+    assert "numerics=2.00e-02" in line and "total=2.00e-02" in line and "staleness=0.00e+00" in line
+    assert not any("mismatch" in line for line in summary_lines([{"iteration": 1, "timing/all": 1.0}],
+                                                                run_dir=Path("/run"), artefacts=[]))

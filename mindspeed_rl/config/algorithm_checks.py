@@ -44,6 +44,21 @@ def check_dynamic_sampling(config) -> None:
                                                             "it runs synchronously (async_generation_ratio: 0)")
 
 
+def check_mismatch_ledger(config) -> None:
+    """The ledger splits what it can measure (algorithms/mismatch.py): the push bucket is the fingerprint check's
+    verdict, and a one-step off-policy rollout's staleness needs vLLM's re-score under the weights now pushed, which
+    the inference ranks do not run yet."""
+    if not config.rl_config.mismatch_ledger:
+        return
+    if config.rollout_staleness:
+        raise ConfigError("rl_config.mismatch_ledger", "splits the mismatch of synchronous rollouts only "
+                                                       "(async_generation_ratio: 0): a stale rollout's share needs "
+                                                       "vLLM's re-score under the pushed weights, not wired in yet")
+    if not config.generate_config.check_weights_after_switch:
+        raise ConfigError("rl_config.mismatch_ledger", "needs generate_config.check_weights_after_switch: true (its "
+                                                       "push bucket is the weight fingerprints' verdict)")
+
+
 def check_recompute_layers(config) -> None:
     """Megatron's uniform recompute runs chunks of recompute_num_layers layers of each pipeline stage: the
     chunk must tile every stage (Megatron itself fails with an IndexError otherwise)."""

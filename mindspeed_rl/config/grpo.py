@@ -20,8 +20,8 @@ from mindspeed_rl.config.resources import (
     actor_world_size,
     build_resource_plan,
 )
-from mindspeed_rl.config.algorithm_checks import (check_dynamic_sampling, check_evaluation, check_packing,
-                                                  check_num_layer_list, check_recompute_layers)
+from mindspeed_rl.config.algorithm_checks import (check_dynamic_sampling, check_evaluation, check_mismatch_ledger,
+                                                  check_num_layer_list, check_packing, check_recompute_layers)
 from mindspeed_rl.config.critic import (check_critic, critic_has_own_devices, critic_role_sections, critic_world_size,
                                         own_critic_ranks)
 from mindspeed_rl.config.context_parallel import check_context_parallel
@@ -143,6 +143,7 @@ class GRPOConfig:
             self.check_layout, self._check_synthetic_data, self._check_asset_paths,
             lambda: check_supported(self.resource_plan, self.rewards), self._check_reward_model,
             self._check_async_generation, partial(check_evaluation, self), partial(check_dynamic_sampling, self),
+            partial(check_mismatch_ledger, self),
             partial(check_critic, self), partial(check_lora_run, self), partial(check_multi_turn, self),
         )
 

@@ -147,6 +147,9 @@ class RLConfig:
     # verl's rollout correction of the train-inference mismatch (importance sampling, rejection, veto; null keys: off);
     # docs/algorithms.md "Rollout correction".
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # Ours: the mismatch ledger, every record's `mismatch/<cause>` split of the rollout-vs-trainer log-prob gap
+    # (staleness, push, numerics, routing; docs/mismatch.md). Synchronous runs with the fingerprint check only, for now.
+    mismatch_ledger: bool = False
     clip_ratio_low: float = 0.1
     clip_ratio_high: float = 0.1
     # Ours (verl's names): how the per-token loss becomes one number, see README "DAPO"; null: token-mean when

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from mindspeed_rl.algorithms.mismatch import ledger_from_gap, mismatch_ledger
 from mindspeed_rl.algorithms.rollout_correction import rollout_mismatch
 from mindspeed_rl.memory.residency import RECORDED_PHASES
 
@@ -64,6 +65,8 @@ def iteration_metrics(config, batch, phase_metrics: dict, rewards, accuracy_valu
     if "old_logprobs" in batch.columns:
         metrics |= rollout_mismatch(batch.columns["rollout_logprobs"], batch.columns["old_logprobs"], batch.loss_mask())
     metrics["actor/old_logprobs_from_update"] = float("old_logprobs" not in batch.columns)
+    if config.rl_config.mismatch_ledger:
+        metrics |= ledger_metrics(batch, phase_metrics)
     metrics |= phase_timings(phase_metrics)
     metrics |= throughput(prompt_lengths=prompt_lengths, response_lengths=response_lengths,
                           world_size=config.num_rank_processes, seconds_all=phase_metrics["timing/all"],
@@ -73,6 +76,16 @@ def iteration_metrics(config, batch, phase_metrics: dict, rewards, accuracy_valu
     if "actor/grad_norm" in phase_metrics:
         metrics["grad_norm"] = phase_metrics["actor/grad_norm"]
     return metrics
+
+
+def ledger_metrics(batch, phase_metrics: dict) -> dict[str, float]:
+    """The mismatch ledger of a synchronous iteration (config/algorithm_checks.check_mismatch_ledger): on-policy, so no
+    staleness; the fingerprint check passed (the push raises otherwise), so no push; the gap is the engines' numerics.
+    Where the update gave the old log-probs, its own measure of the gap (workers/actor_steps.train_on_mini_batch)."""
+    if "old_logprobs" in batch.columns:
+        return mismatch_ledger(batch.columns["rollout_logprobs"], batch.columns["old_logprobs"], batch.loss_mask(),
+                               weights_exact=True)
+    return ledger_from_gap(phase_metrics["rollout/logprob_mean_abs_diff"], weights_exact=True)
 
 
 def format_line(m: dict) -> str:

@@ -7,6 +7,7 @@ from statistics import mean
 
 from mindspeed_rl.memory.residency import PHASES
 
+MISMATCH_KEYS = ("mismatch/staleness", "mismatch/push", "mismatch/numerics", "mismatch/routing", "mismatch/total")
 # First and last this many iterations are averaged for "start -> end".
 ENDS_WINDOW = 10
 _MIB = 1 << 20
@@ -31,5 +32,9 @@ def summary_lines(history: list[dict], *, run_dir: Path, artefacts: list[str], r
         if values:
             lines.append(f"  {name}: {mean(values[:ENDS_WINDOW]):.3f} -> {mean(values[-ENDS_WINDOW:]):.3f} "
                          f"(mean of the first -> last {min(ENDS_WINDOW, len(values))} iterations)")
+    ledger = [key for key in MISMATCH_KEYS if any(key in r for r in history)]
+    if ledger:  # rl_config.mismatch_ledger: the run's mean per cause
+        lines.append("  mismatch (mean |d log p| per token): " + " ".join(
+            f"{key.split('/')[1]}={mean(r[key] for r in history if key in r):.2e}" for key in ledger))
     lines.append(f"  files: {run_dir}" + "".join(f"\n    {artefact}" for artefact in artefacts))
     return lines
