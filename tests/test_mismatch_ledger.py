@@ -217,3 +217,12 @@ def test_the_summary_gives_the_runs_mean_per_cause():
     assert "numerics=2.00e-02" in line and "total=2.00e-02" in line and "staleness=0.00e+00" in line
     assert not any("mismatch" in line for line in summary_lines([{"iteration": 1, "timing/all": 1.0}],
                                                                 run_dir=Path("/run"), artefacts=[]))
+
+
+def test_the_training_curves_draw_every_cause(tmp_path):
+    from mindspeed_rl.trainer.curves import plot_training_curves
+
+    records = [{"iteration": i, "reward/mean": 0.1, **{f"mismatch/{cause}": 0.0 for cause in CAUSES},
+                "mismatch/total": 1e-6 * i} for i in range(1, 4)]
+    drawn = plot_training_curves(records, tmp_path / "curves.png")
+    assert {f"mismatch/{cause}" for cause in (*CAUSES, "total")} <= set(drawn)

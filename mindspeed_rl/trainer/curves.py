@@ -1,5 +1,5 @@
 """Training curves of a run: reward per verifier, accuracy, KL, response length, tokens/s per iteration, the
-held-out evaluation's accuracy when the run evaluates, and PPO's value loss and explained variance with a critic.
+held-out evaluation's accuracy when the run evaluates, the mismatch ledger's causes when it is on, and PPO's value loss and explained variance with a critic.
 
 Drawn at the end of a run beside metrics.jsonl, and redrawable from any run's file:
 
@@ -22,6 +22,8 @@ PANELS = (
     ("response length", ["response_length/mean", "response_length/max"], "tokens"),
     ("throughput", ["e2e_tps", "vllm_tps", "update_tps"], "tokens/s per device"),
     ("learning rate", ["actor/lr"], "lr"),
+    # rl_config.mismatch_ledger's split of the vLLM-vs-Megatron log-prob gap (docs/mismatch.md).
+    ("train-rollout mismatch", ["mismatch/*"], "mean |d log p| per token"),
     ("held-out evaluation", ["eval/pass@*"], "fraction correct"),
     # PPO's critic (drawn where the run has one).
     ("value loss", ["critic/vf_loss"], "0.5 x squared error"),
