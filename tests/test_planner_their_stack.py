@@ -18,8 +18,9 @@ from mindspeed_rl.planner.activations import activation_bytes, activation_terms
 from mindspeed_rl.planner.arch import from_hf_config
 from mindspeed_rl.planner.expert_map import expert_slots, read_expert_map, vllm_expert_numel
 from mindspeed_rl.planner.from_config import plan_inputs, planned_for_their_stack
-from mindspeed_rl.planner.inputs import CP_GATHER, GIB, KVCacheSpec, PlanInputs
+from mindspeed_rl.planner.inputs import CP_GATHER, KVCacheSpec, PlanInputs
 from mindspeed_rl.planner.memory import plan_memory
+from mindspeed_rl.sizes import GIB
 from test_mindspeed_rl_recipes import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]

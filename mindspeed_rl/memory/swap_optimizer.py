@@ -105,7 +105,11 @@ class SwappedOptimizerStates:
 
     def bucket_bytes(self) -> list[int]:
         """Each bucket's bytes (resident or mirrored): what one bucket of the step brings in."""
-        return [max(group.resident_bytes(), group.host_bytes()) for group in self._groups()]
+        return [size for sizes in self._bucket_sizes() for size in sizes]
+
+    def _bucket_sizes(self) -> list[list[int]]:
+        """Per leaf optimizer, each bucket's bytes in step order."""
+        return [[max(b.states.resident_bytes(), b.states.host_bytes()) for b in buckets] for buckets in self._buckets]
 
     @property
     def buckets_in_flight(self) -> int:
@@ -114,9 +118,8 @@ class SwappedOptimizerStates:
 
     def step_peak_bytes(self) -> int:
         """The most the step holds at once: the largest run of `buckets_in_flight` consecutive buckets."""
-        sizes = [[max(b.states.resident_bytes(), b.states.host_bytes()) for b in buckets] for buckets in self._buckets]
         n = self.buckets_in_flight
-        return max((sum(run[i:i + n]) for run in sizes for i in range(len(run))), default=0)
+        return max((sum(run[i:i + n]) for run in self._bucket_sizes() for i in range(len(run))), default=0)
 
     def host_bytes(self) -> int:
         return sum(group.host_bytes() for group in self._groups())

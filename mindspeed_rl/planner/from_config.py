@@ -21,9 +21,10 @@ from mindspeed_rl.planner.arch import Architecture, ArchitectureError, from_hf_c
 from mindspeed_rl.planner.critic import critic_inputs
 from mindspeed_rl.planner.lora import lora_inputs
 from mindspeed_rl.planner.expert_map import expert_slots, read_expert_map
-from mindspeed_rl.planner.inputs import CP_GATHER, GIB, KVCacheSpec, PlanInputs
+from mindspeed_rl.planner.inputs import CP_GATHER, KVCacheSpec, PlanInputs
 from mindspeed_rl.planner.memory import MemoryPlan, plan_memory
 from mindspeed_rl.planner.switch import SwitchPlan, plan_switch
+from mindspeed_rl.sizes import GIB
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_HF_DIR = REPO / "configs" / "model" / "hf"

@@ -13,7 +13,6 @@ ACTIVATION_PROFILES = ("cpu", "accelerator")
 CP_GATHER = "gather"
 CP_EXCHANGES = (CP_GATHER, "megatron_cp_algo", "ulysses_cp_algo")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-GIB = 1 << 30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +155,12 @@ class PlanInputs:
     @property
     def padded_seq_length(self) -> int:
         return self.train_layout.padded_length(self.seq_length, sequence_parallel=self.sequence_parallel_effective)
+
+    @property
+    def eplb_redundant_experts(self) -> int | None:
+        """The EPLB map's redundant experts per MoE layer (its first layer's slots beyond the logical experts, as
+        vllm-ascend counts them); None without a map."""
+        return None if self.expert_slots is None else sum(self.expert_slots[0]) - self.arch.num_experts
 
     def rank_coordinates(self, rank: int) -> dict[str, int]:
         """Megatron's order tp-cp-ep-dp-pp (the engine's TrainLayout) and vLLM's DP x PP x TP (InferLayout)."""

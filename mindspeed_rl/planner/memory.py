@@ -19,7 +19,7 @@ from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_OPTIMIZER, CRI
 from mindspeed_rl.planner.activations import activation_bytes
 from mindspeed_rl.planner.critic import CRITIC_ACTIVATIONS, critic_activations, critic_states
 from mindspeed_rl.planner.expert_map import redundant_expert_numel
-from mindspeed_rl.planner.inputs import DTYPE_BYTES, GIB, PlanInputs
+from mindspeed_rl.planner.inputs import DTYPE_BYTES, PlanInputs
 from mindspeed_rl.planner.lora import actor_train_bytes, push_host_copy_bytes
 from mindspeed_rl.planner.params import reward_model_bytes, vllm_numel, vllm_stage_layers
 from mindspeed_rl.planner.switch import COPIED
@@ -158,13 +158,13 @@ class MemoryPlan:
         return out
 
     def totals(self, phases: tuple[str, ...] | None = None) -> dict[str, tuple[int, int]]:
-        """phase -> (rank, bytes) of the rank with the largest total."""
-        phases = phases or self.table_phases
-        out = {}
-        for phase in phases:
-            best = max(self.ranks, key=lambda r: (sum(self.rank_phase(r, phase).values()), -r.rank))
-            out[phase] = (best.rank, sum(self.rank_phase(best, phase).values()))
-        return out
+        """phase -> (rank, bytes) of the rank with the largest total (the lowest rank among equals)."""
+        return {phase: self._largest_rank(phase, self.rank_phase) for phase in phases or self.table_phases}
+
+    def _largest_rank(self, phase: str, row_of) -> tuple[int, int]:
+        """(rank, bytes) of the largest sum of `row_of(rank, phase)` over the ranks, the lowest rank among equals."""
+        total, negative_rank = max((sum(row_of(rank, phase).values()), -rank.rank) for rank in self.ranks)
+        return -negative_rank, total
 
     def first_iteration_totals(self) -> dict[str, tuple[int, int]]:
         """`totals()` of the first iteration: Adam's moments are made by an optimizer's first step (torch's lazy
@@ -173,14 +173,13 @@ class MemoryPlan:
         out, made = {}, set()
         for phase in self.table_phases:
             made |= {UPDATE: {TRAIN_OPTIMIZER}, CRITIC_UPDATE: {CRITIC_OPTIMIZER}}.get(phase, set())
-            rows = []
-            for rank in self.ranks:
+            lazy = {TRAIN_OPTIMIZER, CRITIC_OPTIMIZER} - made
+
+            def before_first_step(rank: RankBytes, phase: str) -> dict[str, int]:
                 row = self.rank_phase(rank, phase)
-                for category in {TRAIN_OPTIMIZER, CRITIC_OPTIMIZER} - made:
-                    row[category] = row.get(category, 0) // 3 if self.inputs.bf16 else 0
-                rows.append((sum(row.values()), -rank.rank))
-            total, negative_rank = max(rows)
-            out[phase] = (-negative_rank, total)
+                return row | {c: row.get(c, 0) // 3 if self.inputs.bf16 else 0 for c in lazy}
+
+            out[phase] = self._largest_rank(phase, before_first_step)
         return out
 
     def first_over(self, capacity_bytes: int) -> tuple[str, int, int] | None:

@@ -7,7 +7,7 @@ from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_GRADS, CRITIC_
 from mindspeed_rl.planner.from_config import Suggestion
 from mindspeed_rl.planner.activations import activation_terms
 from mindspeed_rl.planner.critic import critic_devices_text, critic_layout_lines
-from mindspeed_rl.planner.inputs import DTYPE_BYTES
+from mindspeed_rl.planner.inputs import CP_GATHER, DTYPE_BYTES
 from mindspeed_rl.planner.memory import ACTIVATIONS, MemoryPlan, kv_needed_bytes
 from mindspeed_rl.planner.switch import SwitchPlan, iteration_moves
 from mindspeed_rl.sizes import format_bytes
@@ -54,8 +54,7 @@ def _layout_line(plan: MemoryPlan) -> list[str]:
     stages = f" x PP{i.infer_pp}" if i.infer_pp > 1 else ""
     infer = f"infer TP{i.infer_tp}{stages} x DP{i.infer_dp}" + (" (expert parallel)" if i.infer_expert_parallel else "")
     if i.expert_slots is not None:
-        redundant = sum(i.expert_slots[0]) - i.arch.num_experts  # the map's first MoE layer, as vllm-ascend counts
-        infer += f", EPLB map: {redundant} redundant experts per MoE layer"
+        infer += f", EPLB map: {i.eplb_redundant_experts} redundant experts per MoE layer"
     if i.kv.on_cpu:
         kv = f"KV cache {format_bytes(i.kv.cpu_bytes)} (cpu_kvcache_space_gb)"
     elif i.device_memory is not None:
@@ -197,7 +196,7 @@ def _cp_text(i, terms) -> str:
     """The CP exchange's part of the activations formula (planner/activations.py), or nothing without CP."""
     if i.cp == 1:
         return ""
-    kept = {"gather": "+ 2e kv/t (CP - 1) per layer (K and V gathered whole, this engine's)",
+    kept = {CP_GATHER: "+ 2e kv/t (CP - 1) per layer (K and V gathered whole, this engine's)",
             "megatron_cp_algo": "ring: nothing beyond flash attention per layer, 6 x 2e kv/t in flight once",
             "ulysses_cp_algo": "Ulysses: + e q/t per layer, e (q + 2 kv)/t in flight once"}[i.cp_exchange]
     return f"CP{i.cp} over s / CP tokens: {kept} = {terms.exchange_in_flight:.0f} B in flight; "
@@ -244,7 +243,7 @@ def json_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
         "layout": {"world_size": i.world_size, "critic_world_size": i.critic_world_size, "tp": i.tp, "pp": i.pp, "cp": i.cp, "dp": i.data_parallel_size, "ep": i.ep,
                    "infer_tp": i.infer_tp, "infer_pp": i.infer_pp, "infer_dp": i.infer_dp,
                    "infer_expert_parallel": i.infer_expert_parallel, "cp_exchange": i.cp_exchange,
-                   "eplb_redundant_experts": None if i.expert_slots is None else sum(i.expert_slots[0]) - i.arch.num_experts,
+                   "eplb_redundant_experts": i.eplb_redundant_experts,
                    "bf16": i.bf16, "infer_dtype": i.infer_dtype, "distributed_optimizer": i.distributed_optimizer,
                    "sequence_parallel": i.sequence_parallel_effective, "flash_attention": i.flash_attention,
                    "activation_profile": i.activation_profile,
