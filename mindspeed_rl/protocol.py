@@ -146,7 +146,8 @@ class RolloutBatch:
         width = max(b.input_ids.shape[1] for b in batches)
         input_ids = torch.cat([torch.nn.functional.pad(b.input_ids, (0, width - b.input_ids.shape[1]), value=pad_id)
                                for b in batches])
-        columns = {name: torch.cat([b.columns[name] for b in batches]) for name in batches[0].columns}
+        columns = {name: torch.cat([_widened(name, b.columns[name], width) for b in batches])
+                   for name in batches[0].columns}
         return cls(input_ids=input_ids, prompt_lengths=torch.cat([b.prompt_lengths for b in batches]),
                    response_mask=torch.cat([b.response_mask for b in batches]), columns=columns)
 
@@ -207,6 +208,22 @@ class RolloutBatch:
             cu_seqlens=cu_seqlens.to(device),
             max_seqlen=max(lengths),
         )
+
+
+# Routing replay's column: the experts vLLM chose, [B, S, layers, k] aligned with `input_ids`; -1 where it recorded
+# nothing (the trainer's router chooses there).
+ROUTES_COLUMN = "routed_experts"
+UNRECORDED_ROUTE = -1
+# Columns aligned with `input_ids` positions ([B, S, ...]) and their padding value.
+POSITION_COLUMNS = {ROUTES_COLUMN: UNRECORDED_ROUTE}
+
+
+def _widened(name: str, column: torch.Tensor, width: int) -> torch.Tensor:
+    """A column aligned with `input_ids` (POSITION_COLUMNS) padded to `width` positions; any other as it is."""
+    if name not in POSITION_COLUMNS or column.shape[1] == width:
+        return column
+    pad = column.new_full((column.shape[0], width - column.shape[1], *column.shape[2:]), POSITION_COLUMNS[name])
+    return torch.cat([column, pad], dim=1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ import torch
 
 from mindspeed_rl.config import load_config
 from mindspeed_rl.data.rewards import RuleRewards
-from mindspeed_rl.protocol import RolloutBatch
+from mindspeed_rl.protocol import ROUTES_COLUMN, UNRECORDED_ROUTE, RolloutBatch
 from mindspeed_rl.trainer.dynamic_sampling import DynamicSamplingExhausted, ScoredRollouts, groups_with_spread
 from test_config import compose_cfg
 
@@ -33,6 +33,18 @@ def test_concat_pads_to_the_widest_batch_and_keeps_columns():
     assert both.input_ids.tolist() == [[1, 2, 3, 0, 0, 0], [4, 5, 6, 7, 8, 9]]
     assert both.response_tokens().tolist() == [[3, 0], [8, 9]]
     assert both.columns["x"].tolist() == [1.0, 2.0]
+
+
+def test_concat_pads_the_recorded_routes_as_unrecorded():
+    """Routing replay's column is aligned with input_ids: a narrower batch's routes are padded with -1 (the trainer's
+    own routing there), not cut or left ragged."""
+    a = RolloutBatch.from_token_lists([[1, 2]], [[3]], pad_id=0, response_width=2)
+    b = RolloutBatch.from_token_lists([[4, 5, 6, 7]], [[8, 9]], pad_id=0, response_width=2)
+    a.columns[ROUTES_COLUMN] = torch.full((1, 4, 2, 1), 3, dtype=torch.int16)
+    b.columns[ROUTES_COLUMN] = torch.full((1, 6, 2, 1), 5, dtype=torch.int16)
+    routes = RolloutBatch.concat([a, b]).columns[ROUTES_COLUMN]
+    assert routes.shape == (2, 6, 2, 1)
+    assert routes[0, :4].eq(3).all() and routes[0, 4:].eq(UNRECORDED_ROUTE).all() and routes[1].eq(5).all()
 
 
 class _Prompt:

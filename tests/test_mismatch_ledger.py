@@ -180,8 +180,6 @@ def test_the_ledger_is_off_by_default_and_refused_where_it_cannot_split():
 
     assert _load("grpo_tiny_cpu").rl_config.mismatch_ledger is False
     assert _load("grpo_tiny_cpu", "rl_config.mismatch_ledger=true").rl_config.mismatch_ledger is True
-    assert "synchronous rollouts only" in config_error("grpo_tiny_cpu_disaggregated", "rl_config.mismatch_ledger=true",
-                                                       "async_generation_ratio=1")
     assert "check_weights_after_switch" in config_error("grpo_tiny_cpu", "rl_config.mismatch_ledger=true",
                                                         "generate_config.check_weights_after_switch=false")
 
@@ -226,3 +224,34 @@ def test_the_training_curves_draw_every_cause(tmp_path):
                 "mismatch/total": 1e-6 * i} for i in range(1, 4)]
     drawn = plot_training_curves(records, tmp_path / "curves.png")
     assert {f"mismatch/{cause}" for cause in (*CAUSES, "total")} <= set(drawn)
+
+
+def test_the_replayed_forward_splits_routing_from_numerics():
+    """L_roll -> L_rep (Megatron on vLLM's routes) -> L_old (its own routes): numerics and routing, summing up."""
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    rollout, replayed, old = (torch.tensor([[-1.0, -2.0, 5.0]]), torch.tensor([[-1.1, -2.0, 0.0]]),
+                              torch.tensor([[-1.1, -2.4, 9.0]]))
+    ledger = mismatch_ledger(rollout, old, mask, replayed=replayed)
+    assert ledger["mismatch/numerics"] == pytest.approx(0.05) and ledger["mismatch/routing"] == pytest.approx(0.2)
+    assert ledger["mismatch/total"] == pytest.approx(0.25)
+
+
+def test_routing_replay_is_refused_where_routes_are_not_recorded():
+    from test_config import config_error
+
+    assert _load("grpo_tiny_cpu").rl_config.routing_replay is False
+    assert "prefix cache" in config_error("grpo_tiny_cpu", "rl_config.routing_replay=true",
+                                          "generate_config.enable_prefix_caching=true")
+
+
+def test_the_rescore_gives_the_log_probs_sampling_gave_at_any_temperature(rollout, checkpoint):
+    """`VLLMEngine.score` at the sampling temperature equals what `generate` returned for the same tokens."""
+    _, spec, state = checkpoint
+    _push(rollout, spec, state)
+    for temperature in (1.0, 0.7):
+        generations = rollout.generate(PROMPTS, n=2, max_tokens=MAX_TOKENS, temperature=temperature, top_p=1.0,
+                                       top_k=-1, min_p=0.0, seed=5)
+        rescored = rollout.score([PROMPTS[g.prompt_index] for g in generations], [g.token_ids for g in generations],
+                                 temperature=temperature)
+        for generation, values in zip(generations, rescored):
+            assert torch.allclose(torch.tensor(values), torch.tensor(generation.logprobs), atol=1e-5), temperature

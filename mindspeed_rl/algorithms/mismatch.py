@@ -1,6 +1,6 @@
 """The mismatch ledger (issue 42 item 3): the train-vs-rollout log-prob gap of the sampled tokens, split by cause.
 
-Four scores of the same sampled tokens, each a log-prob per token, make a chain from the rollout to the trainer:
+Five scores of the same sampled tokens, each a log-prob per token, make a chain from the rollout to the trainer:
 
 * `L_roll`  vLLM's, returned with the samples (the weights version that sampled them);
 * `L_now`   vLLM's re-score under the weights pushed now (the trainer's version): equal to `L_roll` by definition
@@ -8,24 +8,18 @@ Four scores of the same sampled tokens, each a log-prob per token, make a chain 
 * `L_exact` vLLM's re-score under the trainer's exact weights cast to vLLM's dtype: equal to `L_now` by definition
             when the push's fingerprints agree (resharding/fingerprint.py: every pushed range bit-equal, in vLLM's
             dtype);
+* `L_rep`   Megatron's with every MoE router forced to the experts vLLM chose (routing replay's forward); equal to
+            `L_old` by definition when the update replays them (rl_config.routing_replay) or the model has no MoE;
 * `L_old`   Megatron's old log-probs (the separate pass, or the update's own first forward).
 
 The buckets are the mean |difference| per sampled token of each link of the chain:
 
     staleness = mean |L_now - L_roll|      (sampled by an older policy version)
     push      = mean |L_exact - L_now|     (the pushed weights differ from the trained ones)
-    numerics  = mean |L_old - L_exact|     (the same weights, another engine or dtype)
-    routing   = 0                          (MoE routing is not measured yet: needs routing replay, item 2)
+    numerics  = mean |L_rep - L_exact|     (the same weights and routes, another engine or dtype)
+    routing   = mean |L_old - L_rep|       (MoE tokens sent to other experts than in the rollout)
     total     = staleness + push + numerics + routing
 
-`total` is their sum by construction: the length of the path from the rollout's scores to the trainer's, an upper
-bound of the end-to-end `rollout/logprob_mean_abs_diff` (= mean |L_old - L_roll|, the triangle inequality; equal when
-at most one cause is present or the causes push each token the same way). A cause injected alone moves only its own
-link, so all of the divergence lands in its bucket.
-
-Without the exact re-score (`exact` None) the engine gap `L_old - L_now` goes whole to `numerics` when the
-fingerprints agree (then `L_exact == L_now`: exact) and whole to `push` when they disagree (an attribution: the
-engine's own numerics of that iteration are counted as push too; they are ~1e-6 in fp32, see docs/mismatch.md).
 """
 from __future__ import annotations
 
@@ -41,17 +35,20 @@ def _mean_abs(a: Tensor, b: Tensor, mask: Tensor, tokens: float) -> float:
 
 
 def mismatch_ledger(rollout_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *,
-                    rescored: Optional[Tensor] = None, exact: Optional[Tensor] = None,
+                    rescored: Optional[Tensor] = None, exact: Optional[Tensor] = None, replayed: Optional[Tensor] = None,
                     stale: bool = False, weights_exact: bool = True) -> dict[str, float]:
     """`mismatch/<cause>` and `mismatch/total` (mean |Δ log-prob| per sampled token, `mask`'s) of one batch.
 
     `rescored` is `L_now` (needed when `stale`; ignored when not: on-policy `L_now` is `L_roll`); `exact` is `L_exact`
-    (optional); `weights_exact` whether the push's fingerprints agreed."""
+    (optional); `replayed` is `L_rep` (None: `L_old`, no routing share); `weights_exact` whether the push's
+    fingerprints agreed."""
     if stale and rescored is None:
         raise ValueError("a stale rollout needs vLLM's re-score under the weights now pushed to split its mismatch")
     mask = mask.double()
     tokens = max(mask.sum().item(), 1.0)
     now = rescored if stale else rollout_logprobs
+    routing = 0.0 if replayed is None else _mean_abs(old_logprobs, replayed, mask, tokens)
+    old_logprobs = old_logprobs if replayed is None else replayed  # the engine links end at the replayed forward
     staleness = _mean_abs(now, rollout_logprobs, mask, tokens) if stale else 0.0
     if exact is not None:
         push = 0.0 if weights_exact else _mean_abs(exact, now, mask, tokens)
@@ -59,7 +56,7 @@ def mismatch_ledger(rollout_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor
     else:
         engine_gap = _mean_abs(old_logprobs, now, mask, tokens)
         push, numerics = (0.0, engine_gap) if weights_exact else (engine_gap, 0.0)
-    buckets = {"staleness": staleness, "push": push, "numerics": numerics, "routing": 0.0}
+    buckets = {"staleness": staleness, "push": push, "numerics": numerics, "routing": routing}
     metrics = {f"mismatch/{cause}": value for cause, value in buckets.items()}
     metrics["mismatch/total"] = sum(buckets.values())
     return metrics

@@ -46,17 +46,25 @@ def check_dynamic_sampling(config) -> None:
 
 def check_mismatch_ledger(config) -> None:
     """The ledger splits what it can measure (algorithms/mismatch.py): the push bucket is the fingerprint check's
-    verdict, and a one-step off-policy rollout's staleness needs vLLM's re-score under the weights now pushed, which
-    the inference ranks do not run yet."""
+    verdict."""
     if not config.rl_config.mismatch_ledger:
         return
-    if config.rollout_staleness:
-        raise ConfigError("rl_config.mismatch_ledger", "splits the mismatch of synchronous rollouts only "
-                                                       "(async_generation_ratio: 0): a stale rollout's share needs "
-                                                       "vLLM's re-score under the pushed weights, not wired in yet")
     if not config.generate_config.check_weights_after_switch:
         raise ConfigError("rl_config.mismatch_ledger", "needs generate_config.check_weights_after_switch: true (its "
                                                        "push bucket is the weight fingerprints' verdict)")
+
+
+def check_routing_replay(config) -> None:
+    """vLLM records the routes of the positions it computes (engines/vllm_routing.py): prompt blocks served from its
+    prefix cache have none, and a multi-turn rollout's turns are separate requests."""
+    if not config.rl_config.routing_replay:
+        return
+    if config.generate_config.enable_prefix_caching:
+        raise ConfigError("rl_config.routing_replay", "needs generate_config.enable_prefix_caching: false (prompt "
+                                                      "blocks served from the prefix cache carry no recorded routes)")
+    if config.rl_config.multi_turn_enable:
+        raise ConfigError("rl_config.routing_replay", "replays single-turn rollouts (a multi-turn rollout's turns are "
+                                                      "separate vLLM requests; their routes are not joined yet)")
 
 
 def check_recompute_layers(config) -> None:

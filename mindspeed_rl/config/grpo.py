@@ -21,7 +21,8 @@ from mindspeed_rl.config.resources import (
     build_resource_plan,
 )
 from mindspeed_rl.config.algorithm_checks import (check_dynamic_sampling, check_evaluation, check_mismatch_ledger,
-                                                  check_num_layer_list, check_packing, check_recompute_layers)
+                                                  check_num_layer_list, check_packing, check_recompute_layers,
+                                                  check_routing_replay)
 from mindspeed_rl.config.critic import (check_critic, critic_has_own_devices, critic_role_sections, critic_world_size,
                                         own_critic_ranks)
 from mindspeed_rl.config.context_parallel import check_context_parallel
@@ -36,6 +37,8 @@ from mindspeed_rl.registries import SYNTHETIC_REWARD_MODEL
 # Architecture fields the synthetic generator writes into the demo checkpoint; the model block
 # that describes that checkpoint must agree with them.
 SYNTHETIC_ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+# And with synthetic_data.num_experts > 0 (a Qwen3-MoE checkpoint), the expert fields.
+SYNTHETIC_MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size")
 
 
 @dataclass(kw_only=True)
@@ -143,7 +146,7 @@ class GRPOConfig:
             self.check_layout, self._check_synthetic_data, self._check_asset_paths,
             lambda: check_supported(self.resource_plan, self.rewards), self._check_reward_model,
             self._check_async_generation, partial(check_evaluation, self), partial(check_dynamic_sampling, self),
-            partial(check_mismatch_ledger, self),
+            partial(check_mismatch_ledger, self), partial(check_routing_replay, self),
             partial(check_critic, self), partial(check_lora_run, self), partial(check_multi_turn, self),
         )
 
@@ -339,6 +342,7 @@ class GRPOConfig:
             synthetic.num_query_groups,
             f"synthetic_data.num_query_groups={synthetic.num_query_groups}",
         )
+        self._check_synthetic_experts(prefix)
         # Only the arithmetic task's tokenizer has synthetic_data.vocab_size tokens; math_word's size
         # comes from its word list and is checked against the written checkpoint at start.
         vocab_checked = synthetic.task == "arith" and arch.padded_vocab_size is not None
@@ -347,3 +351,20 @@ class GRPOConfig:
                 f"{prefix}.padded_vocab_size",
                 f"must be >= synthetic_data.vocab_size={synthetic.vocab_size}, got {arch.padded_vocab_size}",
             )
+
+    def _check_synthetic_experts(self, prefix: str) -> None:
+        synthetic, arch = self.synthetic_data, self.selected_model
+        if not synthetic.is_moe:
+            if arch.num_experts:
+                raise ConfigError(f"{prefix}.num_experts", f"synthetic_data.num_experts=0 generates a dense Qwen2 "
+                                                           f"checkpoint: leave it unset, got {arch.num_experts}")
+            return
+        for name in SYNTHETIC_MOE_FIELDS:
+            expected = getattr(synthetic, name)
+            require_equal(f"{prefix}.{name}", getattr(arch, name), expected, f"synthetic_data.{name}={expected}")
+        # The generated Qwen3-MoE's head size is hidden_size / num_attention_heads (config.json's head_dim).
+        head_dim = synthetic.hidden_size // synthetic.num_attention_heads
+        if arch.kv_channels is not None:
+            require_equal(f"{prefix}.kv_channels", arch.kv_channels, head_dim,
+                          f"synthetic_data.hidden_size / num_attention_heads = {synthetic.hidden_size} / "
+                          f"{synthetic.num_attention_heads} = {head_dim}")

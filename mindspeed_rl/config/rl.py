@@ -150,6 +150,9 @@ class RLConfig:
     # Ours: the mismatch ledger, every record's `mismatch/<cause>` split of the rollout-vs-trainer log-prob gap
     # (staleness, push, numerics, routing; docs/mismatch.md). Synchronous runs with the fingerprint check only, for now.
     mismatch_ledger: bool = False
+    # Routing replay (R3; verl's router_replay mode R3, slime's --use-routing-replay): an MoE model's routers use the
+    # experts vLLM chose for each token when it sampled, in the old-log-prob and update forwards (docs/mismatch.md).
+    routing_replay: bool = False
     clip_ratio_low: float = 0.1
     clip_ratio_high: float = 0.1
     # Ours (verl's names): how the per-token loss becomes one number, see README "DAPO"; null: token-mean when

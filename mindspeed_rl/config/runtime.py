@@ -109,7 +109,8 @@ class RuntimeConfig:
 @dataclass(kw_only=True)
 class SyntheticDataConfig:
     """`synthetic_data`: a CPU demo's generated task (prompts, tokenizer, untrained Qwen2-architecture
-    checkpoint). The generators live in mindspeed_rl/data; this only holds their knobs."""
+    checkpoint, or with num_experts > 0 a Qwen3-MoE one). The generators live in mindspeed_rl/data; this only
+    holds their knobs."""
 
     SECTION_KEY: ClassVar[str] = "synthetic_data"
 
@@ -122,6 +123,7 @@ class SyntheticDataConfig:
     # arith only: the generated tokenizer's size. math_word's vocabulary is fixed by its word list.
     vocab_size: int = 64
     hidden_size: int = 128
+    # The dense MLP's width (config.json's intermediate_size; a MoE checkpoint has no dense layer to use it).
     ffn_hidden_size: int = 256
     num_layers: int = 2
     num_attention_heads: int = 4
@@ -129,6 +131,12 @@ class SyntheticDataConfig:
     # Largest operand of the generated problems (both tasks).
     max_operand: int = 4
     num_prompts: int = 256
+    # arith only: > 0 generates a Qwen3-MoE checkpoint (q/k norms, no QKV bias, head size hidden_size /
+    # num_attention_heads, a router and num_experts experts of moe_ffn_hidden_size on every layer, moe_router_topk
+    # of them per token) instead of the Qwen2 one; 0: the dense Qwen2. MindSpeed-RL's model-block names.
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 64
 
     def __post_init__(self) -> None:
         prefix = self.SECTION_KEY
@@ -156,3 +164,22 @@ class SyntheticDataConfig:
                 f"{prefix}.num_attention_heads",
                 f"must divide synthetic_data.hidden_size={self.hidden_size}, got {self.num_attention_heads}",
             )
+        self._check_experts()
+
+    @property
+    def is_moe(self) -> bool:
+        """The generated checkpoint is a Qwen3-MoE (num_experts > 0)."""
+        return self.num_experts > 0
+
+    def _check_experts(self) -> None:
+        prefix = self.SECTION_KEY
+        require_non_negative(prefix, self, "num_experts")
+        if not self.is_moe:
+            return
+        if self.task != "arith":
+            raise ConfigError(f"{prefix}.num_experts", f"the {self.task} task generates a dense Qwen2 checkpoint "
+                                                       f"(only arith generates a MoE one): set 0, got {self.num_experts}")
+        require_positive(prefix, self, "moe_router_topk", "moe_ffn_hidden_size")
+        if self.moe_router_topk > self.num_experts:
+            raise ConfigError(f"{prefix}.moe_router_topk",
+                              f"must be <= synthetic_data.num_experts={self.num_experts}, got {self.moe_router_topk}")

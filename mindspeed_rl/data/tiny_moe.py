@@ -18,14 +18,16 @@ def create_tiny_qwen3_moe_checkpoint(out_dir: str | os.PathLike[str], *, vocab_s
                                      head_dim: int = 32, num_experts: int = 4, moe_topk: int = 2,
                                      moe_ffn_hidden_size: int = 64, norm_topk_prob: bool = True, seed: int = 0,
                                      init_std: float = 0.05, max_position_embeddings: int = 256,
-                                     tokenizer=None) -> Path:
+                                     tokenizer=None, intermediate_size: int | None = None) -> Path:
     """Write config.json + model.safetensors + tokenizer to `out_dir` (`tokenizer` None: the arithmetic demo's of
     `vocab_size`). vLLM's CPU attention needs head_dim 32 or more; its MoE kernel wants hidden and per-rank
-    intermediate sizes divisible by 32."""
+    intermediate sizes divisible by 32. `intermediate_size` is config.json's dense MLP width (None: 2 x
+    moe_ffn_hidden_size); every layer is MoE, so no weight has it."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * moe_ffn_hidden_size,
+        vocab_size=vocab_size, hidden_size=hidden_size,
+        intermediate_size=2 * moe_ffn_hidden_size if intermediate_size is None else intermediate_size,
         moe_intermediate_size=moe_ffn_hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads, num_key_value_heads=num_query_groups, head_dim=head_dim,
         num_experts=num_experts, num_experts_per_tok=moe_topk, norm_topk_prob=norm_topk_prob,

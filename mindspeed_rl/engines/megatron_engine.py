@@ -6,6 +6,7 @@ go through the same path as on a cluster.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -22,10 +23,12 @@ from mindspeed_rl.models.megatron_build import (  # noqa: F401 (build_gpt_model,
 from mindspeed_rl.models.context_parallel import cut_padding, model_inputs
 from mindspeed_rl.models.lora import MergedWeights, saved_state, with_adapters
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec
+from mindspeed_rl.models.routing_replay import routes_of_this_rank
 from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
 
 if TYPE_CHECKING:
     from mindspeed_rl.models.lora import LoRASettings
+    from mindspeed_rl.models.routing_replay import RoutingReplay
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -89,6 +92,8 @@ class MegatronEngine:
     # Context parallelism is the actor's and the reference's (config/context_parallel.check_context_parallel): the
     # critic and the reward model build themselves without it.
     cp = 1
+    # Routing replay (models/routing_replay.py), the actor's when the run records vLLM's routes; None: routers route.
+    routing_replay: "RoutingReplay | None" = None
 
     def __init__(self, *, spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], params_dtype: torch.dtype,
                  accelerator: Accelerator, optimizer: OptimizerSettings | None,
@@ -195,6 +200,9 @@ class MegatronEngine:
         `width`; under context parallelism this rank's chunks, whose logits stay local."""
         packed_seq_params = self._packed_seq_params(mb) if mb.packed else None
         ids, positions = (mb.input_ids, mb.position_ids) if mb.packed else mb.padded_to(seq_length)
+        if self.routing_replay is not None:
+            self.routing_replay.set_micro_batch(routes_of_this_rank(
+                mb, seq_length, parallel=self.parallel, sequence_parallel=self.module.config.sequence_parallel))
         output = model(*model_inputs(mb, ids, positions), None, packed_seq_params=packed_seq_params)
         return cut_padding(output, mb, width) if self.parallel.last_stage else output
 
@@ -332,11 +340,33 @@ class MegatronEngine:
         layouts move; with LoRA the backbone's names, each adapted weight merged with its adapter when read."""
         return ChainMap(layout_buffers(self.module), MergedWeights(self.module))
 
+    @contextlib.contextmanager
     def adapters_disabled(self):
-        """The backbone without the adapters while the context lasts (LoRA's shared-backbone reference)."""
+        """The backbone without the adapters while the context lasts (LoRA's shared-backbone reference; its routers
+        route on their own: the reference is not the policy that sampled)."""
         from mindspeed_rl.models.lora import adapters_disabled
 
-        return adapters_disabled(self.module)
+        with adapters_disabled(self.module), (self.routing_replay.paused() if self.routing_replay is not None
+                                              else contextlib.nullcontext()):
+            yield
+
+    def routing_metrics(self) -> dict[str, float]:
+        """The forwards' routing since the last call against vLLM's recorded routes, over every rank's tokens and
+        layers: `mismatch/routing_flips` the share of (token, MoE layer) pairs whose experts differ from the rollout's
+        (0 with replay), `mismatch/router_disagreement` the share the routers would have chosen differently."""
+        if self.routing_replay is None:
+            return {}
+        counts = self.routing_replay.take_counts().to(self.accelerator.device)
+        groups = [self.parallel.pp_group, self.parallel.cp_group, self.parallel.dp_group]
+        if self.module.config.sequence_parallel:  # each TP rank routed its own s / TP tokens
+            groups.append(self.parallel.tp_group)
+        for group, size in zip(groups, (self.pp, self.cp, self.parallel.dp, self.tp)):
+            if size > 1:
+                dist.all_reduce(counts, group=group)
+        used, chosen, recorded = counts.tolist()
+        if recorded == 0:
+            return {}
+        return {"mismatch/routing_flips": used / recorded, "mismatch/router_disagreement": chosen / recorded}
 
     def sharded_state_dict(self) -> dict:
         """The module's Megatron sharded state dict in the checkpoints' format (engines/dist_checkpoint.py); with

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 from mindspeed_rl.accelerator import get_accelerator
 from mindspeed_rl.memory.offload import StorageGroup
+
+if TYPE_CHECKING:
+    import numpy as np
 
 GIB = 1024**3
 
@@ -44,6 +47,9 @@ class VLLMEngineConfig:
     # vLLM's automatic prefix caching (the samples of one prompt share its KV blocks). Cached blocks are
     # forgotten at every weight load and KV rebuild (mark_weights_loaded, rebuild_kv_cache): never stale.
     enable_prefix_caching: bool = False
+    # MoE routing replay: the experts vLLM chose per token and layer come back with each sample
+    # (engines/vllm_routing.py).
+    return_routed_experts: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +62,8 @@ class Generation:
     # With logprobs > 0: per step, the `logprobs` most likely tokens' log-probs (plus the sampled one).
     top_logprobs: list[dict[int, float]] | None = None
     text: str | None = None  # with detokenize
+    # With return_routed_experts: [prompt + response - 1 positions, layers, top-k] int16 expert ids, -1 unrecorded.
+    routed_experts: "np.ndarray | None" = None
 
 
 class VLLMEngine:
@@ -113,6 +121,11 @@ class VLLMEngine:
 
             _unpack_cpu_linears(self.model)
             unpack_cpu_experts(self.model)
+        self.routing = None
+        if config.return_routed_experts:
+            from mindspeed_rl.engines.vllm_routing import RoutingRecorder
+
+            self.routing = RoutingRecorder(self.llm)
         self.weights_loaded = False
         # One storage backs every layer's KV view; freeing it by resize keeps the views bound.
         self._kv_cache = StorageGroup("kv_cache", self._kv_tensors, get_accelerator("cpu" if config.on_cpu else "auto"),
@@ -146,7 +159,8 @@ class VLLMEngine:
         params = [SamplingParams(n=n, max_tokens=budget, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                  logprobs=logprobs, seed=seed, detokenize=detokenize) for budget in budgets]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        with self._recording_routes():
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         generations = []
         for prompt_index, request in enumerate(outputs):
             for sample in request.outputs:
@@ -154,14 +168,46 @@ class VLLMEngine:
                 lps = [step[token].logprob for token, step in zip(ids, sample.logprobs)]
                 top = [{t: lp.logprob for t, lp in step.items()} for step in sample.logprobs] if logprobs else None
                 generations.append(Generation(prompt_index=prompt_index, token_ids=ids, logprobs=lps,
-                                              top_logprobs=top, text=sample.text if detokenize else None))
-        return generations
+                                              top_logprobs=top, text=sample.text if detokenize else None,
+                                              routed_experts=self._routes_of(sample, len(prompt_token_ids[prompt_index]))))
+        return self._with_every_stages_routes(generations)
 
-    def score(self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]) -> list[list[float]]:
+    @contextlib.contextmanager
+    def _recording_routes(self):
+        if self.routing is not None:
+            self.routing.active = True
+        try:
+            yield
+        finally:
+            if self.routing is not None:
+                self.routing.active = False
+
+    def _routes_of(self, sample, prompt_length: int) -> "np.ndarray | None":
+        if self.routing is None:
+            return None
+        from mindspeed_rl.engines.vllm_routing import positions_routing
+
+        # Every position but the last sampled token's went through a forward.
+        return positions_routing(sample.routed_experts, prompt_length + len(sample.token_ids) - 1,
+                                 self.routing.num_layers, self.routing.topk)
+
+    def _with_every_stages_routes(self, generations: list[Generation]) -> list[Generation]:
+        if self.routing is None or self.config.pipeline_parallel_size == 1:
+            return generations
+        from vllm.distributed.parallel_state import get_pp_group
+
+        from mindspeed_rl.engines.vllm_routing import merge_pipeline_stages
+
+        merged = merge_pipeline_stages([g.routed_experts for g in generations], get_pp_group().cpu_group)
+        return [replace(g, routed_experts=r) for g, r in zip(generations, merged)]
+
+    def score(self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]], *,
+              temperature: float = 1.0) -> list[list[float]]:
         """vLLM's log-prob of each response token after its prompt and the tokens before it, under the weights
-        loaded now: a prefill with `prompt_logprobs` (one forward, no sampling). The mismatch ledger's re-score
-        (algorithms/mismatch.py). At temperature 1 only: vLLM's prompt log-probs skip the sampler's processors, so
-        they are not the temperature-scaled ones `generate` returns at another temperature."""
+        loaded now and at `temperature` (the quantity `generate` returns): a prefill with `prompt_logprobs` (one
+        forward, no sampling). The mismatch ledger's re-score (algorithms/mismatch.py). vLLM's prompt log-probs skip
+        the sampler, so the temperature is applied as the logits processor's scale (logits x 1/T instead of the
+        sampler's logits / T: equal to an ulp)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -169,7 +215,13 @@ class VLLMEngine:
         assert self.weights_loaded, "score() before the first weight push"
         params = SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=list(p) + list(r)) for p, r in zip(prompt_token_ids, response_token_ids)]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        logits = self.model.logits_processor
+        unscaled = logits.scale
+        logits.scale = unscaled / temperature
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            logits.scale = unscaled
         scores = []
         for prompt, response, request in zip(prompt_token_ids, response_token_ids, outputs):
             steps = request.prompt_logprobs[len(prompt):]  # position i: the log-prob of token i given those before

@@ -23,7 +23,11 @@ PANELS = (
     ("throughput", ["e2e_tps", "vllm_tps", "update_tps"], "tokens/s per device"),
     ("learning rate", ["actor/lr"], "lr"),
     # rl_config.mismatch_ledger's split of the vLLM-vs-Megatron log-prob gap (docs/mismatch.md).
-    ("train-rollout mismatch", ["mismatch/*"], "mean |d log p| per token"),
+    ("train-rollout mismatch", ["mismatch/staleness", "mismatch/push", "mismatch/numerics", "mismatch/routing",
+                                "mismatch/total"], "mean |d log p| per token"),
+    # MoE: vLLM's recorded experts against the trainer's (docs/mismatch.md "Routing replay").
+    ("routing vs the rollout", ["mismatch/routing_flips", "mismatch/router_disagreement"],
+     "share of (token, MoE layer) pairs"),
     ("held-out evaluation", ["eval/pass@*"], "fraction correct"),
     # PPO's critic (drawn where the run has one).
     ("value loss", ["critic/vf_loss"], "0.5 x squared error"),

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.checkpoint.lora_export import lora_record
@@ -16,7 +19,7 @@ from mindspeed_rl.checkpoint.trainer_state import Contents, save_run_checkpoint
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler
 from mindspeed_rl.data.rewards import RuleRewards
-from mindspeed_rl.protocol import RolloutBatch
+from mindspeed_rl.protocol import ROUTES_COLUMN, RolloutBatch
 from mindspeed_rl.trainer import setup
 from mindspeed_rl.trainer.advantage_step import AdvantageStep
 from mindspeed_rl.trainer.critic_step import CriticAdvantageStep
@@ -27,12 +30,12 @@ from mindspeed_rl.trainer.metrics import format_line, iteration_metrics
 from mindspeed_rl.trainer.multi_turn import ToolTurns
 from mindspeed_rl.trainer.phase_progress import with_phase_progress
 from mindspeed_rl.trainer.rollout_correction_step import correct_rollout
-from mindspeed_rl.trainer.rollout import forward_logprobs, rollout_batch
+from mindspeed_rl.trainer.rollout import forward_logprobs, response_ids, rollout_batch
 from mindspeed_rl.trainer.sinks import MetricsSinks
 from mindspeed_rl.trainer.trackers import build_trackers
 from mindspeed_rl.trainer.stopping import RunProgress
 from mindspeed_rl.trainer.summary import summary_lines
-from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics
+from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics, merge_shards
 
 
 # The advantage step of an estimator that brings more than the outcome rewards (PPO's GAE: the critic).
@@ -66,16 +69,15 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
             if config.uses_reference:  # the KL term's only input
                 batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor_group, "compute_ref_log_prob", batch)
                 metrics |= ref_metrics
-            if not config.old_logprobs_from_update:  # else the update's own first forward gives them
-                batch.columns["old_logprobs"], old_metrics = forward_logprobs(actor_group, "compute_log_prob", batch)
-                metrics |= old_metrics
+            metrics |= old_logprobs(config, actor_group, batch)
             metrics |= correct_rollout(batch, config.rl_config)  # before the advantages: they skip rejected tokens
             metrics |= advantages.estimate(batch, rewards)
-            rollouts.start_ahead(iteration + 1)  # one-step off-policy: the next rollout runs during this update
+            rollouts.start_ahead(iteration + 1, rescore=batch)  # one-step off-policy: the next rollout runs meanwhile
             finish_critic_update = advantages.start_critic_update(batch)  # on its own devices: during the update
             metrics |= merge_metrics(actor_group.call("update", batch, kl_coef=advantages.loss_kl_coef))
             metrics |= finish_critic_update()
             metrics |= evaluation.run(iteration) if evaluation.due(iteration) else {}
+            metrics |= rollouts.finish_rescore(batch)
             record(iteration, started, batch, rewards, scored.accuracy, metrics)
             if saves_at(config, iteration):
                 save_checkpoint(config, actor_group, iteration, rollouts, progress, hf_dir, kl_coef=advantages.kl_coef)
@@ -83,6 +85,19 @@ def train(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: Promp
         record.close()
         actor_group.stop_reporting()
     return record.finish(actor_group, hf_dir)
+
+
+def old_logprobs(config: GRPOConfig, actor_group: ActorGroup, batch: RolloutBatch) -> dict:
+    """The separate old-log-prob pass, where the update's own first forward does not give them; with the mismatch
+    ledger on routes the update does not replay, also the log-probs under vLLM's routes (its routing share)."""
+    rl, metrics = config.rl_config, {}
+    routing_share = rl.mismatch_ledger and ROUTES_COLUMN in batch.columns and not rl.routing_replay
+    if not config.old_logprobs_from_update or routing_share:
+        batch.columns["old_logprobs"], metrics = forward_logprobs(actor_group, "compute_log_prob", batch)
+    if routing_share:
+        forced = replace(batch, meta_info={**batch.meta_info, "replay_routing": True})
+        batch.columns["replayed_logprobs"], _ = forward_logprobs(actor_group, "compute_log_prob", forced)
+    return metrics
 
 
 def _rollout_steps(config: GRPOConfig, actor_group: ActorGroup, tokenizer, dataset: PromptDataset,
@@ -108,6 +123,8 @@ class Rollouts:
         self._ahead: list | None = None  # the prompts of the rollout started ahead
         self._sampler_before_ahead: PromptSampler | None = None
         self.ahead_result: list | None = None  # that rollout's per-rank results, once finished
+        self._stale = False  # whether the last batch handed out was sampled ahead
+        self._rescoring = False  # a re-score of it started (start_ahead's `rescore`)
         if resumed_ahead is not None:  # a checkpoint's: sampled by the weights before its own, as it was then
             self._sampler_before_ahead = copy.deepcopy(self.sampler)
             self._ahead, self.ahead_result = self._draw(), resumed_ahead
@@ -130,15 +147,36 @@ class Rollouts:
         results, self.ahead_result = self.ahead_result or self.actor_group.finish_generate(), None
         batch, metrics = rollout_batch(results, [p.token_ids for p in prompts], self.config)
         metrics["rollout/staleness"] = staleness
+        self._stale = bool(staleness)
         return prompts, batch, metrics
 
-    def start_ahead(self, iteration: int) -> None:
-        """Start `iteration`'s rollout now where the run is one-step off-policy (and that iteration runs)."""
-        if not self.config.rollout_staleness or iteration > self.config.megatron_training.train_iters:
+    def start_ahead(self, iteration: int, *, rescore: RolloutBatch | None = None) -> None:
+        """Start `iteration`'s rollout now where the run is one-step off-policy (and that iteration runs); with the
+        mismatch ledger, `rescore` (this iteration's batch, sampled ahead) is re-scored by vLLM under the weights
+        that train it, pushed for that rollout (or for the re-score alone after the last one)."""
+        if not self.config.rollout_staleness:
             return
-        self._sampler_before_ahead = copy.deepcopy(self.sampler)  # a checkpoint now resumes at those prompts
-        self._ahead = self._draw()
-        self.actor_group.start_generate([p.token_ids for p in self._ahead], iteration)
+        if iteration <= self.config.megatron_training.train_iters:
+            self._sampler_before_ahead = copy.deepcopy(self.sampler)  # a checkpoint now resumes at those prompts
+            self._ahead = self._draw()
+            self.actor_group.start_generate([p.token_ids for p in self._ahead], iteration)
+        if rescore is not None and self._stale and self.config.rl_config.mismatch_ledger:
+            prompts = [row[:length].tolist() for row, length in zip(rescore.input_ids, rescore.prompt_lengths)]
+            self.actor_group.start_score(prompts, response_ids(rescore))
+            self._rescoring = True
+
+    def finish_rescore(self, batch: RolloutBatch) -> dict:
+        """The re-score started with the next rollout, waited for, as `batch`'s `rescored_logprobs` column."""
+        if not self._rescoring:
+            return {}
+        self._rescoring = False
+        results = self.actor_group.finish_score()
+        rows = [values for shard in merge_shards([s for s, _ in results]) for values in shard.value]
+        rescored = torch.zeros(batch.response_logprobs_shape)
+        for row, values in enumerate(rows):
+            rescored[row, : len(values)] = torch.tensor(values)
+        batch.columns["rescored_logprobs"] = rescored
+        return {"timing/rescore": results[0][1].get("timing/rescore", 0.0)}
 
     def finish_ahead(self) -> list | None:
         """The rollout started ahead, waited for (a checkpoint keeps it: its weights are gone after the update)."""

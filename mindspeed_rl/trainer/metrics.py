@@ -79,12 +79,15 @@ def iteration_metrics(config, batch, phase_metrics: dict, rewards, accuracy_valu
 
 
 def ledger_metrics(batch, phase_metrics: dict) -> dict[str, float]:
-    """The mismatch ledger of a synchronous iteration (config/algorithm_checks.check_mismatch_ledger): on-policy, so no
-    staleness; the fingerprint check passed (the push raises otherwise), so no push; the gap is the engines' numerics.
-    Where the update gave the old log-probs, its own measure of the gap (workers/actor_steps.train_on_mini_batch)."""
+    """The mismatch ledger of an iteration (config/algorithm_checks.check_mismatch_ledger): staleness from vLLM's re-score
+    of a rollout sampled ahead (none on-policy); the fingerprint check passed (the push raises otherwise), so no push;
+    routing from Megatron's forward on vLLM's routes (MoE without replay); the rest is the engines' numerics. Where the
+    update gave the old log-probs, its own measure of the gap (workers/actor_steps.train_on_mini_batch)."""
     if "old_logprobs" in batch.columns:
+        rescored = batch.columns.get("rescored_logprobs")  # a one-step off-policy rollout's, after the push
         return mismatch_ledger(batch.columns["rollout_logprobs"], batch.columns["old_logprobs"], batch.loss_mask(),
-                               weights_exact=True)
+                               rescored=rescored, stale=rescored is not None,
+                               replayed=batch.columns.get("replayed_logprobs"), weights_exact=True)
     return ledger_from_gap(phase_metrics["rollout/logprob_mean_abs_diff"], weights_exact=True)
 
 

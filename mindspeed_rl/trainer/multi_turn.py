@@ -93,7 +93,7 @@ class ToolTurns:
         """One batched generate; sample j of the turn is context j // n's (j % n)-th."""
         actor_group.start_generate(contexts, iteration, n=n, greedy=greedy, max_tokens=max_tokens)
         generated, metrics = generated_samples(actor_group.finish_generate())
-        for sample, (_, token_ids, logprobs) in zip(samples, generated, strict=True):
+        for sample, (_, token_ids, logprobs, *_) in zip(samples, generated, strict=True):
             sample.add_turn(list(token_ids), list(logprobs))
         return metrics
 

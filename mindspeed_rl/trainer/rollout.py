@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from mindspeed_rl.config import GRPOConfig
-from mindspeed_rl.protocol import RolloutBatch
+from mindspeed_rl.protocol import ROUTES_COLUMN, UNRECORDED_ROUTE, RolloutBatch
 from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics, merge_shards
 
 
@@ -21,11 +21,11 @@ def generate(actor_group: ActorGroup, prompt_batch, config: GRPOConfig, *, itera
     return rollout_batch(actor_group.finish_generate(), prompt_ids, config)
 
 
-def generated_samples(results: list) -> tuple[list[tuple[int, list[int], list[float]]], dict]:
-    """Every inference rank's (shard of samples, metrics) -> the (prompt index, token ids, log-probs) of every
-    sample, prompt-major (a prompt's n samples contiguous, in vLLM's order), and the merged metrics."""
-    samples = [(shard.start + index, ids, logprobs) for shard in merge_shards([s for s, _ in results])
-               for index, ids, logprobs in shard.value]
+def generated_samples(results: list) -> tuple[list[tuple], dict]:
+    """Every inference rank's (shard of samples, metrics) -> the (prompt index, token ids, log-probs[, routes]) of
+    every sample, prompt-major (a prompt's n samples contiguous, in vLLM's order), and the merged metrics."""
+    samples = [(shard.start + sample[0], *sample[1:]) for shard in merge_shards([s for s, _ in results])
+               for sample in shard.value]
     samples.sort(key=lambda sample: sample[0])  # stable
     return samples, merge_metrics([m for _, m in results])
 
@@ -34,13 +34,24 @@ def rollout_batch(results: list, prompt_ids: list[list[int]], config: GRPOConfig
     """Every inference rank's (samples, metrics) -> one prompt-major batch and the merged metrics."""
     samples, metrics = generated_samples(results)
     width = config.response_length_limit
-    batch = RolloutBatch.from_token_lists([prompt_ids[i] for i, _, _ in samples], [ids for _, ids, _ in samples],
+    batch = RolloutBatch.from_token_lists([prompt_ids[s[0]] for s in samples], [s[1] for s in samples],
                                           pad_id=0, response_width=width)
     rollout_logprobs = torch.zeros(batch.response_logprobs_shape)
-    for row, (_, ids, logprobs) in enumerate(samples):
-        rollout_logprobs[row, : len(ids)] = torch.tensor(logprobs)
+    for row, sample in enumerate(samples):
+        rollout_logprobs[row, : len(sample[1])] = torch.tensor(sample[2])
     batch.columns["rollout_logprobs"] = rollout_logprobs
+    if samples and len(samples[0]) > 3:  # vLLM recorded its routes (routing replay, the ledger's routing share)
+        batch.columns[ROUTES_COLUMN] = routes_column([s[3] for s in samples], batch.input_ids.shape[1])
     return batch, metrics
+
+
+def routes_column(routes: list, width: int) -> torch.Tensor:
+    """[samples, width, layers, k] int16 aligned with `input_ids`, -1 where vLLM recorded nothing."""
+    layers, topk = routes[0].shape[1:]
+    column = torch.full((len(routes), width, layers, topk), UNRECORDED_ROUTE, dtype=torch.int16)
+    for row, sample in enumerate(routes):
+        column[row, : sample.shape[0]] = torch.tensor(sample[:width])
+    return column
 
 
 def forward_logprobs(actor_group: ActorGroup, method: str, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:

@@ -174,7 +174,9 @@ def _generate_synthetic_assets(synthetic) -> tuple[Path, Path]:
                                        **{k: v for k, v in sizes.items() if k != "max_operand"})
     from mindspeed_rl.data.arith_task import ensure_demo_assets
 
-    return ensure_demo_assets(synthetic.data_dir, vocab_size=synthetic.vocab_size, **sizes)
+    experts = dict(num_experts=synthetic.num_experts, moe_router_topk=synthetic.moe_router_topk,
+                   moe_ffn_hidden_size=synthetic.moe_ffn_hidden_size)  # num_experts 0: the dense Qwen2
+    return ensure_demo_assets(synthetic.data_dir, vocab_size=synthetic.vocab_size, **sizes, **experts)
 
 
 def read_hf_config(model_dir: str) -> dict:

@@ -35,6 +35,7 @@ class DisaggregatedActor(CompositeGroup):
         self.member_groups = (self.train, self.infer)
         self._weights_stale = True
         self._pending = None  # (each inference rank's generate_sequences refs, the training ranks' switch refs)
+        self._pending_score = None  # alike for score_sequences
 
     def initialize(self) -> list[dict[str, float]]:
         """Both groups build their engines at once, then join the bridge and plan the push."""
@@ -74,6 +75,22 @@ class DisaggregatedActor(CompositeGroup):
                                meta_info={"weights_changed": self._weights_stale}, blocking=False)
         self._weights_stale = False
         self._pending = (refs, switching)
+
+    def start_score(self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]) -> None:
+        """score_sequences on the inference ranks, not waited for, under the training ranks' weights (pushed first
+        where they changed, as for a rollout): the mismatch ledger's re-score of a one-step off-policy rollout."""
+        assert self._pending_score is None, "a re-score is already running; finish_score first"
+        switching = self.train.call("switch", blocking=False) if self._weights_stale else None
+        refs = self.infer.call("score_sequences", prompt_token_ids, response_token_ids,
+                               meta_info={"weights_changed": self._weights_stale}, blocking=False)
+        self._weights_stale = False
+        self._pending_score = (refs, switching)
+
+    def finish_score(self) -> list[Any]:
+        """The started re-score's per-rank (Shard, metrics)."""
+        (refs, switching), self._pending_score = self._pending_score, None
+        calls = [(self.infer, "score_sequences", refs)] + ([(self.train, "switch", switching)] if switching else [])
+        return wait_all(calls)[0]
 
     def finish_generate(self) -> list[Any]:
         """The started rollout's results (each inference rank's), with the push's and the wait's metrics."""

@@ -92,6 +92,10 @@ def build_actor(config: GRPOConfig, accelerator, options, *, checkpoint, progres
     actor = MegatronEngine(spec=train_spec(config, spec), hf_state=state, params_dtype=params_dtype(config),
                            accelerator=accelerator, optimizer=optimizer_settings(config), options=options,
                            lora=lora_settings(config), lora_filter=config.actor_config.lora_filter)
+    if records_routes(config, spec):
+        from mindspeed_rl.models.routing_replay import RoutingReplay
+
+        actor.routing_replay = RoutingReplay(actor.module, forcing=config.rl_config.routing_replay)
     if not config.uses_reference:
         progress("Megatron actor built (no reference: init_kl_coef is 0)")
     elif config.reference_is_backbone:
@@ -134,8 +138,16 @@ def build_reward_model(config: GRPOConfig, accelerator, options, *, progress: Ca
     return engine
 
 
+def records_routes(config: GRPOConfig, spec) -> bool:
+    """Whether vLLM records the experts it routes each token to: for routing replay, and for the mismatch ledger's
+    routing share on an MoE model."""
+    rl = config.rl_config
+    return rl.routing_replay or (rl.mismatch_ledger and spec.is_moe)
+
+
 def build_inference_model(config: GRPOConfig, accelerator, *, model_dir: str):
     from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from mindspeed_rl.models.checkpoint import read_spec
 
     gen = config.generate_config
     return VLLMEngine(VLLMEngineConfig(
@@ -148,6 +160,7 @@ def build_inference_model(config: GRPOConfig, accelerator, *, model_dir: str):
         gpu_memory_utilization=gen.gpu_memory_utilization, cpu_kvcache_space_gb=gen.cpu_kvcache_space_gb,
         on_cpu=accelerator.is_host, enable_expert_parallel=gen.infer_expert_parallel_size > 1,
         trust_remote_code=gen.trust_remote_code, enable_prefix_caching=gen.enable_prefix_caching,
+        return_routed_experts=records_routes(config, read_spec(model_dir)),
     ))
 
 

@@ -63,4 +63,18 @@ class InferencePart(Part):
         )
         metrics = {"timing/rollout": time.perf_counter() - t0, **in_phase.metrics()}
         return_free_heap()  # an inference-only rank (disaggregated) has no update to end its iteration
-        return [(g.prompt_index, g.token_ids, g.logprobs) for g in generations], metrics
+        # With routing replay the routes ride along: (index, token ids, log-probs, [positions, layers, k] experts).
+        return [(g.prompt_index, g.token_ids, g.logprobs) + (() if g.routed_experts is None else (g.routed_experts,))
+                for g in generations], metrics
+
+    @phase_rpc(GENERATE, progress="re-score", dispatch=Dispatch(INFER_DP, "prompt_token_ids", "response_token_ids"))
+    def score_sequences(self, prompt_token_ids: list[list[int]],
+                        response_token_ids: list[list[int]]) -> tuple[list[list[float]], dict[str, float]]:
+        """vLLM's log-prob of each response token under the weights it holds now: the mismatch ledger's `L_now` of a
+        one-step off-policy rollout, re-scored once the weights that train it are pushed (algorithms/mismatch.py)."""
+        t0 = time.perf_counter()
+        temperature = self.config.generate_config.sampling_config.temperature
+        scores = [] if not prompt_token_ids else self.inference_model.score(prompt_token_ids, response_token_ids,
+                                                                             temperature=temperature)
+        return scores, {"timing/rescore": time.perf_counter() - t0}
+

@@ -53,9 +53,16 @@ class TrainingPart(Part):
         (ROLL's LoRA reference call), its backbone's, with the adapters off."""
         in_phase = self.ledger.record(OLD_LOGPROB)
         disabled = batch.meta_info.get("disable_adapter", False)
-        with self.actor.adapters_disabled() if disabled else contextlib.nullcontext():
+        replayed = batch.meta_info.get("replay_routing", False)  # the mismatch ledger's routing share
+        with self.actor.adapters_disabled() if disabled else contextlib.nullcontext(), self._routing(replayed):
             logprobs = forward_logprobs(self, self.actor, batch, reference=False)
-        return logprobs, in_phase.metrics()
+        routing = self.actor.routing_metrics()
+        return logprobs, in_phase.metrics() | ({} if disabled or replayed else routing)
+
+    def _routing(self, replayed: bool):
+        """vLLM's recorded routes forced for this call (the ledger's `L_replayed`), replay on or not."""
+        replay = self.actor.routing_replay
+        return replay.forced(True) if replayed and replay is not None else contextlib.nullcontext()
 
     @phase_rpc(UPDATE, progress="update", changes_weights=True, dispatch=Dispatch(TRAIN_DP, "batch"))
     def update(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
@@ -79,6 +86,9 @@ class TrainingPart(Part):
             # Recorded after the steps: the optimizer creates its moments lazily at the first one.
             in_phase = self.ledger.record(UPDATE, extra={"activations": activations.peak_bytes})
         metrics["actor/optimizer_steps"] = float(steps)
+        routing = self.actor.routing_metrics()
+        if "old_logprobs" not in batch.columns:  # on-policy: the update's forward is the old-log-prob forward
+            metrics |= routing
         return_free_heap()  # the update ends a rank's iteration
         return {**metrics, **in_phase.metrics()}
 
