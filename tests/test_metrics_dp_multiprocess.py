@@ -118,7 +118,11 @@ def _assert_same(stats: dict, params: dict, oracle_stats: dict, oracle_params: d
         want = oracle_stats[key]
         assert abs(stats[key] - want) <= 1e-5 * max(1.0, abs(want)), (label, key, stats[key], want)
     for name, want in oracle_params.items():
-        assert (params[name] - want).abs().max().item() < 1e-6, (label, name)
+        # Adam's first step is lr x g / (|g| + eps): where g is 0 in exact arithmetic and rounding noise in floats (the
+        # key biases: softmax ignores a shift shared by every key; a few entries of the qkv and fc weights), the two
+        # splits' noise gives steps up to ~1e-5 apart (5.6e-6 measured, in 1-12 entries per tensor); the rest agree
+        # to ~1e-8.
+        assert (params[name] - want).abs().max().item() < 1e-5, (label, name)
 
 
 def _worker(rank, world_size, port, checkpoint, batch, oracle_stats, oracle_params):

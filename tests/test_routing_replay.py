@@ -31,8 +31,13 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout(world, checkpoint):
+    from vllm.distributed.parallel_state import destroy_model_parallel
+
     from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
+    # vLLM's groups of this pytest process were made by an earlier module's dense engine, without the expert-parallel
+    # group an MoE layer asks for; made again for this one (a rank builds one engine: a test-process concern only).
+    destroy_model_parallel()
     engine = VLLMEngine(VLLMEngineConfig(
         model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=32, max_num_seqs=64,
         max_num_batched_tokens=1024, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,

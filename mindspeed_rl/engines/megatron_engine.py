@@ -24,6 +24,7 @@ from mindspeed_rl.models.context_parallel import cut_padding, model_inputs
 from mindspeed_rl.models.lora import MergedWeights, saved_state, with_adapters
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec
 from mindspeed_rl.models.routing_replay import routes_of_this_rank
+from mindspeed_rl.models.scored_head import scored_rows_only
 from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class MegatronEngine:
     cp = 1
     # Routing replay (models/routing_replay.py), the actor's when the run records vLLM's routes; None: routers route.
     routing_replay: "RoutingReplay | None" = None
+    _scored_logits = False  # see _logits_of_scored_rows
 
     def __init__(self, *, spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], params_dtype: torch.dtype,
                  accelerator: Accelerator, optimizer: OptimizerSettings | None,
@@ -203,8 +205,21 @@ class MegatronEngine:
         if self.routing_replay is not None:
             self.routing_replay.set_micro_batch(routes_of_this_rank(
                 mb, seq_length, parallel=self.parallel, sequence_parallel=self.module.config.sequence_parallel))
-        output = model(*model_inputs(mb, ids, positions), None, packed_seq_params=packed_seq_params)
-        return cut_padding(output, mb, width) if self.parallel.last_stage else output
+        scored = self._scored_logits and self.parallel.last_stage
+        with (scored_rows_only(self.module.output_layer, mb, tp_group=self.parallel.tp_group) if scored
+              else contextlib.nullcontext()):
+            output = model(*model_inputs(mb, ids, positions), None, packed_seq_params=packed_seq_params)
+        return cut_padding(output, mb, width) if self.parallel.last_stage and not scored else output
+
+    @contextlib.contextmanager
+    def _logits_of_scored_rows(self):
+        """The model's logits for the rows that score a response token only, while the context lasts
+        (models/scored_head.py): the actor's and the reference's log-prob passes and the update."""
+        self._scored_logits = True
+        try:
+            yield
+        finally:
+            self._scored_logits = False
 
     @staticmethod
     def _packed_seq_params(mb: MicroBatch):
@@ -220,9 +235,10 @@ class MegatronEngine:
 
         def logprobs(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
             return response_logprobs_from_logits(logits, mb, temperature, with_entropy=False,
-                                                 chunk_tokens=self.logprob_chunk_tokens)[0]
+                                                 chunk_tokens=self.logprob_chunk_tokens, rows_selected=True)[0]
 
-        return self._forward_response_rows(batch, micro_batch_size, packing, logprobs)
+        with self._logits_of_scored_rows():
+            return self._forward_response_rows(batch, micro_batch_size, packing, logprobs)
 
     def _forward_response_rows(self, batch: RolloutBatch, micro_batch_size: int, packing: Packing | None,
                                per_micro_batch: Callable) -> torch.Tensor:
@@ -250,10 +266,12 @@ class MegatronEngine:
 
         def loss_from_output(mb: MicroBatch, logits: torch.Tensor):
             logprobs, entropy = response_logprobs_from_logits(logits, mb, temperature, with_entropy=True,
-                                                              chunk_tokens=self.logprob_chunk_tokens)
+                                                              chunk_tokens=self.logprob_chunk_tokens,
+                                                              rows_selected=True)
             return loss_fn(logprobs, entropy, mb)
 
-        return self._optimizer_step(batch, micro_batch_size, packing, loss_from_output)
+        with self._logits_of_scored_rows():
+            return self._optimizer_step(batch, micro_batch_size, packing, loss_from_output)
 
     def _optimizer_step(self, batch: RolloutBatch, micro_batch_size: int, packing: Packing | None,
                         loss_from_output: Callable, metrics_prefix: str = "actor") -> dict[str, float]:
@@ -351,22 +369,11 @@ class MegatronEngine:
             yield
 
     def routing_metrics(self) -> dict[str, float]:
-        """The forwards' routing since the last call against vLLM's recorded routes, over every rank's tokens and
-        layers: `mismatch/routing_flips` the share of (token, MoE layer) pairs whose experts differ from the rollout's
-        (0 with replay), `mismatch/router_disagreement` the share the routers would have chosen differently."""
+        """The forwards' routing since the last call against vLLM's recorded routes (RoutingReplay.metrics)."""
         if self.routing_replay is None:
             return {}
-        counts = self.routing_replay.take_counts().to(self.accelerator.device)
-        groups = [self.parallel.pp_group, self.parallel.cp_group, self.parallel.dp_group]
-        if self.module.config.sequence_parallel:  # each TP rank routed its own s / TP tokens
-            groups.append(self.parallel.tp_group)
-        for group, size in zip(groups, (self.pp, self.cp, self.parallel.dp, self.tp)):
-            if size > 1:
-                dist.all_reduce(counts, group=group)
-        used, chosen, recorded = counts.tolist()
-        if recorded == 0:
-            return {}
-        return {"mismatch/routing_flips": used / recorded, "mismatch/router_disagreement": chosen / recorded}
+        return self.routing_replay.metrics(self.parallel, sequence_parallel=self.module.config.sequence_parallel,
+                                           device=self.accelerator.device)
 
     def sharded_state_dict(self) -> dict:
         """The module's Megatron sharded state dict in the checkpoints' format (engines/dist_checkpoint.py); with

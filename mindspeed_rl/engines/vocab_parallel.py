@@ -22,13 +22,14 @@ from mindspeed_rl.protocol import MicroBatch
 
 
 def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool,
-                                  chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                  chunk_tokens: int,
+                                  rows_selected: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every response token (and optionally the entropy there), [b, response_width] fp32, 0 where
     `mb.response_mask` is 0.
 
-    logits: [b, s, vocab/tp] (packed: [1, t, vocab/tp]). Only the rows that score a response token are taken
-    (`MicroBatch.scored_rows`, a copy in the logits' dtype); the vocabulary stays sharded and the fp32 work
-    is chunked (engines/vocab_parallel.py).
+    logits: [b, s, vocab/tp] (packed: [1, t, vocab/tp]), of which only the rows that score a response token are
+    taken (`MicroBatch.scored_rows`, a copy in the logits' dtype); or with `rows_selected` those rows only, in that
+    order ([1, n, vocab/tp]: models/scored_head.py). The vocabulary stays sharded and the fp32 work is chunked.
     """
     from mindspeed_rl.parallel import megatron_state
 
@@ -39,7 +40,7 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
     parallel = megatron_state.current()
     group = parallel.tp_group if parallel.tp > 1 else None
     token_logprobs, token_entropy = vocab_parallel_logprobs(
-        logits.reshape(-1, vocab_local)[rows], targets, temperature=temperature, chunk_tokens=chunk_tokens,
+        logits.reshape(-1, vocab_local) if rows_selected else logits.reshape(-1, vocab_local)[rows], targets, temperature=temperature, chunk_tokens=chunk_tokens,
         group=group, with_entropy=with_entropy)
     token_logprobs, token_entropy = everywhere(token_logprobs, held), everywhere(token_entropy, held)
     selected = mb.response_mask.bool()

@@ -93,6 +93,22 @@ class RoutingReplay:
         counts, self._counts = self._counts, torch.zeros_like(self._counts)
         return counts
 
+    def metrics(self, parallel, *, sequence_parallel: bool, device) -> dict[str, float]:
+        """The counts since the last call over every rank's tokens and layers (collective over the training ranks):
+        `mismatch/routing_flips` the share of recorded (token, MoE layer) pairs whose experts differ from the
+        rollout's (0 when forcing), `mismatch/router_disagreement` the share the routers would have chosen otherwise."""
+        counts = self.take_counts().to(device)
+        groups = [(parallel.pp_group, parallel.pp), (parallel.cp_group, parallel.cp), (parallel.dp_group, parallel.dp)]
+        if sequence_parallel:  # each TP rank routed its own s / TP tokens
+            groups.append((parallel.tp_group, parallel.tp))
+        for group, size in groups:
+            if size > 1:
+                torch.distributed.all_reduce(counts, group=group)
+        used, chosen, recorded = counts.tolist()
+        if recorded == 0:
+            return {}
+        return {"mismatch/routing_flips": used / recorded, "mismatch/router_disagreement": chosen / recorded}
+
     @contextlib.contextmanager
     def forced(self, forcing: bool):
         saved, self.forcing = self.forcing, forcing
