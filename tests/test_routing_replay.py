@@ -1,5 +1,5 @@
 """Routing replay (R3) with real vLLM and real Megatron-core on a tiny Qwen3-MoE: vLLM records the experts its routers
-chose (engines/vllm_routing.py), Megatron's routers replay them (models/routing_replay.py), the mismatch ledger puts
+chose (engines/vllm_routing.py), Megatron's routers replay them (engines/routing_replay.py), the mismatch ledger puts
 router noise in its routing share.
 
 Router noise is injected into vLLM's selection only: its routers pick the top-k of noisy logits and weigh the picked
@@ -51,7 +51,7 @@ def rollout(world, checkpoint):
 def _actor(world, checkpoint, *, recompute: bool = False):
     from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
     from mindspeed_rl.models.qwen2 import ModelOptions
-    from mindspeed_rl.models.routing_replay import RoutingReplay
+    from mindspeed_rl.engines.routing_replay import RoutingReplay
 
     spec, state = load_hf_checkpoint(checkpoint)
     options = ModelOptions(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \

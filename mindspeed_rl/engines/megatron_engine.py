@@ -23,13 +23,13 @@ from mindspeed_rl.models.megatron_build import (  # noqa: F401 (build_gpt_model,
 from mindspeed_rl.models.context_parallel import cut_padding, model_inputs
 from mindspeed_rl.models.lora import MergedWeights, saved_state, with_adapters
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec
-from mindspeed_rl.models.routing_replay import routes_of_this_rank
+from mindspeed_rl.engines.routing_replay import routes_of_this_rank
 from mindspeed_rl.models.scored_head import scored_rows_only
 from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
 
 if TYPE_CHECKING:
     from mindspeed_rl.models.lora import LoRASettings
-    from mindspeed_rl.models.routing_replay import RoutingReplay
+    from mindspeed_rl.engines.routing_replay import RoutingReplay
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -93,7 +93,7 @@ class MegatronEngine:
     # Context parallelism is the actor's and the reference's (config/context_parallel.check_context_parallel): the
     # critic and the reward model build themselves without it.
     cp = 1
-    # Routing replay (models/routing_replay.py), the actor's when the run records vLLM's routes; None: routers route.
+    # Routing replay (engines/routing_replay.py), the actor's when the run records vLLM's routes; None: routers route.
     routing_replay: "RoutingReplay | None" = None
     _scored_logits = False  # see _logits_of_scored_rows
 

@@ -85,6 +85,12 @@ def _local_target(targets: torch.Tensor, vocab_start: int, vocab_local: int) -> 
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
+    """Each chunk takes as few passes over its [rows, V/t] as the formulas allow (the work is memory-bound: the
+    matmuls around it are small): forward, the shifted logits (scaled only when T != 1), their exp, and for the
+    entropy a row-wise dot product (a batched matmul, no [rows, V/t] product); backward, written straight into the
+    gradient's rows: log p, its exp, the scale, and the entropy's terms only where its gradient is not zero (an
+    entropy logged but not in the loss, or weighted 0)."""
+
     @staticmethod
     def forward(ctx, logits, targets, temperature, chunk_tokens, group, with_entropy):
         rows, vocab_local = logits.shape
@@ -94,19 +100,21 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         entropy = torch.zeros_like(lse)
         for begin in range(0, rows, chunk_tokens):
             end = min(begin + chunk_tokens, rows)
-            z = logits[begin:end].float() / temperature
-            max_z = _all_reduce(z.max(dim=-1).values, group, dist.ReduceOp.MAX)
-            z -= max_z.unsqueeze(1)  # shifted in place: exp cannot overflow
+            chunk = logits[begin:end]
+            # max z = max(logits) / T for T > 0: the shift is taken on the raw logits and z scaled after it.
+            max_logit = _all_reduce(chunk.max(dim=-1).values.float(), group, dist.ReduceOp.MAX)
+            z = chunk.float() - max_logit.unsqueeze(1)  # shifted: exp cannot overflow
+            if temperature != 1.0:
+                z.div_(temperature)
             local, held = _local_target(targets[begin:end], vocab_start, vocab_local)
-            sums = torch.stack([
-                torch.where(held, z.gather(1, local.unsqueeze(1)).squeeze(1), 0.0),
-                (exp_z := z.exp()).sum(dim=-1),
-                (exp_z * z).sum(dim=-1) if with_entropy else torch.zeros_like(max_z),
-            ])
-            del exp_z
+            target_z = torch.where(held, z.gather(1, local.unsqueeze(1)).squeeze(1), 0.0)
+            exp_z = z.exp()
+            sums = torch.stack([target_z, exp_z.sum(dim=-1),
+                                torch.einsum("rv,rv->r", exp_z, z) if with_entropy else torch.zeros_like(target_z)])
+            del exp_z, z
             target_z, sum_exp, sum_exp_z = _all_reduce(sums, group)
             log_sum_exp = sum_exp.log()
-            lse[begin:end] = max_z + log_sum_exp
+            lse[begin:end] = max_logit / temperature + log_sum_exp
             logprobs[begin:end] = target_z - log_sum_exp
             if with_entropy:  # H = lse - sum p z, in the shifted z: log sum_exp - sum_exp_z / sum_exp
                 entropy[begin:end] = log_sum_exp - sum_exp_z / sum_exp
@@ -119,19 +127,40 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         logits, targets, lse, entropy = ctx.saved_tensors
         temperature, chunk_tokens, vocab_start, with_entropy = ctx.settings
         rows, vocab_local = logits.shape
+        entropy_grad = with_entropy and bool(grad_entropy.any())
         grad = torch.empty_like(logits)
+        in_place = logits.dtype == torch.float32  # else the fp32 work is copied into the gradient's dtype
         for begin in range(0, rows, chunk_tokens):
             end = min(begin + chunk_tokens, rows)
-            log_p = logits[begin:end].float() / temperature - lse[begin:end].unsqueeze(1)
-            p = log_p.exp()
+            g_z = grad[begin:end] if in_place else torch.empty(end - begin, vocab_local, device=logits.device)
+            _log_p_into(g_z, logits[begin:end], lse[begin:end], temperature)
             g_logprob = grad_logprobs[begin:end].unsqueeze(1)
-            if with_entropy:
+            if entropy_grad:
                 # d/dz of g_lp log p_t + g_H H = g_lp (1[t] - p) - g_H p (log p + H)
-                log_p += entropy[begin:end].unsqueeze(1)
-                g_z = -p * (g_logprob + grad_entropy[begin:end].unsqueeze(1) * log_p)
+                log_p = g_z.clone()
+                g_z.exp_()
+                log_p.add_(entropy[begin:end].unsqueeze(1)).mul_(grad_entropy[begin:end].unsqueeze(1)).add_(g_logprob)
+                g_z.mul_(log_p).neg_()
+                del log_p
             else:
-                g_z = -p * g_logprob
+                g_z.exp_().mul_(-g_logprob)
             local, held = _local_target(targets[begin:end], vocab_start, vocab_local)
             g_z.scatter_add_(1, local.unsqueeze(1), torch.where(held, grad_logprobs[begin:end], 0.0).unsqueeze(1))
-            grad[begin:end] = g_z / temperature
+            if temperature != 1.0:
+                g_z.div_(temperature)
+            if not in_place:
+                grad[begin:end] = g_z
         return grad, None, None, None, None, None
+
+
+def _log_p_into(out: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, temperature: float) -> None:
+    """out = logits / T - lse in fp32, in as few passes as the dtypes allow (one when fp32 at T = 1)."""
+    source = logits
+    if logits.dtype != out.dtype:
+        out.copy_(logits)
+        source = out
+    if temperature != 1.0:
+        torch.div(source, temperature, out=out)
+        source = out
+    torch.sub(source, lse.unsqueeze(1), out=out)
+

@@ -93,7 +93,7 @@ def build_actor(config: GRPOConfig, accelerator, options, *, checkpoint, progres
                            accelerator=accelerator, optimizer=optimizer_settings(config), options=options,
                            lora=lora_settings(config), lora_filter=config.actor_config.lora_filter)
     if records_routes(config, spec):
-        from mindspeed_rl.models.routing_replay import RoutingReplay
+        from mindspeed_rl.engines.routing_replay import RoutingReplay
 
         actor.routing_replay = RoutingReplay(actor.module, forcing=config.rl_config.routing_replay)
     if not config.uses_reference:
