@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 from mindspeed_rl.accelerator import get_accelerator
+from mindspeed_rl.engines.vllm_routing import RoutingRecorder, merge_pipeline_stages, positions_routing
 from mindspeed_rl.memory.offload import StorageGroup
 
 if TYPE_CHECKING:
@@ -121,11 +122,7 @@ class VLLMEngine:
 
             _unpack_cpu_linears(self.model)
             unpack_cpu_experts(self.model)
-        self.routing = None
-        if config.return_routed_experts:
-            from mindspeed_rl.engines.vllm_routing import RoutingRecorder
-
-            self.routing = RoutingRecorder(self.llm)
+        self.routing = RoutingRecorder(self.llm) if config.return_routed_experts else None
         self.weights_loaded = False
         # One storage backs every layer's KV view; freeing it by resize keeps the views bound.
         self._kv_cache = StorageGroup("kv_cache", self._kv_tensors, get_accelerator("cpu" if config.on_cpu else "auto"),
@@ -159,7 +156,7 @@ class VLLMEngine:
         params = [SamplingParams(n=n, max_tokens=budget, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                  logprobs=logprobs, seed=seed, detokenize=detokenize) for budget in budgets]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
-        with self._recording_routes():
+        with self.routing.recording() if self.routing is not None else contextlib.nullcontext():
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
         generations = []
         for prompt_index, request in enumerate(outputs):
@@ -172,21 +169,9 @@ class VLLMEngine:
                                               routed_experts=self._routes_of(sample, len(prompt_token_ids[prompt_index]))))
         return self._with_every_stages_routes(generations)
 
-    @contextlib.contextmanager
-    def _recording_routes(self):
-        if self.routing is not None:
-            self.routing.active = True
-        try:
-            yield
-        finally:
-            if self.routing is not None:
-                self.routing.active = False
-
     def _routes_of(self, sample, prompt_length: int) -> "np.ndarray | None":
         if self.routing is None:
             return None
-        from mindspeed_rl.engines.vllm_routing import positions_routing
-
         # Every position but the last sampled token's went through a forward.
         return positions_routing(sample.routed_experts, prompt_length + len(sample.token_ids) - 1,
                                  self.routing.num_layers, self.routing.topk)
@@ -195,8 +180,6 @@ class VLLMEngine:
         if self.routing is None or self.config.pipeline_parallel_size == 1:
             return generations
         from vllm.distributed.parallel_state import get_pp_group
-
-        from mindspeed_rl.engines.vllm_routing import merge_pipeline_stages
 
         merged = merge_pipeline_stages([g.routed_experts for g in generations], get_pp_group().cpu_group)
         return [replace(g, routed_experts=r) for g, r in zip(generations, merged)]

@@ -15,6 +15,8 @@ on it) and prompt blocks served from the prefix cache (config/algorithm_checks r
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -51,6 +53,15 @@ class RoutingRecorder:
 
         runner._model_forward = model_forward
         llm.llm_engine.engine_core.engine_core.scheduler.aux_output_connector = _SchedulerSide(self)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Rows are filed only while the context lasts (a generate call: not vLLM's warm-up or dummy forwards)."""
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
 
     def _file_step(self, positions: torch.Tensor | None) -> None:
         batch = self._runner.input_batch

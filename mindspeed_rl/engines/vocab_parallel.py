@@ -39,9 +39,10 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
     rows, targets, held = scored_rows(mb)  # under CP this rank's positions; every entry then comes from one rank
     parallel = megatron_state.current()
     group = parallel.tp_group if parallel.tp > 1 else None
-    token_logprobs, token_entropy = vocab_parallel_logprobs(
-        logits.reshape(-1, vocab_local) if rows_selected else logits.reshape(-1, vocab_local)[rows], targets, temperature=temperature, chunk_tokens=chunk_tokens,
-        group=group, with_entropy=with_entropy)
+    scored = logits.reshape(-1, vocab_local) if rows_selected else logits.reshape(-1, vocab_local)[rows]
+    token_logprobs, token_entropy = vocab_parallel_logprobs(scored, targets, temperature=temperature,
+                                                            chunk_tokens=chunk_tokens, group=group,
+                                                            with_entropy=with_entropy)
     token_logprobs, token_entropy = everywhere(token_logprobs, held), everywhere(token_entropy, held)
     selected = mb.response_mask.bool()
 

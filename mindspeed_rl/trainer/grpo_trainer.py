@@ -11,8 +11,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.checkpoint.lora_export import lora_record
 from mindspeed_rl.checkpoint.trainer_state import Contents, save_run_checkpoint
@@ -30,7 +28,7 @@ from mindspeed_rl.trainer.metrics import format_line, iteration_metrics
 from mindspeed_rl.trainer.multi_turn import ToolTurns
 from mindspeed_rl.trainer.phase_progress import with_phase_progress
 from mindspeed_rl.trainer.rollout_correction_step import correct_rollout
-from mindspeed_rl.trainer.rollout import forward_logprobs, response_ids, rollout_batch
+from mindspeed_rl.trainer.rollout import forward_logprobs, padded_rows, response_ids, rollout_batch
 from mindspeed_rl.trainer.sinks import MetricsSinks
 from mindspeed_rl.trainer.trackers import build_trackers
 from mindspeed_rl.trainer.stopping import RunProgress
@@ -172,10 +170,7 @@ class Rollouts:
         self._rescoring = False
         results = self.actor_group.finish_score()
         rows = [values for shard in merge_shards([s for s, _ in results]) for values in shard.value]
-        rescored = torch.zeros(batch.response_logprobs_shape)
-        for row, values in enumerate(rows):
-            rescored[row, : len(values)] = torch.tensor(values)
-        batch.columns["rescored_logprobs"] = rescored
+        batch.columns["rescored_logprobs"] = padded_rows(rows, batch.response_logprobs_shape)
         return {"timing/rescore": results[0][1].get("timing/rescore", 0.0)}
 
     def finish_ahead(self) -> list | None:

@@ -36,13 +36,19 @@ def rollout_batch(results: list, prompt_ids: list[list[int]], config: GRPOConfig
     width = config.response_length_limit
     batch = RolloutBatch.from_token_lists([prompt_ids[s[0]] for s in samples], [s[1] for s in samples],
                                           pad_id=0, response_width=width)
-    rollout_logprobs = torch.zeros(batch.response_logprobs_shape)
-    for row, sample in enumerate(samples):
-        rollout_logprobs[row, : len(sample[1])] = torch.tensor(sample[2])
-    batch.columns["rollout_logprobs"] = rollout_logprobs
+    batch.columns["rollout_logprobs"] = padded_rows([s[2] for s in samples], batch.response_logprobs_shape)
     if samples and len(samples[0]) > 3:  # vLLM recorded its routes (routing replay, the ledger's routing share)
         batch.columns[ROUTES_COLUMN] = routes_column([s[3] for s in samples], batch.input_ids.shape[1])
     return batch, metrics
+
+
+def padded_rows(rows: list, shape: tuple[int, int]) -> torch.Tensor:
+    """Per-sample values of the response tokens (vLLM's log-probs) as [samples, response width] fp32, 0 after each
+    sample's last token."""
+    out = torch.zeros(shape)
+    for row, values in enumerate(rows):
+        out[row, : len(values)] = torch.tensor(values)
+    return out
 
 
 def routes_column(routes: list, width: int) -> torch.Tensor:

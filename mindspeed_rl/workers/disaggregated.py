@@ -70,35 +70,38 @@ class DisaggregatedActor(CompositeGroup):
         training ranks enter the switch meanwhile and the inference ranks go through it before generating (the
         push); finish_generate collects both."""
         assert self._pending is None, "a rollout is already running; finish_generate first"
-        switching = self.train.call("switch", blocking=False) if self._weights_stale else None
-        refs = self.infer.call("generate_sequences", prompt_token_ids, iteration, n, greedy, max_tokens,
-                               meta_info={"weights_changed": self._weights_stale}, blocking=False)
-        self._weights_stale = False
-        self._pending = (refs, switching)
+        self._pending = self._after_the_push("generate_sequences", prompt_token_ids, iteration, n, greedy, max_tokens)
 
     def start_score(self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]) -> None:
         """score_sequences on the inference ranks, not waited for, under the training ranks' weights (pushed first
         where they changed, as for a rollout): the mismatch ledger's re-score of a one-step off-policy rollout."""
         assert self._pending_score is None, "a re-score is already running; finish_score first"
-        switching = self.train.call("switch", blocking=False) if self._weights_stale else None
-        refs = self.infer.call("score_sequences", prompt_token_ids, response_token_ids,
-                               meta_info={"weights_changed": self._weights_stale}, blocking=False)
-        self._weights_stale = False
-        self._pending_score = (refs, switching)
+        self._pending_score = self._after_the_push("score_sequences", prompt_token_ids, response_token_ids)
 
     def finish_score(self) -> list[Any]:
         """The started re-score's per-rank (Shard, metrics)."""
-        (refs, switching), self._pending_score = self._pending_score, None
-        calls = [(self.infer, "score_sequences", refs)] + ([(self.train, "switch", switching)] if switching else [])
-        return wait_all(calls)[0]
+        pending, self._pending_score = self._pending_score, None
+        return self._wait_with_the_push("score_sequences", pending)[0]
+
+    def _after_the_push(self, method: str, *args: Any) -> tuple[list, list | None]:
+        """`method` on the inference ranks, not waited for; where the weights changed, the training ranks enter the
+        switch meanwhile and the inference ranks go through it first (the push). (its refs, the switch's refs)"""
+        switching = self.train.call("switch", blocking=False) if self._weights_stale else None
+        refs = self.infer.call(method, *args, meta_info={"weights_changed": self._weights_stale}, blocking=False)
+        self._weights_stale = False
+        return refs, switching
+
+    def _wait_with_the_push(self, method: str, pending: tuple[list, list | None]) -> list:
+        """[each inference rank's results] + [each training rank's switch metrics] where it pushed."""
+        refs, switching = pending
+        return wait_all([(self.infer, method, refs)] + ([(self.train, "switch", switching)] if switching else []))
 
     def finish_generate(self) -> list[Any]:
         """The started rollout's results (each inference rank's), with the push's and the wait's metrics."""
         assert self._pending is not None, "no rollout was started"
-        (refs, switching), self._pending = self._pending, None
+        pending, self._pending = self._pending, None
         started = time.perf_counter()
-        calls = [(self.infer, "generate_sequences", refs)] + ([(self.train, "switch", switching)] if switching else [])
-        results, *sent = wait_all(calls)
+        results, *sent = self._wait_with_the_push("generate_sequences", pending)
         shard, metrics = results[0]
         # rank 0's metrics are the iteration's (merge_metrics); the push's sums over both rank sets.
         results[0] = (shard, {**metrics, **(_push_totals([m for _, m in results], sent[0]) if sent else {}),
