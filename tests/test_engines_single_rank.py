@@ -134,3 +134,28 @@ def test_kv_cache_release_and_rebuild_keep_outputs(rollout):
     after = _generate(rollout)
     assert [g.token_ids for g in after] == [g.token_ids for g in before]
     assert [g.logprobs for g in after] == [g.logprobs for g in before]
+
+
+def test_cpu_gemms_read_packed_copies_of_the_loaded_weights(checkpoint, rollout):
+    """engines/vllm_cpu_linears.py: after a load the linears GEMM with oneDNN copies packed from the plain weights,
+    as many bytes as the planner predicts; dropped, the plain weights give the same samples and log-probs."""
+    import json
+    from pathlib import Path
+
+    from mindspeed_rl.engines.vllm_cpu_linears import packs_linears
+    from mindspeed_rl.planner.arch import from_hf_config
+    from mindspeed_rl.planner.params import vllm_packed_linear_numel
+
+    if not packs_linears():
+        pytest.skip("vLLM-cpu packs its linears with oneDNN on x86 only")
+    arch = from_hf_config(json.loads((Path(checkpoint) / "config.json").read_text()))
+    assert rollout.packed_linear_bytes() == 4 * vllm_packed_linear_numel(arch, tp=1, dp=1, expert_parallel=False)
+    packed = _generate(rollout)
+    freed = rollout.drop_packed_linears()
+    assert freed > 0 and rollout.packed_linear_bytes() == 0
+    plain = _generate(rollout)
+    assert rollout.pack_linears() == freed
+    assert [g.token_ids for g in plain] == [g.token_ids for g in packed]
+    for a, b in zip(plain, packed):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    assert [g.logprobs for g in _generate(rollout)] == [g.logprobs for g in packed]

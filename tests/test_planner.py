@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mindspeed_rl.engines.vllm_cpu_linears import packs_linears
 from mindspeed_rl.memory.residency import PHASES, ResidencyPolicy
 from mindspeed_rl.planner.arch import from_hf_config
 from mindspeed_rl.planner.activations import activation_bytes, activation_terms
@@ -111,9 +112,13 @@ def test_dense_tp2_pp2_shards_by_hand():
     assert table["old_logprob"]["train_params"] == 4 * last  # fp32, the larger stage
     assert table["update"]["train_grads"] == 4 * last
     assert table["update"]["optimizer_states"] == 8 * last  # Adam moments, fp32 model: no masters
-    # vLLM TP1 on every rank: the whole model, the 16-row vocabulary padded to 64.
+    # vLLM TP1 on every rank: the whole model, the 16-row vocabulary padded to 64; on this CPU host with the
+    # oneDNN-packed copies of every linear weight and the head (engines/vllm_cpu_linears.py), not the embedding, the
+    # norms or the biases.
     whole = arch.parameter_count() + 2 * (64 - 16) * h
-    assert table["generate"]["inference_weights"] == 4 * whole
+    linears = 4 * ((4 + 2 + 2) * hd * h + h * 4 * hd + 2 * 256 * h + h * 256) + 64 * h  # qkv, o, gate_up, down
+    assert [r.pushed_weight_bytes for r in plan.ranks] == [4 * whole] * 4
+    assert table["generate"]["inference_weights"] == 4 * whole + (4 * linears if packs_linears() else 0)
 
 
 def test_bf16_holds_every_param_in_bf16_with_fp32_masters():
@@ -277,10 +282,10 @@ def test_infer_pp_weights_are_each_stages_vllm_layout(layout, vllm_partition):
     plan = plan_memory(PlanInputs(arch=arch, world_size=world, infer_tp=tp, infer_pp=pp, infer_dtype=dtype))
     infer = InferLayout(tp=tp, pp=pp)
     for rank in plan.ranks:
-        assert rank.states["inference_weights"] == _vllm_stage_bytes(arch, infer, world, rank.rank, size), rank.rank
+        assert rank.pushed_weight_bytes == _vllm_stage_bytes(arch, infer, world, rank.rank, size), rank.rank
     # Stages partition an untied model: they add up to the PP1 shard (tied: the last stage's extra embedding).
     whole = size * vllm_numel(arch, tp=tp, tp_rank=0, dp=1, dp_rank=0, expert_parallel=False)
-    stages = sum(plan.ranks[stage * tp].states["inference_weights"] for stage in range(pp))
+    stages = sum(plan.ranks[stage * tp].pushed_weight_bytes for stage in range(pp))
     assert stages == whole + (size * arch.hidden_size * 64 // tp if tied else 0)  # the 16-row vocabulary padded to 64
 
 
@@ -297,7 +302,7 @@ def test_infer_pp_moe_weights_add_what_vllms_qwen3_moe_allocates_on_every_stage(
         # vLLM 0.32's Qwen3MoeForCausalLM builds embed_tokens, norm and lm_head whatever the stage; the layout (what
         # the switch fills) has them on the first / last stage only.
         unread = rows * h if stage > 0 else h + rows * h
-        assert rank.states["inference_weights"] == _vllm_stage_bytes(arch, infer, world, rank.rank, 4) + 4 * unread
+        assert rank.pushed_weight_bytes == _vllm_stage_bytes(arch, infer, world, rank.rank, 4) + 4 * unread
 
 
 def test_infer_pp_kv_cache_holds_the_stages_layers(vllm_partition):
@@ -353,9 +358,9 @@ def test_the_infer_pp2_demo_predicts_each_stages_weights_and_kv(vllm_partition):
     dp2 = _predict("grpo_tiny_cpu_tp2_infer_dp2")  # the same model and ranks, infer TP1 x DP2: the whole model
     assert (plan.inputs.infer_tp, plan.inputs.infer_pp, plan.inputs.infer_dp) == (1, 2, 1)
     arch, infer = plan.inputs.arch, InferLayout(pp=2)
-    weights = [r.states["inference_weights"] for r in plan.ranks]
+    weights = [r.pushed_weight_bytes for r in plan.ranks]
     assert weights == [_vllm_stage_bytes(arch, infer, 2, rank, 4) for rank in (0, 1)]
-    whole = dp2.ranks[0].states["inference_weights"]
+    whole = dp2.ranks[0].pushed_weight_bytes
     assert sum(weights) == whole  # untied: the stages partition the model
     assert all(abs(w - whole / 2) <= 4 * arch.hidden_size for w in weights)  # about half: they differ by the norm
     # On an accelerator (no device size) a stage's KV cache is max_num_seqs x max_model_len tokens of its one layer.

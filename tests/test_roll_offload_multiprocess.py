@@ -22,6 +22,7 @@ from hydra import compose, initialize_config_dir
 
 from mindspeed_rl.config import load_config
 from mindspeed_rl.memory.timeline import build_timeline
+from mindspeed_rl.planner.from_config import predict_run, resolve_hf_config
 from planner_checks import assert_prediction_matches_ledger
 
 CATEGORIES = ("train_params", "train_grads", "optimizer_states", "inference_weights", "kv_cache", "reference_params")
@@ -170,12 +171,16 @@ def test_roll_offload_control_on_the_hybrid_worker(cluster):
     refs = actor.reload_states(blocking=False)
     assert all(isinstance(ref, ray.ObjectRef) for ref in refs)
     reloaded = ray.get(refs)
-    for resident, out, back in zip(_resident(actor), offloaded, reloaded):
+    # On a CPU host the inference weights count vLLM's oneDNN-packed copies too (engines/vllm_cpu_linears.py): dropped
+    # with the weights, packed again from them at the reload, never copied.
+    packed = [rank.inference_packed_bytes for rank in predict_run(config, resolve_hf_config(config).hf_config,
+                                                                device="cpu").ranks]
+    for resident, out, back, packed_bytes in zip(_resident(actor), offloaded, reloaded, packed):
         assert all(resident[c] > 0 for c in CATEGORIES), resident
         # Only vLLM's weights were resident to copy out (the KV cache is dropped); everything but
         # grads (dropped) and the KV cache (rebuilt empty) is copied back.
-        assert out["offload/offload_states/offload_bytes"] == resident["inference_weights"]
-        kept = sum(v for k, v in resident.items() if k not in ("train_grads", "kv_cache"))
+        assert out["offload/offload_states/offload_bytes"] == resident["inference_weights"] - packed_bytes
+        kept = sum(v for k, v in resident.items() if k not in ("train_grads", "kv_cache")) - packed_bytes
         assert back["offload/reload_states/reload_bytes"] == kept
     assert _probe(actor, prompt_batch) == before, "vLLM samples the same tokens and log-probs after the round trip"
     assert [ids for ids, _ in before[0]] != [ids for ids, _ in probe], "the probe is sensitive to the weights"

@@ -48,6 +48,36 @@ def test_the_chunk_size_changes_nothing():
         torch.testing.assert_close(entropy, results[0][1], rtol=0, atol=1e-6)
 
 
+def test_chunk_bytes_caps_the_rows_and_changes_nothing():
+    """Accelerator.chunk_bytes_in_cache's cap: 50 columns x 4 bytes x 6 rows = 1200 bytes a chunk, 37 rows in 7 chunks
+    (the last partial), the buffers reused across them; values and both gradients as in one chunk."""
+    logits, targets, (w_logprob, w_entropy) = _case(torch.float32)
+    grads = []
+    for chunk_bytes in (None, 6 * 50 * 4 + 3):
+        ours_in = logits.clone().requires_grad_(True)
+        logprobs, entropy = vocab_parallel_logprobs(ours_in, targets, temperature=0.7, chunk_tokens=1000,
+                                                    with_entropy=True, chunk_bytes=chunk_bytes)
+        (logprobs * w_logprob + entropy * w_entropy).sum().backward()
+        grads.append((logprobs.detach(), entropy.detach(), ours_in.grad))
+    for whole, capped in zip(grads[0], grads[1]):
+        torch.testing.assert_close(capped, whole, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gradient_written_over_the_logits_is_the_same(dtype):
+    """`grad_into_logits`: the backward spends the logits (an intermediate, as the output layer's) on the gradient."""
+    logits, targets, (w_logprob, w_entropy) = _case(dtype)
+    grads = []
+    for grad_into_logits in (False, True):
+        leaf = logits.clone().requires_grad_(True)
+        head_output = leaf * 1  # the output layer's logits: produced by the graph, read by nothing after the loss
+        logprobs, entropy = vocab_parallel_logprobs(head_output, targets, temperature=0.7, chunk_tokens=8,
+                                                    with_entropy=True, grad_into_logits=grad_into_logits)
+        (logprobs * w_logprob + entropy * w_entropy).sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
 def test_gradient_of_the_log_probs_alone():
     logits, targets, (weights, _) = _case(torch.float32)
     ours_in, oracle_in = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from pathlib import Path
 
 import torch
 
@@ -106,3 +107,16 @@ def return_free_heap() -> None:
     """
     if _malloc_trim is not None:
         _malloc_trim(0)
+
+
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The largest CPU cache of this host (sysfs; `default` where the kernel does not say)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        try:
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+        except (ValueError, IndexError):
+            continue
+    return max(sizes, default=default)

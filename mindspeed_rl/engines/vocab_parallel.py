@@ -22,14 +22,15 @@ from mindspeed_rl.protocol import MicroBatch
 
 
 def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool,
-                                  chunk_tokens: int,
-                                  rows_selected: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                  chunk_tokens: int, rows_selected: bool = False, chunk_bytes: int | None = None,
+                                  grad_into_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every response token (and optionally the entropy there), [b, response_width] fp32, 0 where
     `mb.response_mask` is 0.
 
     logits: [b, s, vocab/tp] (packed: [1, t, vocab/tp]), of which only the rows that score a response token are
     taken (`MicroBatch.scored_rows`, a copy in the logits' dtype); or with `rows_selected` those rows only, in that
-    order ([1, n, vocab/tp]: models/scored_head.py). The vocabulary stays sharded and the fp32 work is chunked.
+    order ([1, n, vocab/tp]: models/scored_head.py). The vocabulary stays sharded and the fp32 work is chunked
+    (`vocab_parallel_logprobs`: chunk_tokens, chunk_bytes, grad_into_logits).
     """
     from mindspeed_rl.parallel import megatron_state
 
@@ -42,7 +43,8 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
     scored = logits.reshape(-1, vocab_local) if rows_selected else logits.reshape(-1, vocab_local)[rows]
     token_logprobs, token_entropy = vocab_parallel_logprobs(scored, targets, temperature=temperature,
                                                             chunk_tokens=chunk_tokens, group=group,
-                                                            with_entropy=with_entropy)
+                                                            with_entropy=with_entropy, chunk_bytes=chunk_bytes,
+                                                            grad_into_logits=grad_into_logits)
     token_logprobs, token_entropy = everywhere(token_logprobs, held), everywhere(token_entropy, held)
     selected = mb.response_mask.bool()
 
@@ -54,16 +56,22 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float, chunk_tokens: int,
-                            group=None, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            group=None, with_entropy: bool, chunk_bytes: int | None = None,
+                            grad_into_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) and (optionally) the entropy of each row of `logits` [N, V/t], both fp32 [N].
 
     `targets` [N] are global vocabulary ids; rank r of `group` holds columns [r V/t, (r+1) V/t). `group`
-    None: the logits hold the whole vocabulary (no communication).
+    None: the logits hold the whole vocabulary (no communication). A chunk has at most `chunk_tokens` rows and,
+    with `chunk_bytes` (Accelerator.chunk_bytes_in_cache), no more rows than fit that many bytes in fp32, so
+    that the passes over a chunk read it from cache. `grad_into_logits`: the backward writes the gradient over the
+    logits (the caller reads them no more), instead of into a new tensor.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if chunk_bytes is not None:
+        chunk_tokens = max(1, min(chunk_tokens, chunk_bytes // (4 * logits.shape[-1])))
     logprobs, entropy = _VocabParallelLogProbs.apply(logits, targets, float(temperature), int(chunk_tokens), group,
-                                                     bool(with_entropy))
+                                                     bool(with_entropy), bool(grad_into_logits))
     return logprobs, (entropy if with_entropy else None)
 
 
@@ -88,31 +96,37 @@ def _local_target(targets: torch.Tensor, vocab_start: int, vocab_local: int) -> 
 class _VocabParallelLogProbs(torch.autograd.Function):
     """Each chunk takes as few passes over its [rows, V/t] as the formulas allow (the work is memory-bound: the
     matmuls around it are small): forward, the shifted logits (scaled only when T != 1), their exp, and for the
-    entropy a row-wise dot product (a batched matmul, no [rows, V/t] product); backward, written straight into the
-    gradient's rows: log p, its exp, the scale, and the entropy's terms only where its gradient is not zero (an
-    entropy logged but not in the loss, or weighted 0)."""
+    entropy a row-wise dot product (`vecdot`: no [rows, V/t] product, and unlike a batched matmul it keeps every
+    thread busy at a few rows); backward, written straight into the gradient's rows: log p, its exp, the scale, and
+    the entropy's terms only where its gradient is not zero (an entropy logged but not in the loss, or weighted 0).
+    With `grad_into_logits` the gradient takes the logits' own storage (Megatron's cross entropy does the same with
+    its softmax): the caller's logits are then spent, and a fresh [rows, V/t] of pages to fault in at every
+    micro-batch is not allocated."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, chunk_tokens, group, with_entropy):
+    def forward(ctx, logits, targets, temperature, chunk_tokens, group, with_entropy, grad_into_logits):
         rows, vocab_local = logits.shape
         vocab_start = _vocab_start(logits, group)
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
         logprobs = torch.empty_like(lse)
         entropy = torch.zeros_like(lse)
+        # The chunks' fp32 work goes to buffers made once: a fresh [rows, V/t] per chunk is, on a host, fresh pages
+        # faulted in on every chunk, and the passes over it no longer stay in cache (benchmarks/bench_long_responses.py).
+        z_buffer = torch.empty(min(chunk_tokens, rows), vocab_local, dtype=torch.float32, device=logits.device)
+        exp_buffer = torch.empty_like(z_buffer) if with_entropy else z_buffer
         for begin in range(0, rows, chunk_tokens):
             end = min(begin + chunk_tokens, rows)
-            chunk = logits[begin:end]
+            chunk, z, exp_z = logits[begin:end], z_buffer[:end - begin], exp_buffer[:end - begin]
             # max z = max(logits) / T for T > 0: the shift is taken on the raw logits and z scaled after it.
             max_logit = _all_reduce(chunk.max(dim=-1).values.float(), group, dist.ReduceOp.MAX)
-            z = chunk.float() - max_logit.unsqueeze(1)  # shifted: exp cannot overflow
+            torch.sub(chunk, max_logit.unsqueeze(1), out=z)  # shifted: exp cannot overflow
             if temperature != 1.0:
                 z.div_(temperature)
             local, held = _local_target(targets[begin:end], vocab_start, vocab_local)
             target_z = torch.where(held, z.gather(1, local.unsqueeze(1)).squeeze(1), 0.0)
-            exp_z = z.exp()
+            torch.exp(z, out=exp_z)  # in place when the entropy does not need z again
             sums = torch.stack([target_z, exp_z.sum(dim=-1),
-                                torch.einsum("rv,rv->r", exp_z, z) if with_entropy else torch.zeros_like(target_z)])
-            del exp_z, z
+                                torch.linalg.vecdot(exp_z, z) if with_entropy else torch.zeros_like(target_z)])
             target_z, sum_exp, sum_exp_z = _all_reduce(sums, group)
             log_sum_exp = sum_exp.log()
             lse[begin:end] = max_logit / temperature + log_sum_exp
@@ -120,29 +134,32 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             if with_entropy:  # H = lse - sum p z, in the shifted z: log sum_exp - sum_exp_z / sum_exp
                 entropy[begin:end] = log_sum_exp - sum_exp_z / sum_exp
         ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.settings = (temperature, chunk_tokens, vocab_start, with_entropy)
+        ctx.settings = (temperature, chunk_tokens, vocab_start, with_entropy, grad_into_logits)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, targets, lse, entropy = ctx.saved_tensors
-        temperature, chunk_tokens, vocab_start, with_entropy = ctx.settings
+        temperature, chunk_tokens, vocab_start, with_entropy, grad_into_logits = ctx.settings
         rows, vocab_local = logits.shape
         entropy_grad = with_entropy and bool(grad_entropy.any())
-        grad = torch.empty_like(logits)
+        grad = logits if grad_into_logits else torch.empty_like(logits)  # each chunk is read before it is written
         in_place = logits.dtype == torch.float32  # else the fp32 work is copied into the gradient's dtype
+        chunk_shape = (min(chunk_tokens, rows), vocab_local)
+        work = None if in_place else torch.empty(chunk_shape, dtype=torch.float32, device=logits.device)
+        log_p_buffer = torch.empty(chunk_shape, dtype=torch.float32, device=logits.device) if entropy_grad else None
         for begin in range(0, rows, chunk_tokens):
             end = min(begin + chunk_tokens, rows)
-            g_z = grad[begin:end] if in_place else torch.empty(end - begin, vocab_local, device=logits.device)
+            g_z = grad[begin:end] if in_place else work[:end - begin]
             _log_p_into(g_z, logits[begin:end], lse[begin:end], temperature)
             g_logprob = grad_logprobs[begin:end].unsqueeze(1)
             if entropy_grad:
                 # d/dz of g_lp log p_t + g_H H = g_lp (1[t] - p) - g_H p (log p + H)
-                log_p = g_z.clone()
+                log_p = log_p_buffer[:end - begin]
+                log_p.copy_(g_z)
                 g_z.exp_()
                 log_p.add_(entropy[begin:end].unsqueeze(1)).mul_(grad_entropy[begin:end].unsqueeze(1)).add_(g_logprob)
                 g_z.mul_(log_p).neg_()
-                del log_p
             else:
                 g_z.exp_().mul_(-g_logprob)
             local, held = _local_target(targets[begin:end], vocab_start, vocab_local)
@@ -151,7 +168,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 g_z.div_(temperature)
             if not in_place:
                 grad[begin:end] = g_z
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def _log_p_into(out: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, temperature: float) -> None:

@@ -125,8 +125,43 @@ def register_inference_states(offloader: Offloader, engine, accelerator: Acceler
         for state in VllmSleepWake(engine).states():
             offloader.add(state)
         return
-    # Manual offloads keep the weights (a bit-exact round trip); the automatic path after a
-    # generate call passes keep_contents=False since the next switch overwrites them anyway.
-    offloader.add(StorageGroup(INFER_WEIGHTS, lambda: inference_weight_tensors(engine), accelerator,
-                               keep_contents=True))
+    offloader.add(InferenceWeights(engine, accelerator))
     offloader.add(KVCacheState(engine))
+
+
+class InferenceWeights:
+    """vLLM's live parameters (a storage group) and, on CPU, the oneDNN-packed copies its GEMMs read
+    (engines/vllm_cpu_linears.py), counted with them: the copies go when the parameters leave, and are made again
+    from them by the next push, or at once by a reload that brought the loaded weights back."""
+
+    name = INFER_WEIGHTS
+
+    def __init__(self, engine, accelerator: Accelerator):
+        self.engine = engine
+        # Manual offloads keep the weights (a bit-exact round trip); the automatic path after a
+        # generate call passes keep_contents=False since the next switch overwrites them anyway.
+        self.group = StorageGroup(INFER_WEIGHTS, lambda: inference_weight_tensors(engine), accelerator,
+                                  keep_contents=True)
+
+    @property
+    def resident(self) -> bool:
+        return self.group.resident
+
+    def resident_bytes(self) -> int:
+        return self.group.resident_bytes() + self.engine.packed_linear_bytes()
+
+    def storage_keys(self) -> set[int]:
+        return self.group.storage_keys()
+
+    def host_bytes(self) -> int:
+        return self.group.host_bytes()
+
+    def offload(self, *, keep_contents: bool | None = None) -> int:
+        self.engine.drop_packed_linears()
+        return self.group.offload(keep_contents=keep_contents)
+
+    def reload(self) -> int:
+        copied = self.group.reload()
+        if copied and self.engine.weights_loaded:
+            self.engine.pack_linears()
+        return copied

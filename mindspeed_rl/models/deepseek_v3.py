@@ -233,7 +233,7 @@ def refresh_absorbed_mla_weights(model: torch.nn.Module) -> int:
     for module in model.modules():
         if not (hasattr(module, "W_UK_T") and hasattr(module, "W_UV") and hasattr(module, "kv_b_proj")):
             continue
-        weight = module.kv_b_proj.weight  # [N * (P + V), L], plain after engines/vllm_engine._unpack_cpu_linears
+        weight = module.kv_b_proj.weight  # [N * (P + V), L], plain after engines/vllm_cpu_linears.unpack_cpu_linears
         heads, nope, v = module.W_UK_T.shape[0], module.qk_nope_head_dim, module.v_head_dim
         per_head = weight.t().reshape(weight.shape[1], heads, nope + v)
         w_uk, w_uv = per_head.split([nope, v], dim=-1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from mindspeed_rl.engines.vllm_cpu_linears import packs_linears
 from mindspeed_rl.memory.ledger import ACTIVATIONS
 from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_OPTIMIZER, CRITIC_UPDATE, IDLE, INFER_WEIGHTS, INFER_WEIGHTS_HOST,
                                            KV_CACHE, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS, SWITCH, TRAIN_GRADS,
@@ -21,7 +22,7 @@ from mindspeed_rl.planner.critic import CRITIC_ACTIVATIONS, critic_activations, 
 from mindspeed_rl.planner.expert_map import redundant_expert_numel
 from mindspeed_rl.planner.inputs import DTYPE_BYTES, PlanInputs
 from mindspeed_rl.planner.lora import actor_train_bytes, push_host_copy_bytes
-from mindspeed_rl.planner.params import reward_model_bytes, vllm_numel, vllm_stage_layers
+from mindspeed_rl.planner.params import reward_model_bytes, vllm_numel, vllm_packed_linear_numel, vllm_stage_layers
 from mindspeed_rl.planner.switch import COPIED
 from mindspeed_rl.sizes import format_bytes
 
@@ -38,6 +39,14 @@ class RankBytes:
     # megatron_training.swap_optimizer: the optimizer states the update's step holds at once (one bucket; two on a
     # device, where the next one's copy overlaps the step)
     swap_bucket_bytes: int = 0
+    # Of states[INFER_WEIGHTS], the oneDNN-packed copies vLLM on CPU reads (engines/vllm_cpu_linears.py): made from the
+    # pushed weights, never pushed or copied themselves.
+    inference_packed_bytes: int = 0
+
+    @property
+    def pushed_weight_bytes(self) -> int:
+        """vLLM's own parameters: what the push writes."""
+        return self.states[INFER_WEIGHTS] - self.inference_packed_bytes
 
     def phase(self, policy: ResidencyPolicy, phase: str) -> dict[str, int]:
         """Bytes per category on this rank in `phase` (0 for what is not resident); the switch (its first push, the
@@ -75,6 +84,7 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
     c = inputs.rank_coordinates(rank)
     train = actor_train_bytes(inputs, c)
     infer = infer_weight_bytes(inputs, c)
+    packed = packed_linear_bytes(inputs, c)
     states = {
         TRAIN_PARAMS: train.params, ADAPTER_PARAMS: train.adapter_params, TRAIN_GRADS: train.grads,
         TRAIN_OPTIMIZER: train.optimizer,
@@ -82,7 +92,7 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
         REWARD_PARAMS: reward_model_bytes(inputs.reward_arch or inputs.arch, tp=inputs.tp, pp=inputs.pp,
                                           pp_rank=c["pp_rank"], bf16=inputs.bf16)
         if inputs.policy.has_reward_model else 0,
-        INFER_WEIGHTS: infer, KV_CACHE: kv_cache_bytes(inputs, infer, c["infer_pp_rank"]),
+        INFER_WEIGHTS: infer + packed, KV_CACHE: kv_cache_bytes(inputs, infer, c["infer_pp_rank"]),
         ACTIVATIONS: activation_bytes(inputs, c["pp_rank"]),
         **critic_states(inputs, c, on_this_rank=not inputs.critic_world_size),
     }
@@ -90,7 +100,8 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
     # device the next bucket comes in while one steps
     bucket = (-(-train.optimizer // inputs.swap_optimizer_times) + train.largest_optimizer) * (
         1 if inputs.kv.on_cpu else 2)
-    return RankBytes(rank, states, switch_staging, swap_bucket_bytes=bucket if inputs.policy.swap_optimizer else 0)
+    return RankBytes(rank, states, switch_staging, swap_bucket_bytes=bucket if inputs.policy.swap_optimizer else 0,
+                     inference_packed_bytes=packed)
 
 
 def infer_weight_bytes(inputs: PlanInputs, c: dict[str, int]) -> int:
@@ -103,6 +114,16 @@ def infer_weight_bytes(inputs: PlanInputs, c: dict[str, int]) -> int:
         numel += redundant_expert_numel(inputs.arch, inputs.expert_slots,
                                         vllm_stage_layers(inputs.arch, c["infer_pp_rank"], inputs.infer_pp),
                                         c["infer_ep_rank"], inputs.infer_tp * inputs.infer_dp)
+    return numel * DTYPE_BYTES[inputs.infer_dtype]
+
+
+def packed_linear_bytes(inputs: PlanInputs, c: dict[str, int]) -> int:
+    """The oneDNN-packed copies of the linear weights vLLM on a CPU host GEMMs with (engines/vllm_cpu_linears.py)."""
+    if not (inputs.kv.on_cpu and packs_linears()):
+        return 0
+    numel = vllm_packed_linear_numel(inputs.arch, tp=inputs.infer_tp, dp=inputs.infer_dp,
+                                     expert_parallel=inputs.infer_expert_parallel, pp=inputs.infer_pp,
+                                     pp_rank=c["infer_pp_rank"])
     return numel * DTYPE_BYTES[inputs.infer_dtype]
 
 
@@ -130,7 +151,7 @@ class MemoryPlan:
         push's host copy of the inference weights (LoRA's backbone)."""
         pinned = (rank.policy or self.inputs.policy).resident(IDLE)
         out = {state: (rank.states[state] if state not in pinned else 0) for state in COPIED}
-        out[INFER_WEIGHTS_HOST] = push_host_copy_bytes(self.inputs, rank.states[INFER_WEIGHTS])
+        out[INFER_WEIGHTS_HOST] = push_host_copy_bytes(self.inputs, rank.pushed_weight_bytes)
         return out
 
     def host_table(self) -> dict[str, int]:

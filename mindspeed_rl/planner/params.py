@@ -216,13 +216,25 @@ def vllm_numel(arch: Architecture, *, tp: int, tp_rank: int, dp: int, dp_rank: i
     """Elements of one vLLM rank's parameters (`named_parameters()`, the vocabulary padded to a multiple of 64):
     its pipeline stage's (`vllm_layout` with `pp`, `pp_rank`). Every TP/DP rank of a stage has the same shapes
     (even splits; KV heads replicated by whole heads; padding rows count)."""
-    # The stage's layers are part of the cache key: VLLM_PP_LAYER_PARTITION may change between calls.
-    return _vllm_numel(arch, tp, dp, expert_parallel, pp, pp_rank, vllm_stage_layers(arch, pp_rank, pp))
+    shapes = _vllm_shapes(arch, tp, dp, expert_parallel, pp, pp_rank, vllm_stage_layers(arch, pp_rank, pp))
+    return sum(math.prod(shape) for shape in shapes.values())
+
+
+def vllm_packed_linear_numel(arch: Architecture, *, tp: int, dp: int, expert_parallel: bool, pp: int = 1,
+                             pp_rank: int = 0) -> int:
+    """Elements of the oneDNN-packed copies a vLLM rank on CPU keeps (engines/vllm_cpu_linears.PackedLinears): every
+    2-D weight but the input embedding's, which is looked up (unless the head is tied to it); the experts' stacked
+    weights are 3-D and run through their own kernel."""
+    shapes = _vllm_shapes(arch, tp, dp, expert_parallel, pp, pp_rank, vllm_stage_layers(arch, pp_rank, pp))
+    head_is_embedding = arch.tie_word_embeddings and "lm_head.weight" not in shapes
+    return sum(math.prod(shape) for name, shape in shapes.items()
+               if len(shape) == 2 and (head_is_embedding or not name.endswith("embed_tokens.weight")))
 
 
 @lru_cache(maxsize=1024)
-def _vllm_numel(arch: Architecture, tp: int, dp: int, expert_parallel: bool, pp: int, pp_rank: int,
-                layers: range) -> int:
+def _vllm_shapes(arch: Architecture, tp: int, dp: int, expert_parallel: bool, pp: int, pp_rank: int,
+                 layers: range) -> dict[str, tuple[int, ...]]:
+    # The stage's layers are part of the cache key: VLLM_PP_LAYER_PARTITION may change between calls.
     tp_rank = dp_rank = 0
     spec = arch.to_spec()
     from mindspeed_rl.models.layouts import parameter_shapes, vllm_layout
@@ -235,4 +247,4 @@ def _vllm_numel(arch: Architecture, tp: int, dp: int, expert_parallel: bool, pp:
         whole = parameter_shapes(vllm_layout(spec, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank,
                                              expert_parallel=expert_parallel))
         shapes.update({name: shape for name, shape in whole.items() if not name.startswith("model.layers.")})
-    return sum(math.prod(shape) for shape in shapes.values())
+    return shapes

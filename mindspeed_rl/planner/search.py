@@ -103,12 +103,13 @@ def predicted_seconds(config: GRPOConfig, arch: Architecture, plan: MemoryPlan, 
 
     passes = int(i.policy.has_reference) + int(i.policy.has_old_logprob_pass)
     states = {k: max(r.states[k] for r in plan.ranks) for k in plan.ranks[0].states}
+    pushed = max(r.pushed_weight_bytes for r in plan.ranks)  # a decode step reads as many bytes, packed or not
     moved = sum(m.onload + m.offload for m in iteration_moves(i, states) if m.onload or m.offload)
     swapped = 2 * states[TRAIN_OPTIMIZER] * steps if i.policy.swap_optimizer else 0
     return {"update": compute(3 * forward, rates.update_efficiency) + 2 * comm,  # the backward's mirrors the forward's
             "log-probs": passes * (compute(forward, rates.logprob_efficiency) + comm),
-            "generate": _generate_seconds(config, arch, plan, rates, samples, states[INFER_WEIGHTS]),
-            "switch": states[INFER_WEIGHTS] / rates.link_bytes_per_s,
+            "generate": _generate_seconds(config, arch, plan, rates, samples, pushed),
+            "switch": pushed / rates.link_bytes_per_s,
             "offload": (moved + swapped) / rates.h2d_bytes_per_s}
 
 
