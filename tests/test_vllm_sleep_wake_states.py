@@ -17,8 +17,8 @@ import torch
 
 from mindspeed_rl.accelerator import get_accelerator
 from mindspeed_rl.memory import Offloader
-from mindspeed_rl.memory.offload import StorageGroup
-from mindspeed_rl.memory.vllm_states import INFER_WEIGHTS, KV_CACHE, VllmSleepWake, register_inference_states
+from mindspeed_rl.memory.vllm_states import (INFER_WEIGHTS, KV_CACHE, InferenceWeights, VllmSleepWake,
+                                             register_inference_states)
 
 KV_BYTES = 4096
 
@@ -129,5 +129,5 @@ def test_inference_states_take_sleep_wake_only_where_vllm_supports_it(device, sl
     offloader = Offloader(get_accelerator("cpu"))  # holds the states; registration reads the device below
     register_inference_states(offloader, engine, get_accelerator(device))
     assert set(offloader.states) == {INFER_WEIGHTS, KV_CACHE}
-    took_sleep_path = not isinstance(offloader.states[INFER_WEIGHTS], StorageGroup)
+    took_sleep_path = not isinstance(offloader.states[INFER_WEIGHTS], InferenceWeights)
     assert took_sleep_path == expect_sleep_path

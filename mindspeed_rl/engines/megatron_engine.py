@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections import ChainMap
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_rl.accelerator import Accelerator
+from mindspeed_rl.engines.optimizer_settings import (  # noqa: F401 (LR_DECAY_STYLES, LRSchedule: API)
+    LR_DECAY_STYLES, LRSchedule, OptimizerSettings)
 from mindspeed_rl.engines.vocab_parallel import response_logprobs_from_logits
 from mindspeed_rl.models.megatron_build import (  # noqa: F401 (build_gpt_model, load_hf_into_megatron: API)
     build_gpt_model, layout_buffers, load_hf_into_megatron)
@@ -30,45 +32,6 @@ from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
 if TYPE_CHECKING:
     from mindspeed_rl.models.lora import LoRASettings
     from mindspeed_rl.engines.routing_replay import RoutingReplay
-
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-
-
-@dataclass(frozen=True, kw_only=True)
-class LRSchedule:
-    """Megatron's OptimizerParamScheduler counted in optimizer steps: linear warmup from 0 to `lr`
-    over `warmup_steps`, then `decay_style` down to `min_lr` at `decay_steps` (the run's total).
-
-    Megatron-LM counts samples (steps x global batch); every step here has the same number of
-    samples, so counting steps gives the same curve.
-    """
-
-    decay_style: str = "constant"
-    warmup_steps: float = 0.0  # a float, as Megatron computes it: lr_warmup_fraction * decay_steps
-    decay_steps: int = 1
-
-    def __post_init__(self) -> None:
-        if self.decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"decay_style must be one of {LR_DECAY_STYLES}, got {self.decay_style!r}")
-        if self.decay_steps < 1:
-            raise ValueError(f"decay_steps must be >= 1, got {self.decay_steps}")
-        if not 0 <= self.warmup_steps < self.decay_steps:
-            raise ValueError(f"warmup_steps must be in [0, decay_steps={self.decay_steps}), got {self.warmup_steps}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimizerSettings:
-    lr: float
-    min_lr: float
-    weight_decay: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_eps: float
-    clip_grad: float
-    schedule: LRSchedule = field(default_factory=LRSchedule)
-    # Megatron's DistributedOptimizer: fp32 masters and Adam moments sharded over DP ranks.
-    use_distributed_optimizer: bool = False
-
 
 def _in_batch_order(outputs: list[torch.Tensor], micro_batches: list[MicroBatch]) -> torch.Tensor | None:
     """The micro-batches' rows back in the batch's sample order (token-budget groups are not contiguous);
@@ -234,12 +197,18 @@ class MegatronEngine:
         """[num_samples, response_width] log-probs of the response tokens, on every rank."""
 
         def logprobs(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-            return response_logprobs_from_logits(logits, mb, temperature, with_entropy=False,
-                                                 chunk_tokens=self.logprob_chunk_tokens, rows_selected=True,
-                                                 chunk_bytes=self.accelerator.chunk_bytes_in_cache)[0]
+            return self._scored_logprobs(logits, mb, temperature, with_entropy=False)[0]
 
         with self._logits_of_scored_rows():
             return self._forward_response_rows(batch, micro_batch_size, packing, logprobs)
+
+    def _scored_logprobs(self, logits: torch.Tensor, mb: MicroBatch, temperature: float, *, with_entropy: bool,
+                         grad_into_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropy) of the response rows the output layer scored (`_logits_of_scored_rows`)."""
+        return response_logprobs_from_logits(logits, mb, temperature, with_entropy=with_entropy,
+                                             chunk_tokens=self.logprob_chunk_tokens, rows_selected=True,
+                                             chunk_bytes=self.accelerator.chunk_bytes_in_cache,
+                                             grad_into_logits=grad_into_logits)
 
     def _forward_response_rows(self, batch: RolloutBatch, micro_batch_size: int, packing: Packing | None,
                                per_micro_batch: Callable) -> torch.Tensor:
@@ -266,12 +235,9 @@ class MegatronEngine:
         """
 
         def loss_from_output(mb: MicroBatch, logits: torch.Tensor):
-            logprobs, entropy = response_logprobs_from_logits(logits, mb, temperature, with_entropy=True,
-                                                              chunk_tokens=self.logprob_chunk_tokens,
-                                                              rows_selected=True,
-                                                              chunk_bytes=self.accelerator.chunk_bytes_in_cache,
-                                                              grad_into_logits=True)  # the head's output, read once
-            return loss_fn(logprobs, entropy, mb)
+            # The head's output is read once: its gradient may take its storage.
+            return loss_fn(*self._scored_logprobs(logits, mb, temperature, with_entropy=True, grad_into_logits=True),
+                           mb)
 
         with self._logits_of_scored_rows():
             return self._optimizer_step(batch, micro_batch_size, packing, loss_from_output)

@@ -216,7 +216,9 @@ def formulas(plan: MemoryPlan) -> list[str]:
         f"the embedding on the first stage, the norm and head on the last, on every stage for Qwen3-MoE as vLLM "
         f"allocates them) x {DTYPE_BYTES[i.infer_dtype]}" + ("; with the EPLB map + (the experts it places on the "
                                                             "rank - num_experts / EP) x 3 h F per MoE layer"
-                                                            if i.expert_slots is not None else ""),
+                                                            if i.expert_slots is not None else "")
+        + ("; on this CPU host + the oneDNN-packed copies its GEMMs read (every 2-D weight but the embedding's, the "
+           "head's included)" if any(r.inference_packed_bytes for r in plan.ranks) else ""),
         "KV cache: cpu_kvcache_space_gb on CPU; gpu_memory_utilization x device memory - inference weights on an "
         "accelerator (vLLM's own activation reserve not subtracted); per token 2 x layers (of the rank's vLLM stage) "
         "x KV heads per rank x head_dim x dtype (MLA: layers x (kv_lora_rank + rope dim) x dtype)",

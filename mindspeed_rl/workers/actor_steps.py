@@ -124,7 +124,7 @@ def optimizer_steps_per_iteration(cfg: GRPOConfig) -> int:
 def lr_schedule(cfg: GRPOConfig, section=None):
     """The run's LR schedule over all its optimizer steps (train_iters x steps per iteration), by `section`'s
     decay style and warmup (default actor_config; the critic passes critic_config)."""
-    from mindspeed_rl.engines.megatron_engine import LRSchedule
+    from mindspeed_rl.engines.optimizer_settings import LRSchedule
 
     a = section or cfg.actor_config
     total_steps = cfg.megatron_training.train_iters * optimizer_steps_per_iteration(cfg)
@@ -133,7 +133,7 @@ def lr_schedule(cfg: GRPOConfig, section=None):
 
 
 def optimizer_settings(cfg: GRPOConfig):
-    from mindspeed_rl.engines.megatron_engine import OptimizerSettings
+    from mindspeed_rl.engines.optimizer_settings import OptimizerSettings
 
     a = cfg.actor_config
     return OptimizerSettings(lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,

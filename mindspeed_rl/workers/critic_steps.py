@@ -21,7 +21,7 @@ CRITIC_SEED_OFFSET = 1  # the critic's mini-batch order and fresh head: a stream
 
 def critic_optimizer_settings(cfg: GRPOConfig):
     """critic_config's Adam and LR schedule, over as many optimizer steps as the actor's."""
-    from mindspeed_rl.engines.megatron_engine import OptimizerSettings
+    from mindspeed_rl.engines.optimizer_settings import OptimizerSettings
 
     c = cfg.critic_config
     return OptimizerSettings(lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay, adam_beta1=c.adam_beta1,

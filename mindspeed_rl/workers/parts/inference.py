@@ -61,7 +61,9 @@ class InferencePart(Part):
             temperature=0.0 if greedy else sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             min_p=sampling.min_p, logprobs=sampling.logprobs, seed=None, detokenize=sampling.detokenize,
         )
-        metrics = {"timing/rollout": time.perf_counter() - t0, **in_phase.metrics()}
+        metrics = {"timing/rollout": time.perf_counter() - t0, **in_phase.metrics(),
+                   # Of the inference weights, the oneDNN-packed copies the CPU GEMMs read (engines/vllm_cpu_linears.py).
+                   "memory/generate/inference_weights_packed_bytes": float(self.inference_model.packed_linear_bytes())}
         return_free_heap()  # an inference-only rank (disaggregated) has no update to end its iteration
         # With routing replay the routes ride along: (index, token ids, log-probs, [positions, layers, k] experts).
         return [(g.prompt_index, g.token_ids, g.logprobs) + (() if g.routed_experts is None else (g.routed_experts,))
