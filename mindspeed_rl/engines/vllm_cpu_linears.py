@@ -4,11 +4,11 @@ On CPU vLLM prepacks every linear weight into a oneDNN handle at load and emptie
 (model_executor/layers/utils.py, `dispatch_cpu_unquantized_gemm`), so the live model could only be updated through a
 full `reload_weights`. `unpack_cpu_linears` gives every linear a plain weight back, which the resharded shards are
 copied straight into, as on GPU. torch's own fp32 GEMM on it is slow where MKL does not pick its fast path (this
-machine's AMD EPYC: 4-9x slower than oneDNN at decode's few rows, 2x at a prefill's thousands), so `PackedLinears`
+machine's AMD EPYC: 2-6x slower than oneDNN at decode's few rows, about 2x at a prefill's thousands), so `PackedLinears`
 packs the plain weights into vLLM's oneDNN handles again after every push and drops them when the weights leave
 (measured side by side in benchmarks/bench_vllm_cpu_linears.py). The packed copies hold as many bytes as the weights
 they pack; `memory/vllm_states.py` counts them with the inference weights, and the planner predicts them
-(`planner/memory.py`, `packed_linear_numel`).
+(`planner/memory.py`, `packed_linear_bytes`).
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from mindspeed_rl.planner.memory import MemoryPlan
 from mindspeed_rl.planner.switch import iteration_moves
 
 # What each phase achieved of this machine's peak in `make bench-long-iteration` (2026-11-27, docs/results.md).
-UPDATE_EFFICIENCY, LOGPROB_EFFICIENCY, GENERATE_EFFICIENCY = 0.29, 0.28, 0.21
+UPDATE_EFFICIENCY, LOGPROB_EFFICIENCY, GENERATE_EFFICIENCY = 0.47, 0.41, 0.18
 
 
 @dataclass(frozen=True, kw_only=True)
