@@ -107,6 +107,19 @@ def _ledger_vs_planner(rows: list[dict]) -> dict:
     return out
 
 
+def _logprob_ratios(measured: list[dict]) -> dict[str, float]:
+    """Issue 44's bounds, per iteration then the median: (reference + old) log-prob seconds over the update's (<= 0.5),
+    and each forward-only pass over a third of the update's forward + backward on the same tokens (<= 1.2)."""
+    out = {"logprobs_over_update": statistics.median(
+        (r["timing/ref_logprob/total"] + r.get("timing/old_logprob/total", 0.0)) / r["timing/update/total"]
+        for r in measured)}
+    for phase in ("ref_logprob", "old_logprob"):
+        if f"timing/{phase}/total" in measured[0]:
+            out[f"{phase}_over_a_third_of_update"] = statistics.median(
+                r[f"timing/{phase}/total"] / (r["timing/update/total"] / 3) for r in measured)
+    return out
+
+
 def ours_detail(run: dict, warmup: int) -> dict:
     """Phases, ledger against planner, response lengths: from the run's metrics.jsonl."""
     rows = _rows(run)
@@ -122,6 +135,7 @@ def ours_detail(run: dict, warmup: int) -> dict:
 
     return {"phases_median_s": {k: statistics.median(phases(r)[k] for r in measured) for k in phases(rows[0])},
             "phases_per_iteration_s": [{k: round(v, 2) for k, v in phases(r).items()} for r in rows],
+            "logprob_ratios_median": _logprob_ratios(measured),
             "ledger_vs_planner": _ledger_vs_planner(rows),
             "response_lengths_per_iteration": [{k: r[f"response_length/{k}"] for k in ("mean", "min", "max")}
                                                for r in rows],
@@ -209,6 +223,9 @@ def report(result: dict) -> str:
         if r["side"] == "ours":
             lines.append("ours, phase medians (s): "
                          + ", ".join(f"{k} {v:.2f}" for k, v in d["phases_median_s"].items()))
+            lines.append("ours, log-probs (medians of per-iteration ratios): " + ", ".join(
+                f"{k.replace('_', ' ')} {v:.2f}" for k, v in d["logprob_ratios_median"].items())
+                         + " (bounds: 0.5 and 1.2)")
             lines.append("ours, response lengths per iteration (mean/min/max): " + "; ".join(
                 f"{x['mean']:.0f}/{x['min']:.0f}/{x['max']:.0f}" for x in d["response_lengths_per_iteration"]))
             if "roofline" in d:
