@@ -10,10 +10,10 @@ from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.resharding.fingerprint import verify_transfer
-from mindspeed_rl.resharding.naive import load_full_hf
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
 from mindspeed_rl.resharding.transfer import Transfer
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from cpu_vllm import cpu_vllm_engine
 
 ADAM = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
 PROMPTS = [[5, 9, 6, 11], [7, 9, 8, 11], [4, 9, 4, 11]]
@@ -36,17 +36,7 @@ def actor(world, checkpoint):
 
 @pytest.fixture(scope="module")
 def rollout(world, checkpoint):
-    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-
-    engine = VLLMEngine(VLLMEngineConfig(
-        model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=32, max_num_seqs=64,
-        max_num_batched_tokens=1024, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
-        cpu_kvcache_space_gb=0.0625, on_cpu=True))
-    # The engine starts from dummy weights; load the checkpoint the way the naive baseline does.
-    spec, state = load_hf_checkpoint(checkpoint)
-    load_full_hf(engine.named_weights(), state, spec, tp=1, tp_rank=0)
-    engine.mark_weights_loaded()
-    return engine
+    return cpu_vllm_engine(checkpoint)
 
 
 def hf_model(checkpoint):

@@ -15,6 +15,7 @@ from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 from mindspeed_rl.protocol import RolloutBatch
+from cpu_vllm import cpu_vllm_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 ADAM = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
@@ -105,17 +106,7 @@ def test_transformers_logits_equal_megatron(world, exported, trained):
 def test_vllm_logprobs_from_export_equal_megatron(world, exported, trained):
     """vLLM built on the exported directory (config + tokenizer), weights read from its safetensors:
     the sampled tokens' log-probs equal Megatron's."""
-    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-    from mindspeed_rl.resharding.naive import load_full_hf
-
-    engine = VLLMEngine(VLLMEngineConfig(
-        model_dir=str(exported), tensor_parallel_size=1, dtype="float32", max_model_len=32, max_num_seqs=64,
-        max_num_batched_tokens=1024, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
-        cpu_kvcache_space_gb=0.0625, on_cpu=True))
-    # VLLMEngine always starts from dummy weights (load_format is fixed); fill them from the export's files.
-    spec, state = load_hf_checkpoint(str(exported))
-    load_full_hf(engine.named_weights(), state, spec, tp=1, tp_rank=0)
-    engine.mark_weights_loaded()
+    engine = cpu_vllm_engine(str(exported))  # its weights from the export's files
     generations = engine.generate(PROMPTS, n=4, max_tokens=6, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=7)
     batch = RolloutBatch.from_token_lists([PROMPTS[g.prompt_index] for g in generations],
                                           [g.token_ids for g in generations], pad_id=0, response_width=6)

@@ -15,6 +15,7 @@ from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 from mindspeed_rl.resharding.fingerprint import range_fingerprint
 from mindspeed_rl.resharding.naive import load_full_hf
+from cpu_vllm import cpu_vllm_engine
 
 PROMPTS = [[5, 9, 6, 11], [7, 9, 8, 11], [3, 4, 5, 6]]
 MAX_TOKENS = 12
@@ -63,12 +64,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout(world, checkpoint):
-    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-
-    return VLLMEngine(VLLMEngineConfig(
-        model_dir=checkpoint[0], tensor_parallel_size=1, dtype="float32", max_model_len=64, max_num_seqs=16,
-        max_num_batched_tokens=1024, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
-        cpu_kvcache_space_gb=0.03125, on_cpu=True))
+    return cpu_vllm_engine(checkpoint[0], max_model_len=64, max_num_seqs=16, cpu_kvcache_space_gb=0.03125,
+                           loaded=False)  # each test pushes its own weights
 
 
 def _push(engine, spec, state) -> dict[str, torch.Tensor]:

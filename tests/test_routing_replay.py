@@ -14,7 +14,7 @@ import torch
 
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 from mindspeed_rl.protocol import ROUTES_COLUMN, RolloutBatch
-from mindspeed_rl.resharding.naive import load_full_hf
+from cpu_vllm import cpu_vllm_engine
 
 PROMPTS = [[3, 4, 5, 6], [7, 8, 9], [5, 5, 6, 7, 8]]
 MAX_TOKENS = 8
@@ -33,19 +33,10 @@ def checkpoint(tmp_path_factory):
 def rollout(world, checkpoint):
     from vllm.distributed.parallel_state import destroy_model_parallel
 
-    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-
     # vLLM's groups of this pytest process were made by an earlier module's dense engine, without the expert-parallel
     # group an MoE layer asks for; made again for this one (a rank builds one engine: a test-process concern only).
     destroy_model_parallel()
-    engine = VLLMEngine(VLLMEngineConfig(
-        model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=32, max_num_seqs=64,
-        max_num_batched_tokens=1024, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
-        cpu_kvcache_space_gb=0.0625, on_cpu=True, return_routed_experts=True))
-    spec, state = load_hf_checkpoint(checkpoint)
-    load_full_hf(engine.named_weights(), state, spec, tp=1, tp_rank=0)
-    engine.mark_weights_loaded()
-    return engine
+    return cpu_vllm_engine(checkpoint, return_routed_experts=True)
 
 
 def _actor(world, checkpoint, *, recompute: bool = False):

@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 from mindspeed_rl.resharding.naive import load_full_hf
+from cpu_vllm import cpu_vllm_engine
 
 PROMPTS = [[5, 9, 6, 11], [7, 9, 8, 11]]
 # vLLM caches whole KV blocks (128 tokens on CPU): prompts sharing a 130-token prefix reuse one block.
@@ -28,16 +29,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout(world, checkpoint):
-    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-
-    engine = VLLMEngine(VLLMEngineConfig(
-        model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
-        max_num_batched_tokens=1024, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
-        cpu_kvcache_space_gb=0.03125, on_cpu=True, trust_remote_code=True))
-    spec, state = load_hf_checkpoint(checkpoint)
-    load_full_hf(engine.named_weights(), state, spec, tp=1, tp_rank=0)
-    engine.mark_weights_loaded()
-    return engine
+    return cpu_vllm_engine(checkpoint, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, cpu_kvcache_space_gb=0.03125,
+                           trust_remote_code=True)
 
 
 def _generate(rollout, **options):
@@ -71,16 +64,8 @@ def test_detokenize_returns_the_tokenizers_text(rollout, checkpoint):
 # -- generate_config.enable_prefix_caching ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cached(world, checkpoint, rollout):
-    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-
-    engine = VLLMEngine(VLLMEngineConfig(
-        model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
-        max_num_batched_tokens=1024, seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
-        cpu_kvcache_space_gb=0.03125, on_cpu=True, enable_prefix_caching=True))
-    spec, state = load_hf_checkpoint(checkpoint)
-    load_full_hf(engine.named_weights(), state, spec, tp=1, tp_rank=0)
-    engine.mark_weights_loaded()
-    return engine
+    return cpu_vllm_engine(checkpoint, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, cpu_kvcache_space_gb=0.03125,
+                           enable_prefix_caching=True)
 
 
 def _greedy(engine):
