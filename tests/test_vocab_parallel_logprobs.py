@@ -120,3 +120,18 @@ def test_the_engine_scores_response_rows_as_the_previous_gather_did(world):
     for i, p in enumerate(mb.prompt_lengths.tolist()):
         scored[i, p - 1: p - 1 + int(mb.response_mask[i].sum())] = True
     assert bool((logits.grad.abs().sum(-1) > 0).eq(scored).all())
+
+
+def test_log_prob_chunks_fit_a_quarter_of_the_hosts_cache():
+    """Accelerator.chunk_bytes_in_cache: a quarter of the largest cache sysfs names on a host; no cap on a device."""
+    from pathlib import Path
+
+    from mindspeed_rl.accelerator import Accelerator
+    from mindspeed_rl.accelerator.host_memory import last_level_cache_bytes
+
+    sizes = [entry.read_text().strip() for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")]
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    expected = max((int(s[:-1]) * units[s[-1].upper()] for s in sizes), default=32 << 20)
+    assert last_level_cache_bytes() == expected
+    assert Accelerator("cpu").chunk_bytes_in_cache == expected // 4
+    assert Accelerator("cuda").chunk_bytes_in_cache is None

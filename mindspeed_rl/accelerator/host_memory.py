@@ -14,6 +14,7 @@ mapping is unmapped and the memory returns to the kernel.
 """
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from pathlib import Path
@@ -109,6 +110,7 @@ def return_free_heap() -> None:
         _malloc_trim(0)
 
 
+@functools.lru_cache(maxsize=None)
 def last_level_cache_bytes(default: int = 32 << 20) -> int:
     """The largest CPU cache of this host (sysfs; `default` where the kernel does not say)."""
     sizes = []
