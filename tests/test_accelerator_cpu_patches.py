@@ -71,4 +71,3 @@ def test_cpu_accelerator_contract():
     assert acc.distributed_backend == "gloo" and acc.is_host and not acc.supports_pinned_memory
     assert acc.memory_allocated_bytes() is None
     assert acc.host_buffer(10).nbytes() == 10
-
