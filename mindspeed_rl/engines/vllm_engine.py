@@ -124,8 +124,7 @@ class VLLMEngine:
 
             unpack_cpu_linears(self.model)
             unpack_cpu_experts(self.model)
-        # On CPU the GEMMs read oneDNN-packed copies of the plain weights, made after every push.
-        self.packed_linears = PackedLinears(self.model) if config.on_cpu else None
+        self.packed_linears = PackedLinears(self.model) if config.on_cpu else None  # packed at each push's end
         self.routing = RoutingRecorder(self.llm) if config.return_routed_experts else None
         self.weights_loaded = False
         # One storage backs every layer's KV view; freeing it by resize keeps the views bound.

@@ -111,7 +111,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         logprobs = torch.empty_like(lse)
         entropy = torch.zeros_like(lse)
         # The chunks' fp32 work goes to buffers made once: a fresh [rows, V/t] per chunk is, on a host, fresh pages
-        # faulted in on every chunk, and the passes over it no longer stay in cache (benchmarks/bench_long_responses.py).
+        # faulted in on every chunk, and the passes over it leave the cache (benchmarks/bench_logprob_chunks.py).
         z_buffer = torch.empty(min(chunk_tokens, rows), vocab_local, dtype=torch.float32, device=logits.device)
         exp_buffer = torch.empty_like(z_buffer) if with_entropy else z_buffer
         for begin in range(0, rows, chunk_tokens):
