@@ -55,7 +55,7 @@ def _batch(prompts: int, samples: int, seed: int):
     return batch
 
 
-def _engines(world):
+def _engines(world, parallel):
     from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
     from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
@@ -69,7 +69,7 @@ def _engines(world):
     settings = OptimizerSettings(lr=1e-6, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
                                  adam_eps=1e-8, clip_grad=1.0)
     return {packed: MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
-                                   optimizer=settings, options=ModelOptions(packed_sequences=packed))
+                                   parallel=parallel, optimizer=settings, options=ModelOptions(packed_sequences=packed))
             for packed in (False, True)}, sum(t.numel() for t in state.values())
 
 
@@ -106,7 +106,7 @@ def previous_response_logprobs(logits, mb):
     return logprobs, entropy
 
 
-def _logprob_path_bytes(batch, micro_batch_size: int) -> dict:
+def _logprob_path_bytes(batch, micro_batch_size: int, parallel) -> dict:
     from mindspeed_rl.engines.vocab_parallel import response_logprobs_from_logits
     from mindspeed_rl.memory import ActivationMeter
 
@@ -114,7 +114,8 @@ def _logprob_path_bytes(batch, micro_batch_size: int) -> dict:
     logits = torch.randn(*mb.input_ids.shape, VOCAB, requires_grad=True)
     out = {}
     for name, path in (("previous", lambda: previous_response_logprobs(logits, mb)),
-                       ("vocab_parallel", lambda: response_logprobs_from_logits(logits, mb, 1.0, True, 1024))):
+                       ("vocab_parallel", lambda: response_logprobs_from_logits(logits, mb, 1.0, True, 1024,
+                                                                                parallel=parallel))):
         with ActivationMeter({logits.untyped_storage()._cdata}) as meter:
             logprobs, entropy = path()
         (logprobs.sum() + entropy.sum()).backward()
@@ -142,8 +143,8 @@ def main(argv=None) -> int:
 
     from mindspeed_rl.protocol import Packing
 
-    world = conftest.world.__wrapped__()
-    engines, parameters = _engines(world)
+    world, parallel = conftest.one_rank_world()
+    engines, parameters = _engines(world, parallel)
     batch = _batch(args.prompts, args.samples, seed=2)
     real = int(batch.sample_lengths().sum())
     padded_tokens = batch.input_ids.numel()
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
         "padding_share_padded": 1 - real / padded_tokens,
         "update_seconds": seconds, "update_seconds_packed_over_padded": seconds["packed"] / seconds["padded"],
         "activation_peak_bytes": peak, "activation_packed_over_padded": peak["packed"] / peak["padded"],
-        "logprob_path": _logprob_path_bytes(batch, args.micro_batch_size),
+        "logprob_path": _logprob_path_bytes(batch, args.micro_batch_size, parallel),
         "load_average": list(__import__("os").getloadavg()),
     }
     print(json.dumps(result, indent=2))

@@ -57,10 +57,12 @@ def _engine():
     from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
     from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+    from mindspeed_rl.parallel import megatron_state
+    from mindspeed_rl.parallel.layout import TrainLayout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    parallel = megatron_state.initialize(TrainLayout(), rank=0, world_size=1, timeout_minutes=30)
     accelerator = get_accelerator("cpu")
     accelerator.seed_model_parallel_rng(1)
     hf_dir = Path(tempfile.mkdtemp(prefix="bench_scope-")) / "model"
@@ -69,7 +71,8 @@ def _engine():
     spec, state = load_hf_checkpoint(str(hf_dir))
     adam = OptimizerSettings(lr=1e-5, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                              clip_grad=1.0)
-    return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator, optimizer=adam)
+    return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator,
+                          parallel=parallel, optimizer=adam)
 
 
 def _batch(num_samples: int):

@@ -58,9 +58,8 @@ def _rank_main(rank, world, port, pair, bucket_mb, repeats, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state as ps
-
     from mindspeed_rl.models.layouts import megatron_shard_from_hf
+    from mindspeed_rl.parallel import megatron_state
     from mindspeed_rl.resharding.fingerprint import verify_transfer
     from mindspeed_rl.models.layouts import hf_shapes, vllm_layout
     from mindspeed_rl.resharding.naive import gather_full_hf, load_full_hf, materialize
@@ -68,9 +67,9 @@ def _rank_main(rank, world, port, pair, bucket_mb, repeats, out_path):
     from mindspeed_rl.resharding.transfer import Transfer, parameter_name
 
     name, _, tp, pp, infer_tp, infer_pp = pair
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    spec = bench_spec()
     train = TrainLayout(tp=tp, pp=pp)
+    parallel = megatron_state.initialize(train, rank=rank, world_size=world, timeout_minutes=30)
+    spec = bench_spec()
     g = torch.Generator().manual_seed(0)
     full = {n: torch.randn(shape, generator=g) * 0.02 for n, shape in hf_shapes(spec).items()}
     tp_rank, pp_rank = train.coordinates(rank, world)
@@ -101,7 +100,7 @@ def _rank_main(rank, world, port, pair, bucket_mb, repeats, out_path):
             d.zero_()
         dist.barrier()
         started = time.perf_counter()
-        gathered, naive_received = gather_full_hf(sources, spec)
+        gathered, naive_received = gather_full_hf(sources, spec, parallel=parallel)
         load_full_hf(destinations, gathered, spec, tp=infer_tp, tp_rank=infer.tp_rank(rank), **stage)
         naive.append(_max(time.perf_counter() - started))
         naive_peak = sum(t.numel() * t.element_size() for t in gathered.values())

@@ -32,10 +32,12 @@ SIDES = ("resident", "swapped_serial", "swapped_overlapped")
 
 
 def _world(device: str):
+    """One rank on `device`: its accelerator and its groups (RankGroups, TP1 PP1)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from mindspeed_rl.accelerator import get_accelerator
+    from mindspeed_rl.parallel import megatron_state
+    from mindspeed_rl.parallel.layout import TrainLayout
 
     accelerator = get_accelerator(device)
     with socket.socket() as probe:
@@ -44,9 +46,9 @@ def _world(device: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     accelerator.set_device(0)
     dist.init_process_group(accelerator.distributed_backend, rank=0, world_size=1)
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    parallel = megatron_state.initialize(TrainLayout(), rank=0, world_size=1, timeout_minutes=30)
     accelerator.seed_model_parallel_rng(1)
-    return accelerator
+    return accelerator, parallel
 
 
 def _timed_steps(actor, accelerator, seconds: list[float]) -> None:
@@ -63,13 +65,14 @@ def _timed_steps(actor, accelerator, seconds: list[float]) -> None:
     actor.optimizer.step = timed
 
 
-def _side(side: str, args, spec, state, accelerator, batch) -> dict:
+def _side(side: str, args, spec, state, accelerator, parallel, batch) -> dict:
     from mindspeed_rl.engines.megatron_engine import MegatronEngine
     from mindspeed_rl.memory.swap_optimizer import SwappedOptimizerStates
     from tiny_actor import ADAM, response_loss_fn
 
     dtype = getattr(torch, args.dtype)
-    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=accelerator, optimizer=ADAM)
+    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=accelerator, parallel=parallel,
+                           optimizer=ADAM)
     swapped = None
     if side != "resident":
         swapped = SwappedOptimizerStates(actor.optimizer, accelerator, times=args.times,
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
     from mindspeed_rl.protocol import RolloutBatch
 
-    accelerator = _world(args.device)
+    accelerator, parallel = _world(args.device)
     with tempfile.TemporaryDirectory() as directory:
         create_tiny_qwen2_checkpoint(directory, vocab_size=args.vocab, hidden_size=args.hidden,
                                      ffn_hidden_size=args.ffn, num_layers=args.layers,
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = RolloutBatch.from_token_lists([torch.randint(1, args.vocab, (64,), generator=g).tolist()] * 8,
                                           [torch.randint(1, args.vocab, (64,), generator=g).tolist()] * 8,
                                           pad_id=0, response_width=64)
-    results = {side: _side(side, args, spec, state, accelerator, batch) for side in SIDES}
+    results = {side: _side(side, args, spec, state, accelerator, parallel, batch) for side in SIDES}
     params = {side: results[side].pop("params") for side in SIDES}
     report = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "dtype": args.dtype,

@@ -11,8 +11,9 @@ from resharding_oracle import free_port
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 torch.set_num_threads(1)
 dist.init_process_group("gloo", rank=0, world_size=1)
-from megatron.core import parallel_state as ps
-ps.initialize_model_parallel(1, 1)
+from mindspeed_rl.parallel import megatron_state
+from mindspeed_rl.parallel.layout import TrainLayout
+PARALLEL = megatron_state.initialize(TrainLayout(), rank=0, world_size=1, timeout_minutes=30)
 from mindspeed_rl.accelerator import get_accelerator
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import MegatronEngine
@@ -72,7 +73,7 @@ def run(case, state):
     rows = {"vLLM bf16": vllm, "fp64 logits rounded to bf16 once": floor}
     rows["HF bf16 (eager)"] = pad([x for _, x in hf_logprobs(rounded, torch.bfloat16, samples)])
     for name, dtype, st in (("Megatron bf16", torch.bfloat16, rounded), ("Megatron fp32 (bf16 weights)", torch.float32, rounded)):
-        eng = MegatronEngine(spec=spec, hf_state=st, params_dtype=dtype, accelerator=acc, optimizer=None)
+        eng = MegatronEngine(spec=spec, hf_state=st, params_dtype=dtype, accelerator=acc, parallel=PARALLEL, optimizer=None)
         rows[name] = eng.compute_logprobs(batch, micro_batch_size=8, temperature=1.0).double()
         if dtype == torch.bfloat16:
             head = eng.module.output_layer
@@ -80,7 +81,7 @@ def run(case, state):
             rows["Megatron bf16, lm-head in fp32"] = eng.compute_logprobs(batch, micro_batch_size=8, temperature=1.0).double()
             h.remove()
     if case == "off-grid norms":
-        eng = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.bfloat16, accelerator=acc, optimizer=None)
+        eng = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.bfloat16, accelerator=acc, parallel=PARALLEL, optimizer=None)
         rows["Megatron bf16, fp32 norms off the bf16 grid"] = eng.compute_logprobs(batch, micro_batch_size=8, temperature=1.0).double()
         for n, p in eng.module.named_parameters():
             if p.dtype == torch.float32:
@@ -88,7 +89,7 @@ def run(case, state):
         rows["Megatron bf16, norms cast to bf16"] = eng.compute_logprobs(batch, micro_batch_size=8, temperature=1.0).double()
     gs = torch.Generator().manual_seed(100)
     stale = {k: v + 0.02 * torch.randn(v.shape, generator=gs) for k, v in rounded.items()}
-    eng = MegatronEngine(spec=spec, hf_state=stale, params_dtype=torch.bfloat16, accelerator=acc, optimizer=None)
+    eng = MegatronEngine(spec=spec, hf_state=stale, params_dtype=torch.bfloat16, accelerator=acc, parallel=PARALLEL, optimizer=None)
     stale_lp = eng.compute_logprobs(batch, micro_batch_size=8, temperature=1.0).double()
     res = {"case": case, "logit_std": logit_std, "tokens": int(mask.sum())}
     for name, lp in rows.items():

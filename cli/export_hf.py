@@ -30,19 +30,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_single_rank() -> None:
-    # dist_checkpointing needs a process group and Megatron's parallel state, even on one rank.
+def _init_single_rank():
+    """This process as one rank at TP1 PP1, its groups (RankGroups): dist_checkpointing needs a process group and
+    Megatron's parallel state, even on one rank."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+
+    from mindspeed_rl.parallel import megatron_state
+    from mindspeed_rl.parallel.layout import TrainLayout
 
     if not dist.is_initialized():
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")
         dist.init_process_group("gloo", rank=0, world_size=1)
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    groups = megatron_state.initialize(TrainLayout(), rank=0, world_size=1, timeout_minutes=30)
     from mindspeed_rl.accelerator import get_accelerator
 
     get_accelerator("cpu").seed_model_parallel_rng(0)
+    return groups
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--output", f"{args.output} exists and is not an empty directory; choose a new path")
         # Verify before starting torch.distributed: a bad path fails in a second, not after the set-up.
         resolve_and_verify(args.checkpoint, key="--checkpoint")
-        _init_single_rank()
-        out = export_checkpoint(args.checkpoint, args.output, options=options, peft=args.peft, base=args.base)
+        parallel = _init_single_rank()
+        out = export_checkpoint(args.checkpoint, args.output, parallel=parallel, options=options, peft=args.peft,
+                                base=args.base)
     except ConfigError as error:
         print("\n".join(error_lines(error)), file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE

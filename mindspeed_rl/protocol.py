@@ -233,3 +233,21 @@ class Shard:
     start: int
     stop: int
     value: object
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generation:
+    """One sampled completion, as the inference engine returns it and the rollout strategies assemble it: token ids
+    and the log-prob vLLM assigned to each sampled token."""
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    # With logprobs > 0: per step, the `logprobs` most likely tokens' log-probs (plus the sampled one).
+    top_logprobs: list[dict[int, float]] | None = None
+    text: str | None = None  # with detokenize
+    # With return_routed_experts: [prompt + response - 1 positions, layers, top-k] int16 expert ids, -1 unrecorded.
+    routed_experts: object = None  # np.ndarray | None
+    # The policy version that sampled each token (room for partial rollout: a sample resumed under newer weights);
+    # None: every token by the version of the rollout that holds it.
+    policy_versions: list[int] | None = None

@@ -16,11 +16,18 @@ from resharding_oracle import free_port
 @pytest.fixture(scope="session")
 def world():
     """A one-rank world with Megatron's parallel state (TP1/PP1), shared by in-process tests: gloo on
-    CPU; `MINDSPEED_RL_TEST_DEVICE=cuda` (make gpu-check) runs the same tests on the GPU over nccl."""
+    CPU; `MINDSPEED_RL_TEST_DEVICE=cuda` (make gpu-check) runs the same tests on the GPU over nccl. The engines a
+    test builds in it take its groups, `megatron_state.current()`."""
+    return one_rank_world()[0]
+
+
+def one_rank_world():
+    """The `world` fixture's accelerator and its groups (RankGroups), for the benchmarks that run in it."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from mindspeed_rl.accelerator import get_accelerator
+    from mindspeed_rl.parallel import megatron_state
 
     accelerator = get_accelerator(os.environ.get("MINDSPEED_RL_TEST_DEVICE", "cpu"))
     if not dist.is_initialized():
@@ -30,4 +37,4 @@ def world():
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     accelerator.seed_model_parallel_rng(1)
-    return accelerator
+    return accelerator, megatron_state.current()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import free_port
 
 ADAM = dict(lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
@@ -37,7 +38,8 @@ def _engine(hf_dir, *, stages=None, **layout):
     acc.seed_model_parallel_rng(1)
     spec, state = load_hf_checkpoint(hf_dir)
     return MegatronEngine(spec=replace(spec, pipeline_stage_layers=stages), hf_state=state,
-                          params_dtype=torch.bfloat16, accelerator=acc, optimizer=OptimizerSettings(**ADAM))
+                          params_dtype=torch.bfloat16, accelerator=acc,
+                          parallel=megatron_state.current(), optimizer=OptimizerSettings(**ADAM))
 
 
 def _step(engine, rank: int) -> dict:

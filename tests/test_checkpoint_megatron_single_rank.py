@@ -7,6 +7,7 @@ from mindspeed_rl.checkpoint.rng_state import load_rng_state, save_rng_state
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 
 ADAM = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
@@ -30,7 +31,8 @@ def _step(engine) -> dict:
 
 def _engine(world, hf_dir) -> MegatronEngine:
     spec, state = load_hf_checkpoint(hf_dir)
-    return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=ADAM)
+    return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                          parallel=megatron_state.current(), optimizer=ADAM)
 
 
 def test_resumed_engine_continues_bit_identically(world, tmp_path):

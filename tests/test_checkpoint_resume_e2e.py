@@ -118,13 +118,14 @@ def test_save_hf_exports_the_final_actor(world, tmp_path, uninterrupted):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mindspeed_rl.checkpoint.hf_export import RUN_EXPORT_DIR, export_checkpoint
+    from mindspeed_rl.parallel import megatron_state
 
     run_dir, save = uninterrupted / "run", uninterrupted / "save"
     export = run_dir / RUN_EXPORT_DIR
     assert f"[export] HF checkpoint: {export}" in (uninterrupted / "stdout.txt").read_text().splitlines()
     assert (save / "latest").read_text().strip() == "iter_0000004"
     # The same weights as the final checkpoint converted by cli/export_hf.py's code, bit for bit.
-    from_checkpoint = export_checkpoint(save, tmp_path / "from_checkpoint")
+    from_checkpoint = export_checkpoint(save, tmp_path / "from_checkpoint", parallel=megatron_state.current())
     got, expected = load_file(export / "model.safetensors"), load_file(from_checkpoint / "model.safetensors")
     assert got.keys() == expected.keys() and len(got) > 0
     assert all(torch.equal(got[name], expected[name]) for name in got)

@@ -222,3 +222,21 @@ def test_an_optimizer_split_that_matches_or_is_not_loaded_passes(tmp_path):
     old = _point(tmp_path)  # a checkpoint from before `contents` was recorded: EP1
     del old.state["contents"]
     check_optimizer_split(old, finetune=False, no_load_optim=False, is_moe=True, expert_parallel_size=1)
+
+
+def test_a_rollout_ahead_saved_as_tuples_resumes_as_generations(tmp_path):
+    """Checkpoints written before `Generation` kept the rollout started ahead as (index, ids, log-probs[, routes])."""
+    import numpy as np
+    import torch
+
+    from mindspeed_rl.checkpoint.trainer_state import ROLLOUT_AHEAD_NAME, ResumePoint, saved_rollout_ahead
+    from mindspeed_rl.protocol import Generation, Shard
+
+    routes = np.zeros((3, 1, 2), dtype=np.int16)
+    saved = [(Shard(start=0, stop=2, value=[(0, [5, 6], [-0.5, -0.25]), (1, [7], [-1.0], routes)]), {"m": 1.0}),
+             (Shard(start=0, stop=2, value=None), {})]
+    torch.save(saved, tmp_path / ROLLOUT_AHEAD_NAME)
+    (shard, metrics), (empty, _) = saved_rollout_ahead(ResumePoint(path=tmp_path, iteration=2, state={}))
+    assert shard.value[0] == Generation(prompt_index=0, token_ids=[5, 6], logprobs=[-0.5, -0.25])
+    assert shard.value[1].routed_experts is routes or np.array_equal(shard.value[1].routed_experts, routes)
+    assert metrics == {"m": 1.0} and empty.value is None

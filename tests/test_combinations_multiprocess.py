@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from allpairs import all_pairs, pairs_of
 from dp_share import dp_share
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 from resharding_oracle import free_port
 
@@ -73,10 +74,12 @@ def _engines(checkpoint: str, case: dict, accelerator, sequence_parallel: bool =
     options = _options(case, sequence_parallel)
     lora = LoRASettings(rank=4, alpha=8.0, target_modules=("linear_qkv", "linear_proj"), seed=5) if case["lora"] else None
     actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator,
+                           parallel=megatron_state.current(),
                            optimizer=_adam(), options=options, lora=lora)
     critic = None
     if case["estimator"] == "gae":
         critic = CriticEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator,
+                              parallel=megatron_state.current(),
                               optimizer=_adam(), options=options, head_seed=3)
     return spec, actor, critic
 
@@ -249,7 +252,7 @@ def _oracle(checkpoint: str, case: dict, world) -> tuple[RolloutBatch, dict]:
     keys = STATS + (CRITIC_STATS if critic is not None else ())
     oracle = {"stats": {key: stats[key] for key in keys}, "actor_grads": _grads(actor)}
     if not case["lora"]:
-        oracle["actor_hf_grads"] = hf_weights_from_megatron(oracle["actor_grads"], spec)
+        oracle["actor_hf_grads"] = hf_weights_from_megatron(oracle["actor_grads"], spec, parallel=actor.parallel)
     if critic is not None:
         oracle["critic_grads"] = _grads(critic)
     assert all(abs(stats[key]) > 0 for key in ("actor/pg_loss", "actor/grad_norm")), (case, stats)

@@ -59,6 +59,8 @@ def test_the_planner_gives_each_cp_rank_half_of_a_micro_batchs_tokens():
 
     config = load("grpo_tiny_cpu_cp2")
     inputs = plan_inputs(config, architecture(resolve_hf_config(config)), device="cpu")
-    assert inputs.data_parallel_size == 1 and inputs.dp == 2
+    # DP is Megatron's (CP excluded), as the config's and the ranks'; the ranks holding the same weights are DP x CP.
+    assert inputs.dp == config.train_data_parallel_size == 1 and inputs.dp_cp == 2
+    assert inputs.train_layout == config.layout.train
     assert inputs.tokens_per_micro_batch == inputs.micro_batch_size * inputs.padded_seq_length // 2
     assert inputs.padded_seq_length % 4 == 0

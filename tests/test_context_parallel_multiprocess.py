@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import free_port
 
 PROMPT = 3
@@ -82,6 +83,7 @@ def _engine(checkpoint, **options):
     settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
                                  adam_eps=1e-8, clip_grad=0.0)
     engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator,
+                            parallel=megatron_state.current(),
                             optimizer=settings, options=ModelOptions(**options))
     return engine, spec, state
 
@@ -100,13 +102,13 @@ def _check_checkpoint_loads_without_cp(checkpoint, samples, save_dir):
     engine.train_step(batch, micro_batch_size=2, temperature=1.0,
                       loss_fn=lambda lp, entropy, mb: (-(lp * mb.response_mask).sum() / 30.0, {}))
     engine.save_sharded(save_dir, with_optimizer=True)
-    saved = hf_weights_from_megatron(engine.named_weights(), spec)
+    saved = hf_weights_from_megatron(engine.named_weights(), spec, parallel=engine.parallel)
     ps.destroy_model_parallel()
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     loaded, _, state = _engine(checkpoint)
     loaded.load_sharded(save_dir, load_optimizer=True, scheduler_state=None)
-    weights = hf_weights_from_megatron(loaded.named_weights(), spec)
+    weights = hf_weights_from_megatron(loaded.named_weights(), spec, parallel=loaded.parallel)
     assert any(not torch.equal(saved[name], state[name]) for name in state)
     for name, tensor in saved.items():
         assert torch.equal(weights[name], tensor), name
@@ -154,7 +156,7 @@ def _check_context_parallel(checkpoint, samples, oracle_logprobs, oracle_grads, 
 def _restore(engine, state, spec) -> None:
     from mindspeed_rl.models.megatron_build import load_hf_into_megatron
 
-    load_hf_into_megatron(engine.module, state, spec)
+    load_hf_into_megatron(engine.module, state, spec, parallel=engine.parallel)
     engine.optimizer.reload_model_params()
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import Packing, RolloutBatch
 
 ADAM = dict(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
@@ -18,6 +19,7 @@ def _critic(world, model_dir: str, packed: bool):
 
     spec, state = load_hf_checkpoint(model_dir)
     return CriticEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                        parallel=megatron_state.current(),
                         optimizer=OptimizerSettings(**ADAM), options=ModelOptions(packed_sequences=packed), head_seed=3)
 
 

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.data.tiny_reward_model import create_tiny_reward_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 from resharding_oracle import four_sample_batch, free_port
 
@@ -62,6 +63,7 @@ def _critic(model_dir: str, tp: int, pp: int, sp: bool = False, cp: int = 1):
     accelerator.seed_model_parallel_rng(1)
     spec, state = load_hf_checkpoint(model_dir)
     return CriticEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator,
+                        parallel=megatron_state.current(),
                         optimizer=OptimizerSettings(**ADAM), head_seed=7, options=ModelOptions(sequence_parallel=sp))
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import assert_vllm_logprobs_match_megatron, free_port, fused_experts, perturbed_state
 
 YARN = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
@@ -123,6 +124,7 @@ def _update_gradients(spec, state, *, cp: int, packed: bool) -> dict[str, torch.
     settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
                                  adam_eps=1e-8, clip_grad=1.0)
     engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc,
+                            parallel=megatron_state.current(),
                             optimizer=settings, options=ModelOptions(packed_sequences=packed))
     loss = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.05, entropy_coeff=0.01,
                           loss_agg_mode="token-mean")
@@ -172,14 +174,16 @@ def _worker(rank, port, checkpoint, layouts):
         acc.seed_model_parallel_rng(1)
         hf_state = perturbed_state(state, case)
         engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.float32, accelerator=acc,
+                                parallel=megatron_state.current(),
                                 optimizer=None)
         _check_against_hf(engine, _hf_logits(checkpoint, hf_state), pp, cp)
         packed = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.float32, accelerator=acc,
+                                parallel=megatron_state.current(),
                                 optimizer=None, options=ModelOptions(packed_sequences=True))
         _check_packed_against_hf(packed, _hf_logits(checkpoint, hf_state))
         _check_planner_shapes(engine, checkpoint, tp, pp, ep)
         if ep == 1:  # the export gathers over TP and PP (not EP)
-            exported = hf_weights_from_megatron(engine.named_weights(), spec)
+            exported = hf_weights_from_megatron(engine.named_weights(), spec, parallel=engine.parallel)
             assert set(exported) == set(hf_state) and all(torch.equal(exported[k], v) for k, v in hf_state.items())
         _push(spec, engine, rollout, TrainLayout(tp=tp, pp=pp, ep=ep), InferLayout(tp=2), rank)
         assert_vllm_logprobs_match_megatron(engine, rollout, rank, 2, 2)

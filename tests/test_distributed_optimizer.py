@@ -14,6 +14,7 @@ from mindspeed_rl.engines.megatron_engine import MegatronEngine
 from mindspeed_rl.memory import Offloader
 from mindspeed_rl.memory.megatron_states import TRAIN_OPTIMIZER, optimizer_state_tensors, register_megatron_states
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from tiny_actor import ADAM, response_loss_fn, tiny_checkpoint, token_batch
 
 SETTINGS = dataclasses.replace(ADAM, use_distributed_optimizer=True)
@@ -41,8 +42,10 @@ def test_distributed_optimizer_offload_round_trip_is_bit_exact(world, checkpoint
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     spec, state = load_hf_checkpoint(checkpoint)
-    oracle = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=SETTINGS)
-    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=SETTINGS)
+    oracle = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world,
+                            parallel=megatron_state.current(), optimizer=SETTINGS)
+    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world,
+                           parallel=megatron_state.current(), optimizer=SETTINGS)
     leaves = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
     assert all(isinstance(leaf, DistributedOptimizer) for leaf in leaves)
     offloader = Offloader(world)
@@ -61,5 +64,6 @@ def test_distributed_optimizer_offload_round_trip_is_bit_exact(world, checkpoint
     assert len(got_states) == len(want_states) > 0
     assert all(torch.equal(a, b) for a, b in zip(got_states, want_states))
     assert any(s.abs().sum() > 0 for s in got_states), "the moments moved: the comparison is not vacuous"
-    start = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=None)
+    start = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world,
+                           parallel=megatron_state.current(), optimizer=None)
     assert any(not torch.equal(a, b) for a, b in zip(actor.module.parameters(), start.module.parameters()))

@@ -129,14 +129,15 @@ def test_only_the_sharding_manager_moves_device_states():
 
 def test_every_rank_group_implements_the_actor_group_protocol():
     from mindspeed_rl.workers.actor_group import ActorGroup
+    from mindspeed_rl.workers.critic_group import ActorWithOwnCritic
     from mindspeed_rl.workers.disaggregated import DisaggregatedActor
     from mindspeed_rl.workers.group import RayActorGroup
     from mindspeed_rl.workers.local_group import LocalActorGroup
 
     methods = [name for name, member in vars(ActorGroup).items() if callable(member) and not name.startswith("_")]
-    assert set(methods) >= {"initialize", "call", "start_generate", "finish_generate", "offload_states",
-                            "reload_states", "shutdown", "kill"}
-    for group in (LocalActorGroup, RayActorGroup, DisaggregatedActor):
+    assert set(methods) >= {"initialize", "call", "start_generate", "finish_generate", "start_score", "finish_score",
+                            "offload_states", "reload_states", "shutdown", "kill"}
+    for group in (LocalActorGroup, RayActorGroup, DisaggregatedActor, ActorWithOwnCritic):
         for name in methods:
             expected = inspect.signature(getattr(ActorGroup, name))
             got = inspect.signature(getattr(group, name))
@@ -195,13 +196,14 @@ def parts_table_rows() -> list[list[str]]:
     for part in ALL_PARTS:
         rpcs = ", ".join(_rpc_cell(name, rpc) for name, rpc in declared_rpcs(part).items())
         rows.append([part.NAME, rpcs, ", ".join(sorted(part.STATES)), part.PUSH_END or "-",
-                     "before the device settles" if part.STAGE == MEGATRON else "after (vLLM sizes its KV cache)"])
+                     "before the device settles" if part.STAGE == MEGATRON else "after (vLLM sizes its KV cache)",
+                     ", ".join(part.BORROWS) or "-"])
     return rows
 
 
 def test_the_parts_table_in_the_architecture_page_is_the_declarations():
     header, body = _page_table("## The parts of a rank")
-    assert header == ["part", "RPCs (residency row)", "state groups", "push end", "built"]
+    assert header == ["part", "RPCs (residency row)", "state groups", "push end", "built", "borrows"]
     assert body == parts_table_rows()
 
 
@@ -216,3 +218,68 @@ def test_the_residency_table_in_the_architecture_page_is_the_engines():
         assert {state for state, mark in zip(header[1:-1], marks) if mark == "x"} == policy.resident(phase), phase
         if phase not in (IDLE, SWITCH):
             assert after == (", ".join(sorted(policy.after(phase))) or "nothing"), phase
+
+
+def test_parts_are_objects_of_their_own_and_the_rank_classes_derive_from_the_rank_base_alone():
+    """verl's WorkerDict: a role's rank holds one object per part and forwards the RPCs they declare; no part is a
+    mixin on the rank."""
+    from mindspeed_rl.workers.parts import declared_rpcs
+    from mindspeed_rl.workers.rank_worker import RankWorker, compose
+    from mindspeed_rl.workers.roles import ALL_PARTS
+
+    rank_class = compose("", ALL_PARTS)
+    assert rank_class.__bases__ == (RankWorker,)
+    for part in ALL_PARTS:
+        assert not issubclass(part, RankWorker) and not issubclass(rank_class, part), part.NAME
+        for name, rpc in declared_rpcs(part).items():
+            forwarded = getattr(rank_class, name)
+            assert forwarded is not rpc and inspect.signature(forwarded) == inspect.signature(rpc), (part.NAME, name)
+            assert getattr(forwarded, "phase", None) == getattr(rpc, "phase", None), (part.NAME, name)
+
+
+def test_megatron_global_parallel_state_is_read_only_in_parallel_and_accelerator():
+    """torchtitan's ParallelDims: the groups `initialize` returns are passed down; nothing reads Megatron's globals
+    back but the module that sets them and the CPU compatibility layer."""
+    readers = []
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative.startswith(("parallel/", "accelerator/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "current" and \
+                    isinstance(node.value, ast.Name) and node.value.id == "megatron_state":
+                readers.append(f"{relative}:{node.lineno}")
+    assert not readers, readers
+
+
+def test_the_trainer_never_branches_on_the_rollout_kind():
+    """One rollout strategy, chosen once (trainer/rollout_strategy.py): no `tool_turns is not None` in the loop."""
+    branches = [f"{path.name}:{node.lineno}" for path in (PACKAGE / "trainer").rglob("*.py")
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Compare) and isinstance(node.left, (ast.Name, ast.Attribute))
+                and getattr(node.left, "id", getattr(node.left, "attr", "")) == "tool_turns"]
+    assert not branches, branches
+
+
+def test_train_takes_the_prepared_run_in_at_most_eight_parameters():
+    from mindspeed_rl.trainer.grpo_trainer import train
+
+    parameters = list(inspect.signature(train).parameters)
+    assert len(parameters) <= 8 and parameters[:3] == ["config", "actor_group", "run"], parameters
+
+
+def test_no_cli_changes_another_modules_globals_or_the_import_path():
+    """The three training CLIs call one launch(stage, default_config); none assigns to another module's names or
+    inserts into sys.path."""
+    offences = []
+    for path in (PACKAGE.parent / "cli").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            offences += [f"{path.name}:{node.lineno}" for target in targets
+                         if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                         and target.value.id != "self"]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "insert" \
+                    and ast.unparse(node.func.value) == "sys.path":
+                offences.append(f"{path.name}:{node.lineno} sys.path.insert")
+    assert not offences, offences

@@ -13,6 +13,7 @@ from mindspeed_rl.resharding.fingerprint import verify_transfer
 from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan
 from mindspeed_rl.resharding.transfer import Transfer
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from cpu_vllm import cpu_vllm_engine
 
 ADAM = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
@@ -31,7 +32,8 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def actor(world, checkpoint):
     spec, state = load_hf_checkpoint(checkpoint)
-    return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=ADAM)
+    return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                          parallel=megatron_state.current(), optimizer=ADAM)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +108,7 @@ def test_hf_weights_round_trip_exact(actor, checkpoint):
 
     from mindspeed_rl.checkpoint.hf_export import hf_weights_from_megatron
 
-    exported = hf_weights_from_megatron(actor.named_weights(), actor.spec)
+    exported = hf_weights_from_megatron(actor.named_weights(), actor.spec, parallel=actor.parallel)
     _, original = load_hf_checkpoint(checkpoint)
     assert set(exported) == set(original)
     again = megatron_shard_from_hf(exported, actor.spec, tp_rank=0, tp=1)

@@ -31,7 +31,7 @@ def test_pass_at_k_bad_arguments():
 
 def _evaluation(interval: int, before: bool, with_data: bool = True) -> Evaluation:
     config = SimpleNamespace(rl_config=SimpleNamespace(eval_interval=interval, eval_before_train=before))
-    return Evaluation(config, scoring=None, dataset=object() if with_data else None)
+    return Evaluation(config, scoring=None, dataset=object() if with_data else None, strategy=None)
 
 
 def test_evaluation_is_due_at_the_interval_and_before_training_only():

@@ -14,6 +14,7 @@ from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 from cpu_vllm import cpu_vllm_engine
 
@@ -41,7 +42,8 @@ def _batch() -> RolloutBatch:
 def trained(world, initial):
     """An actor after two Adam steps (its weights differ from the initial checkpoint's)."""
     spec, state = load_hf_checkpoint(str(initial))
-    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=ADAM)
+    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                           parallel=megatron_state.current(), optimizer=ADAM)
     batch = _batch()
 
     def loss_fn(logprobs, entropy, mb):  # push up the given responses: a visible, real update
@@ -69,7 +71,7 @@ def saved(trained, initial, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(saved, tmp_path_factory):
-    return export_checkpoint(saved, tmp_path_factory.mktemp("export") / "hf")
+    return export_checkpoint(saved, tmp_path_factory.mktemp("export") / "hf", parallel=megatron_state.current())
 
 
 def test_export_differs_from_initial_weights(exported, initial):
@@ -156,7 +158,7 @@ def test_existing_nonempty_output_is_refused(tmp_path, saved):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("x")
     with pytest.raises(ConfigError, match="--output"):
-        export_checkpoint(saved, tmp_path / "out")
+        export_checkpoint(saved, tmp_path / "out", parallel=megatron_state.current())
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

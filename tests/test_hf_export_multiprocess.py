@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from mindspeed_rl.checkpoint.store import begin_save, commit_save
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,8 @@ def _save_at_tp2(rank, world, port, hf_dir, tmp_dir):
     acc = get_accelerator("cpu")
     acc.seed_model_parallel_rng(1)
     spec, state = load_hf_checkpoint(hf_dir)
-    engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc, optimizer=None)
+    engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc,
+                            parallel=megatron_state.current(), optimizer=None)
     engine.save_sharded(tmp_dir, with_optimizer=False)
     dist.barrier()
     ps.destroy_model_parallel()

@@ -18,6 +18,7 @@ from mindspeed_rl.memory import Offloader
 from mindspeed_rl.memory.ledger import MemoryLedger
 from mindspeed_rl.memory.megatron_states import register_megatron_states
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 
 pytestmark = pytest.mark.skipif(os.environ.get("MINDSPEED_RL_TEST_DEVICE", "cpu") == "cpu",
@@ -59,8 +60,10 @@ def test_the_ledger_accounts_for_what_the_allocator_holds(world, checkpoint, rec
     world.synchronize()
     world.empty_cache()
     before = _requested_bytes(world)
-    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.bfloat16, accelerator=world, optimizer=SETTINGS)
-    reference = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.bfloat16, accelerator=world, optimizer=None)
+    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.bfloat16, accelerator=world,
+                           parallel=megatron_state.current(), optimizer=SETTINGS)
+    reference = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.bfloat16, accelerator=world,
+                               parallel=megatron_state.current(), optimizer=None)
     _one_update(actor)
     offloader = Offloader(world)
     register_megatron_states(offloader, actor, reference, keep_grads=True)

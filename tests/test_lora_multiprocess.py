@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 from resharding_oracle import adapter_push_check, four_sample_batch, free_port
 
@@ -56,6 +57,7 @@ def _actor(model_dir: str, tp: int, pp: int, sp: bool):
     spec, state = load_hf_checkpoint(model_dir)
     lora = LoRASettings(rank=RANK, alpha=ALPHA, target_modules=TARGETS, seed=5)
     return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator,
+                          parallel=megatron_state.current(),
                           optimizer=OptimizerSettings(**ADAM), options=ModelOptions(sequence_parallel=sp), lora=lora)
 
 

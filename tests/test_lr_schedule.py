@@ -14,6 +14,7 @@ from mindspeed_rl.config import ConfigError, load_config
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import LRSchedule, MegatronEngine, OptimizerSettings
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.workers.actor_steps import lr_schedule, optimizer_steps_per_iteration
 
@@ -56,7 +57,8 @@ def _train(world, checkpoint, steps: int):
     settings = OptimizerSettings(lr=MAX_LR, min_lr=MIN_LR, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
                                  adam_eps=1e-8, clip_grad=1.0,
                                  schedule=LRSchedule(decay_style="cosine", warmup_steps=WARMUP, decay_steps=TOTAL))
-    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=settings)
+    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                           parallel=megatron_state.current(), optimizer=settings)
     batch = _batch()
     lrs, changed = [], []
     for _ in range(steps):

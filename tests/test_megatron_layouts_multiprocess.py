@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import free_port
 
 
@@ -38,7 +39,8 @@ def _check_layout(rank, checkpoint, tp, pp, stages, ids, oracle_logprobs, oracle
     acc.seed_model_parallel_rng(1)
     spec, state = load_hf_checkpoint(checkpoint)
     spec = replace(spec, pipeline_stage_layers=stages)
-    engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc, optimizer=None)
+    engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc,
+                            parallel=megatron_state.current(), optimizer=None)
     stage_sizes = stages or (spec.num_layers // pp,) * pp
     assert len(engine.module.decoder.layers) == stage_sizes[ps.get_pipeline_model_parallel_rank()]
 
@@ -59,7 +61,7 @@ def _check_layout(rank, checkpoint, tp, pp, stages, ids, oracle_logprobs, oracle
 
     from mindspeed_rl.checkpoint.hf_export import hf_weights_from_megatron
 
-    exported = hf_weights_from_megatron(engine.named_weights(), engine.spec)
+    exported = hf_weights_from_megatron(engine.named_weights(), engine.spec, parallel=engine.parallel)
     assert set(exported) == set(state)
     for name, tensor in state.items():
         assert torch.equal(exported[name], tensor), name

@@ -20,6 +20,7 @@ from mindspeed_rl.algorithms.grpo import GRPOLossConfig
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.workers.actor_steps import train_on_mini_batch
 from dp_share import dp_share
@@ -44,6 +45,7 @@ def _settings(distributed: bool) -> OptimizerSettings:
 def _engine(checkpoint: str, accelerator, distributed: bool) -> MegatronEngine:
     spec, state = load_hf_checkpoint(checkpoint)
     return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator,
+                          parallel=megatron_state.current(),
                           optimizer=_settings(distributed))
 
 
@@ -60,7 +62,8 @@ def _mini_batch(checkpoint: str, accelerator) -> RolloutBatch:
     responses = [torch.randint(1, 64, (int(n),), generator=g).tolist() for n in torch.randint(2, 7, (8,), generator=g)]
     batch = RolloutBatch.from_token_lists(prompts, responses, pad_id=0, response_width=6)
     spec, state = load_hf_checkpoint(checkpoint)
-    policy = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator, optimizer=None)
+    policy = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator,
+                            parallel=megatron_state.current(), optimizer=None)
     logprobs = policy.compute_logprobs(batch, micro_batch_size=4, temperature=1.0)
     mask = batch.response_mask
     batch.columns["old_logprobs"] = (logprobs + 0.5 * torch.randn(logprobs.shape, generator=g)) * mask

@@ -251,7 +251,7 @@ def test_their_long_context_recipes_keep_context_parallelism_and_the_planner_spl
     assert (config.actor_config.context_parallel_size, config.train_data_parallel_size) == (2, 2)
     inputs = plan_inputs(config, from_hf_config(hf_config_from_model_block(config.selected_model, "qwen25_32b")),
                          device="npu")
-    assert (inputs.cp, inputs.data_parallel_size, inputs.tokens_per_micro_batch) == (2, 2, 32768 // 2)
+    assert (inputs.cp, inputs.dp, inputs.tokens_per_micro_batch) == (2, 2, 32768 // 2)
 
 
 def test_their_multi_turn_recipe_keeps_its_tool_use(monkeypatch) -> None:

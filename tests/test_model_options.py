@@ -12,6 +12,7 @@ from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import MegatronEngine
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 from mindspeed_rl.models.qwen2 import ModelOptions, transformer_config
+from mindspeed_rl.parallel import megatron_state
 
 ALL_KERNELS = KernelRequest(fused_rmsnorm=True, flash_attn=True, masked_softmax_fusion=True,
                             gradient_accumulation_fusion=True, fused_swiglu=True, fused_rotary_pos_emb=True)
@@ -29,7 +30,8 @@ def checkpoint(tmp_path_factory):
 def test_dropout_and_softmax_precision_reach_the_built_model(world, checkpoint):
     spec, state = load_hf_checkpoint(checkpoint)
     options = ModelOptions(attention_dropout=0.1, hidden_dropout=0.2, attention_softmax_in_fp32=False)
-    engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=None,
+    engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                            parallel=megatron_state.current(), optimizer=None,
                             options=options)
     config = engine.module.config
     assert (config.attention_dropout, config.hidden_dropout, config.attention_softmax_in_fp32) == (0.1, 0.2, False)

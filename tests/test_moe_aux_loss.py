@@ -5,6 +5,7 @@ one-rank gloo world."""
 import pytest
 import torch
 
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 
 SETTINGS = {"none": ("none", 0.0), "aux_0.1": ("aux_loss", 0.1), "aux_0.2": ("aux_loss", 0.2),
@@ -30,6 +31,7 @@ def updates(world, tmp_path_factory):
     results = {}
     for name, (kind, coeff) in SETTINGS.items():
         engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                                parallel=megatron_state.current(),
                                 optimizer=settings,
                                 options=ModelOptions(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=coeff))
         metrics = train_on_mini_batch(engine, _batch(), loss, micro_batch_size=4, temperature=1.0)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import (
     assert_vllm_logprobs_match_megatron,
     free_port,
@@ -127,7 +128,8 @@ def _worker(rank, world, port, checkpoint, live_tp, live_ep, train_layouts, orac
         assert ps.get_expert_model_parallel_rank() == train.ep_rank(rank)
         acc.seed_model_parallel_rng(1)
         hf_state = perturbed_state(state, case)
-        engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.float32, accelerator=acc, optimizer=None)
+        engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.float32, accelerator=acc,
+                                parallel=megatron_state.current(), optimizer=None)
         if pp == 1:
             _check_megatron_matches_hf(engine, hf_state, checkpoint)
         for infer_tp, infer_ep in oracle_infers:  # plain tensors shaped like vLLM's parameters
@@ -150,7 +152,8 @@ def _worker(rank, world, port, checkpoint, live_tp, live_ep, train_layouts, orac
                                      expert_model_parallel_size=ep)
         acc.seed_model_parallel_rng(1)
         hf_state = perturbed_state(state, 10 + case)
-        engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.bfloat16, accelerator=acc, optimizer=None)
+        engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.bfloat16, accelerator=acc,
+                                parallel=megatron_state.current(), optimizer=None)
         assert {t.dtype for t in engine.named_weights().values()} == {torch.bfloat16}
         for infer_tp, infer_ep in oracle_infers:
             infer = InferLayout(tp=infer_tp, expert_parallel=infer_ep)

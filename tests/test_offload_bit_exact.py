@@ -14,6 +14,7 @@ from mindspeed_rl.memory import Offloader
 from mindspeed_rl.memory.megatron_states import REF_PARAMS, TRAIN_GRADS, register_megatron_states
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from tiny_actor import ADAM, response_loss_fn, tiny_checkpoint, token_batch
 
 STEPS = 3
@@ -46,9 +47,12 @@ def _train(actor: MegatronEngine, batch: RolloutBatch, offloader: Offloader | No
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_training_with_offload_between_steps_is_bit_exact(world, checkpoint, dtype):
     spec, state = load_hf_checkpoint(checkpoint)
-    oracle = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=ADAM)
-    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=ADAM)
-    reference = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=None)
+    oracle = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world,
+                            parallel=megatron_state.current(), optimizer=ADAM)
+    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world,
+                           parallel=megatron_state.current(), optimizer=ADAM)
+    reference = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world,
+                               parallel=megatron_state.current(), optimizer=None)
     offloader = Offloader(world)
     register_megatron_states(offloader, actor, reference)
     batch = _batch()
@@ -72,8 +76,10 @@ def test_training_with_offload_between_steps_is_bit_exact(world, checkpoint, dty
 
 def test_reference_model_and_kept_grads_round_trip(world, checkpoint):
     spec, state = load_hf_checkpoint(checkpoint)
-    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=ADAM)
-    reference = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=None)
+    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                           parallel=megatron_state.current(), optimizer=ADAM)
+    reference = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                               parallel=megatron_state.current(), optimizer=None)
     offloader = Offloader(world)
     register_megatron_states(offloader, actor, reference, keep_grads=True)
     batch = _batch()

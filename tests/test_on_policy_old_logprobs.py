@@ -14,6 +14,7 @@ from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 from mindspeed_rl.models.qwen2 import ModelOptions
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import Packing, RolloutBatch
 from mindspeed_rl.trainer.metrics import rollout_mismatch
 from mindspeed_rl.workers.actor_steps import train_on_mini_batch
@@ -46,7 +47,8 @@ def _rollout() -> RolloutBatch:
 
 def _step(checkpoint, world, batch, packing):
     spec, state = load_hf_checkpoint(checkpoint)
-    engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=ADAM,
+    engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                            parallel=megatron_state.current(), optimizer=ADAM,
                             options=ModelOptions(packed_sequences=packing is not None))
     if "old_logprobs" in batch.columns:  # today's path: a separate pass with the update's micro-batches
         batch.columns["old_logprobs"] = engine.compute_logprobs(batch, micro_batch_size=MICRO_BATCH, temperature=1.0,
@@ -83,12 +85,13 @@ def test_the_update_gives_the_old_log_probs_bit_equal_to_a_separate_pass(world, 
     (("rl_config.mini_batch_size=16", "rl_config.old_logprobs_from_update=false"), False),
 ])
 def test_the_separate_pass_is_skipped_only_where_the_update_is_on_policy(overrides, on_policy):
-    from mindspeed_rl.memory.residency import OLD_LOGPROB, ResidencyPolicy
+    from mindspeed_rl.memory.residency import OLD_LOGPROB
+    from mindspeed_rl.workers.roles import actor_worker
     from tests.test_config import TINY, load
 
     config = load(TINY, *overrides)
     assert config.old_logprobs_from_update is on_policy
-    phases = ResidencyPolicy.for_run(config, has_reward_model=False, has_critic=False).phases()
+    phases = actor_worker(config).residency_policy_of(config).phases()  # the table the colocated rank runs
     assert (OLD_LOGPROB in phases) is not on_policy
 
 

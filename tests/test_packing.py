@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mindspeed_rl.algorithms.seqlen_balancing import karmarkar_karp, token_budget_partitions
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import Packing, RolloutBatch
 
 
@@ -96,6 +97,7 @@ def engines(world, tmp_path_factory):
 
     def build(packed: bool):
         return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                              parallel=megatron_state.current(),
                               optimizer=settings, options=ModelOptions(packed_sequences=packed))
 
     return build(False), build(True)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import free_port
 from test_packing import _batch, _rollout_columns
 
@@ -27,6 +28,7 @@ def _engine(checkpoint, accelerator, *, packed: bool, sequence_parallel: bool):
     settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
                                  adam_eps=1e-8, clip_grad=1.0)
     return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=accelerator,
+                          parallel=megatron_state.current(),
                           optimizer=settings,
                           options=ModelOptions(packed_sequences=packed, sequence_parallel=sequence_parallel))
 

@@ -38,6 +38,13 @@ class SleepingGroup(RankGroupBase):
         time.sleep(self.seconds)
         return []
 
+    def start_score(self, prompts, responses):
+        pass  # a Ray group's returns at once
+
+    def finish_score(self):
+        time.sleep(self.seconds)
+        return []
+
     def shutdown(self):
         return "shut down"
 
@@ -68,6 +75,14 @@ def test_short_phases_and_calls_the_driver_does_not_wait_on_print_nothing():
     group.stop_reporting(), long_group.stop_reporting()
     assert lines == [] and long_lines == []
     assert long_group._group.calls == [("update_critic", False)]
+
+
+def test_the_mismatch_ledgers_re_score_is_waited_for_under_its_declared_name():
+    group, lines = _reporting(0.35, 0.1)
+    group.start_score([[1, 2]], [[3]])
+    group.finish_score()
+    group.stop_reporting()
+    assert lines and {LINE.match(line).group(1) for line in lines} == {"re-score"}, lines
 
 
 def test_a_wait_inside_another_phase_is_reported_as_the_outer_one():

@@ -24,6 +24,7 @@ from mindspeed_rl.planner.inputs import KVCacheSpec, PlanInputs
 from mindspeed_rl.planner.memory import ACTIVATIONS, kv_needed_bytes, plan_memory
 from mindspeed_rl.planner.params import megatron_params, train_state_bytes, vllm_numel
 from mindspeed_rl.models.layouts import parameter_shapes, vllm_layout, vllm_pp_layers
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.sizes import parse_bytes
 from mindspeed_rl.resharding.plan import InferLayout
 from mindspeed_rl.planner.switch import plan_switch
@@ -126,7 +127,7 @@ def test_bf16_holds_every_param_in_bf16_with_fp32_masters():
     params = megatron_params(arch, tp=1, tp_rank=0, pp=1, pp_rank=0)
     total = arch.parameter_count()
     assert sum(p.numel for p in params) == total
-    state = train_state_bytes(params, bf16=True, distributed_optimizer=False, dp=1, expert_dp=1, dp_rank=0,
+    state = train_state_bytes(params, bf16=True, distributed_optimizer=False, dp_cp=1, expert_dp=1, dp_cp_rank=0,
                               expert_dp_rank=0)
     assert state.params == state.reference == 2 * total  # norms too (Float16Module's cast, models/megatron_build)
     assert state.grads == 4 * total  # grad_reduce_in_fp32
@@ -144,7 +145,7 @@ def test_moe_tp2_ep2_shards_and_the_distributed_optimizer_by_hand():
     assert sum(p.numel for p in params) == experts + 2 * layer_dense + 2 * (16 // tp) * h + h
     # bf16 + distributed optimizer on 8 ranks: DP 4, expert DP 2. Each buffer's params start on 64-element
     # boundaries, each buffer ends on lcm(DP, 128); a rank optimizes 1/DP of each (1/expert-DP of the experts).
-    state = train_state_bytes(params, bf16=True, distributed_optimizer=True, dp=4, expert_dp=2, dp_rank=0,
+    state = train_state_bytes(params, bf16=True, distributed_optimizer=True, dp_cp=4, expert_dp=2, dp_cp_rank=0,
                               expert_dp_rank=0)
     dense = [p.numel for p in params if not p.expert]
     # DDP fills a buffer in reverse order, each start rounded up to 64 (the q/k norms of 16 are padded).
@@ -393,7 +394,7 @@ def _live_engine(world, arch, *, bf16: bool, distributed: bool, packed: bool = F
     settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                                  clip_grad=1.0, use_distributed_optimizer=distributed)
     return MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                          accelerator=world, optimizer=settings,
+                          accelerator=world, parallel=megatron_state.current(), optimizer=settings,
                           options=ModelOptions(packed_sequences=packed, **(recompute or {})))
 
 
@@ -428,7 +429,8 @@ def test_train_states_equal_a_live_engines_tensors(world, arch, bf16, distribute
     engine = _live_engine(world, arch, bf16=bf16, distributed=distributed)
     _train_once(engine, arch.vocab_size, samples=4, prompt=5, response=3, micro_batch_size=4)  # Adam's moments
     predicted = train_state_bytes(megatron_params(arch, tp=1, tp_rank=0, pp=1, pp_rank=0), bf16=bf16,
-                                  distributed_optimizer=distributed, dp=1, expert_dp=1, dp_rank=0, expert_dp_rank=0)
+                                  distributed_optimizer=distributed, dp_cp=1, expert_dp=1, dp_cp_rank=0,
+                                  expert_dp_rank=0)
     assert predicted.params == _storage_bytes(param_tensors(engine.module))
     assert predicted.grads == _storage_bytes(grad_buffer_tensors(engine.model))
     assert predicted.optimizer == _storage_bytes(optimizer_state_tensors(engine.optimizer))
@@ -452,14 +454,14 @@ def test_the_critics_states_equal_a_live_critics_tensors(world, bf16, distribute
     settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                                  clip_grad=1.0, use_distributed_optimizer=distributed)
     critic = CriticEngine(spec=arch.to_spec(), hf_state=state, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                          accelerator=world, optimizer=settings)
+                          accelerator=world, parallel=megatron_state.current(), optimizer=settings)
     batch = RolloutBatch.from_token_lists([[1, 2, 3]] * 2, [[4, 5], [6]], pad_id=0, response_width=2)
     batch.columns.update(values=torch.zeros(2, 2), returns=torch.ones(2, 2))
     critic.train_step(batch, micro_batch_size=2, loss_fn=lambda values, mb: clipped_value_loss(
         values, mb.extras["values"], mb.extras["returns"], mb.response_mask, cliprange_value=0.5,
         loss_agg_mode="token-mean", denominator=3.0, mini_batch_tokens=3.0))  # Adam's moments
-    predicted = stage_critic_bytes(arch, tp=1, pp=1, pp_rank=0, dp=1, bf16=bf16, distributed_optimizer=distributed,
-                                   dp_rank=0)
+    predicted = stage_critic_bytes(arch, tp=1, pp=1, pp_rank=0, dp_cp=1, bf16=bf16, distributed_optimizer=distributed,
+                                   dp_cp_rank=0)
     assert predicted.params == _storage_bytes(param_tensors(critic.module))
     assert predicted.grads == _storage_bytes(grad_buffer_tensors(critic.model))
     assert predicted.optimizer == _storage_bytes(optimizer_state_tensors(critic.optimizer))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mindspeed_rl.memory.ledger import ActivationMeter
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 
 RECOMPUTE = {
@@ -37,6 +38,7 @@ def updates(world, tmp_path_factory):
     results = {}
     for name, fields in RECOMPUTE.items():
         engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                                parallel=megatron_state.current(),
                                 optimizer=settings, options=ModelOptions(**fields))
         with ActivationMeter({p.untyped_storage()._cdata for p in engine.module.parameters()}) as meter:
             metrics = train_on_mini_batch(engine, _batch(), loss, micro_batch_size=8, temperature=1.0)

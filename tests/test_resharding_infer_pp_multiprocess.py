@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import (
     assert_vllm_logprobs_match_megatron,
     free_port,
@@ -56,6 +57,7 @@ def _worker(rank, world, port, checkpoint, infer_tp, infer_pp, train_layouts, sa
         acc.seed_model_parallel_rng(1)
         hf_state = perturbed_state(state, case)
         engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.float32, accelerator=acc,
+                                parallel=megatron_state.current(),
                                 optimizer=None)
         plan = build_plan(spec, TrainLayout(tp=tp, pp=pp), infer, world)
         # The stage's live parameters are exactly the layout's: nothing unfilled, nothing missing.

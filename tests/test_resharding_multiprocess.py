@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import (
     adapter_push_check,
     assert_vllm_logprobs_match_megatron,
@@ -102,7 +103,8 @@ def _check_bf16_pushes(spec, state, tp, pp, infer_tps, world, rank, *, first):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     acc.seed_model_parallel_rng(1)
     hf_state = perturbed_state(state, 10 + tp)
-    engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.bfloat16, accelerator=acc, optimizer=None)
+    engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=torch.bfloat16, accelerator=acc,
+                            parallel=megatron_state.current(), optimizer=None)
     # Every parameter in bf16, the norms too (Megatron-LM's Float16Module cast, models/megatron_build.py).
     assert {t.dtype for t in engine.named_weights().values()} == {torch.bfloat16}
     for infer_tp in infer_tps:
@@ -130,7 +132,8 @@ def _check_lora_switch(spec, state, tp, pp, infer_tp, rank):
     acc.seed_model_parallel_rng(1)
     lora = LoRASettings(rank=4, alpha=8.0, target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
                         seed=5)
-    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc, optimizer=None,
+    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc,
+                           parallel=megatron_state.current(), optimizer=None,
                            lora=lora)
     # B starts at zero: give it values, as training would, equal on the TP ranks where it is replicated (the B of a
     # row-parallel linear): one seed per pipeline stage.
@@ -172,7 +175,8 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         acc.seed_model_parallel_rng(1)
         hf_state = perturbed_state(state, case)
-        engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=dtype, accelerator=acc, optimizer=None)
+        engine = MegatronEngine(spec=spec, hf_state=hf_state, params_dtype=dtype, accelerator=acc,
+                                parallel=megatron_state.current(), optimizer=None)
         train = TrainLayout(tp=tp, pp=pp)
         for infer_tp in oracle_infer_tps:  # plain tensors shaped like vLLM's shards
             destinations = {t.name: torch.zeros(t.shape, dtype=dtype)

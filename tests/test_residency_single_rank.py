@@ -14,6 +14,7 @@ import torch
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.data.tiny_reward_model import create_tiny_reward_checkpoint
 from mindspeed_rl.memory.residency import REWARD_PARAMS, STATE_GROUPS, ResidencyPolicy
+from mindspeed_rl.parallel import megatron_state
 
 FLAG_COMBINATIONS = list(itertools.product([True, False], repeat=3))
 
@@ -38,12 +39,16 @@ def manager(world, tmp_path_factory):
     spec, state = load_hf_checkpoint(checkpoint)
     adam = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                              clip_grad=1.0)
-    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=adam)
-    reference = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, optimizer=None)
+    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                           parallel=megatron_state.current(), optimizer=adam)
+    reference = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                               parallel=megatron_state.current(), optimizer=None)
     reward_spec, reward_state = load_hf_checkpoint(str(create_tiny_reward_checkpoint(
         tmp_path_factory.mktemp("residency") / "reward", base_model_dir=checkpoint, seed=4)))
-    reward = RewardModelEngine(spec=reward_spec, hf_state=reward_state, params_dtype=torch.float32, accelerator=world)
+    reward = RewardModelEngine(spec=reward_spec, hf_state=reward_state, params_dtype=torch.float32, accelerator=world,
+                               parallel=megatron_state.current())
     critic = CriticEngine(spec=reward_spec, hf_state=reward_state, params_dtype=torch.float32, accelerator=world,
+                          parallel=megatron_state.current(),
                           optimizer=adam)
     inference_model = VLLMEngine(VLLMEngineConfig(
         model_dir=checkpoint, tensor_parallel_size=1, dtype="float32", max_model_len=32, max_num_seqs=8,

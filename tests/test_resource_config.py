@@ -228,6 +228,19 @@ def test_one_step_off_policy_runs_disaggregated() -> None:
     assert load("grpo_tiny_cpu_disaggregated").rollout_staleness == 0
 
 
+def test_one_step_off_policy_refuses_an_evaluation_between_updates() -> None:
+    """The next rollout runs on the inference ranks during an update: an evaluation then would be a second one."""
+    async_run = ("grpo_tiny_cpu_disaggregated", "async_generation_ratio=1", "megatron_training.train_iters=4")
+    assert config_error(*async_run, "rl_config.eval_interval=2") == (
+        "rl_config.eval_interval: is 2: an evaluation between updates needs the inference ranks, where one-step "
+        "off-policy (async_generation_ratio: 1) runs the next rollout then; set 0 or >= "
+        "megatron_training.train_iters=4 (eval_before_train evaluates before the first update), or "
+        "async_generation_ratio: 0")
+    for evaluated in (("rl_config.eval_interval=4",), ("rl_config.eval_before_train=true",)):  # none runs ahead then
+        assert load(*async_run, *evaluated).rollout_staleness == 1
+    assert load("grpo_tiny_cpu_disaggregated", "rl_config.eval_interval=2").rl_config.eval_interval == 2
+
+
 def test_one_step_off_policy_is_refused_colocated() -> None:
     message = config_error("grpo_tiny_cpu", "+async_generation_ratio=1")
     assert message.startswith("async_generation_ratio: 1 overlaps the rollout with the update on other devices")

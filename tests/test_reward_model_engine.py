@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.data.tiny_reward_model import create_tiny_reward_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 from resharding_oracle import free_port
 
@@ -52,7 +53,8 @@ def _engine(reward_dir: str, accelerator, dtype=torch.float32):
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 
     spec, state = load_hf_checkpoint(reward_dir)
-    return RewardModelEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=accelerator)
+    return RewardModelEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=accelerator,
+                             parallel=megatron_state.current())
 
 
 def test_single_rank_scores_equal_hf_sequence_classification(world, reward_dir):

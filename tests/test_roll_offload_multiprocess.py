@@ -96,8 +96,9 @@ def _probing_worker_class(config):
         def rollout_probe(self, prompt_token_ids: list[list[int]], seed: int) -> tuple[list, dict[str, float]]:
             sampling = self.config.generate_config.sampling_config
             self.sharding_manager.reload_states(["inference_weights", "kv_cache"])  # whatever weights they hold
-            generations = self.inference_model.generate(prompt_token_ids, n=2, max_tokens=sampling.max_tokens,
-                                                        temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=seed)
+            engine = self.parts["inference engine"].inference_model
+            generations = engine.generate(prompt_token_ids, n=2, max_tokens=sampling.max_tokens,
+                                          temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=seed)
             return [(g.token_ids, g.logprobs) for g in generations], {}
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -119,7 +120,9 @@ def _in_phase(metrics: dict, phase: str) -> set[str]:
 
 
 def test_roll_offload_control_on_the_hybrid_worker(cluster):
-    from mindspeed_rl.trainer.grpo_trainer import train
+    from mindspeed_rl.trainer import setup
+    from mindspeed_rl.trainer.grpo_trainer import make_sampler, train
+    from mindspeed_rl.trainer.prepared_run import PreparedRun
     from mindspeed_rl.trainer.rollout import forward_logprobs, generate
 
     config, actor, tokenizer, dataset, tmp_path = cluster
@@ -187,7 +190,11 @@ def test_roll_offload_control_on_the_hybrid_worker(cluster):
     actor.offload_states(blocking=True)
 
     # The trainer: ledger figures per phase in metrics.jsonl, and the timeline drawn from them.
-    history = train(config, actor, tokenizer, dataset, tmp_path)
+    model_dir, ref_dir, _ = setup.resolve_assets(config)
+    run = PreparedRun(model_dir=model_dir, ref_dir=ref_dir, tokenizer=tokenizer, dataset=dataset, eval_dataset=None,
+                      sampler=make_sampler(config, dataset), resume=None, ref_checkpoint=None, device="cpu",
+                      prediction=None)  # the trainer predicts the planner's bytes itself
+    history = train(config, actor, run, tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
     for record in records:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import ROUTES_COLUMN, RolloutBatch
 from cpu_vllm import cpu_vllm_engine
 
@@ -42,15 +43,14 @@ def rollout(world, checkpoint):
 def _actor(world, checkpoint, *, recompute: bool = False):
     from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
     from mindspeed_rl.models.qwen2 import ModelOptions
-    from mindspeed_rl.engines.routing_replay import RoutingReplay
 
     spec, state = load_hf_checkpoint(checkpoint)
     options = ModelOptions(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
         if recompute else ModelOptions()
-    engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world, options=options,
+    engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=world,
+                            parallel=megatron_state.current(), options=options, routing_replay=True,
                             optimizer=OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9,
                                                         adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0))
-    engine.routing_replay = RoutingReplay(engine.module, forcing=True)
     return engine
 
 

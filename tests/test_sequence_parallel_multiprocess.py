@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 from resharding_oracle import free_port
 
@@ -38,7 +39,8 @@ def _run(checkpoint: str, sequence_parallel: bool, batch: RolloutBatch):
     spec, state = load_hf_checkpoint(checkpoint)
     settings = OptimizerSettings(lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
                                  adam_eps=1e-8, clip_grad=0.0)
-    engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc, optimizer=settings,
+    engine = MegatronEngine(spec=spec, hf_state=state, params_dtype=torch.float32, accelerator=acc,
+                            parallel=megatron_state.current(), optimizer=settings,
                             options=ModelOptions(sequence_parallel=sequence_parallel))
     assert engine.module.config.sequence_parallel is sequence_parallel
     logprobs = engine.compute_logprobs(batch, micro_batch_size=2, temperature=1.0)

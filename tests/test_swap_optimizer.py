@@ -18,6 +18,7 @@ from mindspeed_rl.memory.megatron_states import optimizer_state_tensors, registe
 from mindspeed_rl.memory.residency import PHASES, TRAIN_OPTIMIZER, ResidencyPolicy
 from mindspeed_rl.memory.swap_optimizer import split_into_buckets
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
+from mindspeed_rl.parallel import megatron_state
 from tiny_actor import ADAM, response_loss_fn, tiny_checkpoint, token_batch
 
 STEPS = 3
@@ -34,8 +35,10 @@ def checkpoint(tmp_path_factory):
 def test_the_swapped_step_is_the_unswapped_step_bit_for_bit(world, checkpoint, dtype, distributed):
     spec, state = load_hf_checkpoint(checkpoint)
     adam = dataclasses.replace(ADAM, use_distributed_optimizer=distributed)
-    oracle = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=adam)
-    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world, optimizer=adam)
+    oracle = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world,
+                            parallel=megatron_state.current(), optimizer=adam)
+    actor = MegatronEngine(spec=spec, hf_state=state, params_dtype=dtype, accelerator=world,
+                           parallel=megatron_state.current(), optimizer=adam)
     offloader = Offloader(world)
     register_megatron_states(offloader, actor, swap_optimizer_times=TIMES)
     swapped = offloader.states[TRAIN_OPTIMIZER]

@@ -118,10 +118,11 @@ def test_the_adapters_export_merged_and_as_a_peft_adapter_that_peft_loads(world,
     from transformers import AutoModelForCausalLM
 
     from mindspeed_rl.checkpoint.hf_export import export_checkpoint
+    from mindspeed_rl.parallel import megatron_state
 
     _, checkpoint = adapter_only_run
-    export_checkpoint(checkpoint, tmp_path / "merged")
-    export_checkpoint(checkpoint, tmp_path / "adapter", peft=True)
+    export_checkpoint(checkpoint, tmp_path / "merged", parallel=megatron_state.current())
+    export_checkpoint(checkpoint, tmp_path / "adapter", parallel=megatron_state.current(), peft=True)
     record = json.loads((checkpoint / "trainer_state.json").read_text())["lora"]
     load = dict(dtype=torch.float32, attn_implementation="eager")
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), **load).eval()

@@ -4,10 +4,12 @@
 - disaggregated roles with the critic on a device of its own (actor_train with the reference on device 0, vLLM on
   device 1, the critic on device 2: three rank groups) train as the colocated run does: the same rewards, values and
   value losses; the critic's own rank killed in its update stops the run naming it;
+- one-step off-policy with the mismatch ledger and the critic on a device of its own runs, the ledger re-scoring each
+  stale rollout on whichever group holds vLLM;
 - the GRPO entry point refuses a PPO recipe, naming the one to use.
 Five roles on 2 ranks (TP2, a reward model too): tests/test_reward_model_e2e.py.
 
-Runs where: four CLI runs, ~2 min on 2 cores."""
+Runs where: five CLI runs, ~3 min on 2 cores."""
 
 import json
 
@@ -98,6 +100,23 @@ def test_disaggregated_roles_and_a_critic_of_its_own_train_as_colocated_until_th
     # Adam's moments exist from the first step on, and stay there (a colocated critic's leave after its update): the
     # critic's device holds all three of its states when it computes values (the planner's row, test_planner).
     assert records[1]["memory/critic_values/critic_optimizer_states_bytes"] > 0
+
+
+def test_one_step_off_policy_with_the_ledger_and_a_critic_of_its_own_runs(tmp_path):
+    """The command of issue 52, which ended in `AttributeError: 'ActorWithOwnCritic' object has no attribute
+    'start_score'`: three rank groups, the next rollout during each update, the stale rollout re-scored by vLLM under
+    the weights that train it."""
+    done = run_cli(tmp_path, "ppo_tiny_cpu_disaggregated", "async_generation_ratio=1", "rl_config.mismatch_ledger=true",
+                   "critic.device_mapping=[2]", "megatron_training.train_iters=2", script=PPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = _records(tmp_path, all_keys=True)
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert [r["rollout/staleness"] for r in records] == [0, 1]
+    assert records[0]["mismatch/staleness"] == 0.0 and "timing/rescore" not in records[0]  # on-policy: no re-score
+    assert records[1]["mismatch/staleness"] > 0 and records[1]["timing/rescore"] > 0
+    for record in records:
+        causes = ("staleness", "push", "numerics", "routing")
+        assert record["mismatch/total"] == pytest.approx(sum(record[f"mismatch/{c}"] for c in causes))
 
 
 def test_the_grpo_entry_point_refuses_a_ppo_recipe(tmp_path):

@@ -98,6 +98,7 @@ def test_extreme_logits_stay_finite():
 
 def test_the_engine_scores_response_rows_as_the_previous_gather_did(world):
     from mindspeed_rl.engines.vocab_parallel import response_logprobs_from_logits
+    from mindspeed_rl.parallel import megatron_state
 
     g = torch.Generator().manual_seed(3)
     prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4]]
@@ -105,7 +106,8 @@ def test_the_engine_scores_response_rows_as_the_previous_gather_did(world):
     mb = RolloutBatch.from_token_lists(prompts, responses, pad_id=0, response_width=4).micro_batches(3, "cpu")[0]
     width, vocab = mb.input_ids.shape[1], 20
     logits = torch.randn(3, width, vocab, generator=g, requires_grad=True)
-    logprobs, entropy = response_logprobs_from_logits(logits, mb, 0.9, with_entropy=True, chunk_tokens=2)
+    logprobs, entropy = response_logprobs_from_logits(logits, mb, 0.9, with_entropy=True, chunk_tokens=2,
+                                                      parallel=megatron_state.current())
 
     # The previous path: every position's log-softmax, then the response positions gathered and masked.
     log_p = torch.log_softmax(logits.detach() / 0.9, dim=-1)

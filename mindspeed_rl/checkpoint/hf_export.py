@@ -20,6 +20,7 @@ from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.checkpoint.lora_export import LORA_STATE_KEY, load_lora_model
 from mindspeed_rl.checkpoint.store import TRAINER_STATE_NAME, disk_error_named, fsync_path, replace_dir
 from mindspeed_rl.models.qwen2 import Qwen2Spec
+from mindspeed_rl.parallel.megatron_state import RankGroups
 
 # Files copied next to the weights when the source directory has them (tokenizer + generation defaults).
 _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -54,11 +55,13 @@ class ExportOptions:
             raise ConfigError("max_shard_bytes", f"must be > 0 bytes, got {self.max_shard_bytes}")
 
 
-def hf_weights_from_megatron(named_weights: dict[str, torch.Tensor], spec: Qwen2Spec) -> dict[str, torch.Tensor]:
-    """Full HF-named tensors from this rank's Megatron shards (collective over TP/PP when those are > 1)."""
+def hf_weights_from_megatron(named_weights: dict[str, torch.Tensor], spec: Qwen2Spec, *,
+                             parallel: RankGroups) -> dict[str, torch.Tensor]:
+    """Full HF-named tensors from this rank's Megatron shards, at its place `parallel` in the training layout
+    (collective over TP/PP when those are > 1)."""
     from mindspeed_rl.resharding.naive import gather_full_hf
 
-    full, _ = gather_full_hf(named_weights, spec)
+    full, _ = gather_full_hf(named_weights, spec, parallel=parallel)
     if spec.tie_word_embeddings:
         full.pop("lm_head.weight", None)  # HF re-ties it from embed_tokens
     return full
@@ -136,7 +139,7 @@ def export_engine(engine, *, config_dir: str | os.PathLike, output_dir: str | os
     None elsewhere."""
     import torch.distributed as dist
 
-    state = hf_weights_from_megatron(engine.named_weights(), engine.spec)
+    state = hf_weights_from_megatron(engine.named_weights(), engine.spec, parallel=engine.parallel)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     return write_hf_checkpoint(state, config_dir=config_dir, output_dir=output_dir, options=options)
@@ -159,13 +162,15 @@ def export_run_actor(actor_group, *, run_dir: str | os.PathLike, config_dir: str
     return out
 
 
-def load_checkpoint_model(checkpoint: str | os.PathLike, *, key: str = "--checkpoint", base: str | None = None):
+def load_checkpoint_model(checkpoint: str | os.PathLike, *, parallel: RankGroups, key: str = "--checkpoint",
+                          base: str | None = None):
     """A TP1/PP1 Megatron model holding a mindspeed_rl checkpoint's weights (FORMAT.md; with LoRA its adapters too,
     checkpoint/lora_export.py, the backbone from `base` where the checkpoint holds only the adapters), its spec, its
     HF dir and its LoRA record (None without LoRA).
 
-    Needs torch.distributed and Megatron's parallel state initialized at TP1 PP1 (one rank is enough):
-    `dist_checkpointing.load` reshards whatever TP/PP the run saved at into this layout."""
+    Needs torch.distributed and Megatron's parallel state initialized at TP1 PP1 (one rank is enough), `parallel`
+    being that rank's groups (megatron_state.initialize's): `dist_checkpointing.load` reshards whatever TP/PP the run
+    saved at into this layout."""
     from megatron.core import dist_checkpointing
     from transformers import AutoConfig
 
@@ -180,13 +185,14 @@ def load_checkpoint_model(checkpoint: str | os.PathLike, *, key: str = "--checkp
     except (OSError, ValueError) as error:
         raise ConfigError(key, f"{hf_dir / 'config.json'} is unreadable: {error}") from None
     params_dtype = _saved_dtype(model_dir, key=key)
-    model = build_gpt_model(spec, params_dtype=params_dtype)  # TP1 PP1: the caller's state
+    model = build_gpt_model(spec, params_dtype=params_dtype, parallel=parallel)  # TP1 PP1: the caller's
     state_path = verified.path / TRAINER_STATE_NAME  # a run's save has one; a model-only checkpoint may not
     trainer_state = json.loads(state_path.read_text()) if state_path.is_file() else {}
     for record_key, load_feature_model in FEATURE_LOADERS.items():  # a feature's own way of loading its checkpoints
         record = trainer_state.get(record_key)
         if record is not None:
-            return load_feature_model(model, spec, model_dir, record, base=base, key=key), spec, hf_dir, record
+            return (load_feature_model(model, spec, model_dir, record, parallel=parallel, base=base, key=key), spec,
+                    hf_dir, record)
     try:
         state = dist_checkpointing.load(model_sharded_state_dict(model), str(model_dir), strict="raise_all")
     except Exception as error:  # Megatron raises several types for a foreign/corrupt checkpoint
@@ -211,18 +217,20 @@ def _saved_dtype(model_dir: Path, *, key: str) -> torch.dtype:
     raise ConfigError(key, f"{model_dir} holds no embedding.word_embeddings.weight (not a GPT model checkpoint)")
 
 
-def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLike, *,
+def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLike, *, parallel: RankGroups,
                       options: ExportOptions = ExportOptions(), peft: bool = False, base: str | None = None) -> Path:
     """A mindspeed_rl checkpoint (save root or iter dir) -> HF checkpoint directory, with LoRA its adapters merged
-    into the backbone, or with `peft` a PEFT adapter directory instead. One rank, TP1 PP1."""
+    into the backbone, or with `peft` a PEFT adapter directory instead. One rank, TP1 PP1 (`parallel`: its groups,
+    the caller's)."""
     from mindspeed_rl.checkpoint.lora_export import write_peft_adapter
     from mindspeed_rl.models.lora import MergedWeights
 
     out = Path(output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("--output", f"{out} exists and is not an empty directory; choose a new path")
-    model, spec, hf_dir, lora = load_checkpoint_model(checkpoint, base=base)
+    model, spec, hf_dir, lora = load_checkpoint_model(checkpoint, parallel=parallel, base=base)
     if peft:
         return write_peft_adapter(model, spec, lora, out, base=base, dtype=options.dtype)
-    state = hf_weights_from_megatron(MergedWeights(model), spec)  # with LoRA, each adapter merged into its weight
+    # With LoRA, each adapter merged into its weight.
+    state = hf_weights_from_megatron(MergedWeights(model), spec, parallel=parallel)
     return write_hf_checkpoint(state, config_dir=hf_dir, output_dir=out, options=options)

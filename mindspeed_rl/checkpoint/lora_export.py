@@ -33,9 +33,9 @@ def lora_record(config, backbone_dir: str) -> dict:
                              "seed": config.megatron_training.seed, "backbone": os.path.abspath(backbone_dir)}}
 
 
-def load_lora_model(model, spec, model_dir: Path, record: dict, *, base: str | None, key: str):
-    """`model` (a TP1 PP1 GPTModel) with the checkpoint's adapters: the backbone from the checkpoint, or with
-    `filter` from the HF directory `base` (default: the record's `backbone`)."""
+def load_lora_model(model, spec, model_dir: Path, record: dict, *, parallel, base: str | None, key: str):
+    """`model` (a TP1 PP1 GPTModel, at `parallel`: the caller's groups) with the checkpoint's adapters: the backbone
+    from the checkpoint, or with `filter` from the HF directory `base` (default: the record's `backbone`)."""
     from megatron.core import dist_checkpointing
 
     from mindspeed_rl.engines.dist_checkpoint import model_sharded_state_dict
@@ -48,9 +48,10 @@ def load_lora_model(model, spec, model_dir: Path, record: dict, *, base: str | N
         if not (Path(backbone) / "config.json").is_file():
             raise ConfigError("--base", f"the checkpoint holds the LoRA adapters only (lora_filter); their backbone "
                                         f"{backbone} is not an HF model directory: give it with --base")
-        load_hf_into_megatron(model, load_hf_checkpoint(backbone)[1], spec)
+        load_hf_into_megatron(model, load_hf_checkpoint(backbone)[1], spec, parallel=parallel)
     add_lora(model, LoRASettings(rank=record["rank"], alpha=record["alpha"],
-                                 target_modules=tuple(record["target_modules"]), seed=record["seed"]))
+                                 target_modules=tuple(record["target_modules"]), seed=record["seed"]),
+             parallel=parallel)
     wanted = model_sharded_state_dict(model)
     if record["filter"]:
         wanted = {name: value for name, value in wanted.items() if is_lora_param(name)}

@@ -91,7 +91,20 @@ def saved_rollout_ahead(point: ResumePoint | None) -> list | None:
         return None
     import torch
 
-    return torch.load(point.path / ROLLOUT_AHEAD_NAME, weights_only=False)  # our own file, verified by its manifest
+    saved = torch.load(point.path / ROLLOUT_AHEAD_NAME, weights_only=False)  # our own file, verified by its manifest
+    return [(_as_generations(shard), metrics) for shard, metrics in saved]
+
+
+def _as_generations(shard):
+    """A rank's saved samples as `Generation`s: checkpoints from before them hold (index, ids, log-probs[, routes])."""
+    from dataclasses import replace
+
+    from mindspeed_rl.protocol import Generation
+
+    if not shard.value or not isinstance(shard.value[0], tuple):
+        return shard
+    return replace(shard, value=[Generation(prompt_index=s[0], token_ids=s[1], logprobs=s[2],
+                                            routed_experts=s[3] if len(s) > 3 else None) for s in shard.value])
 
 
 def verify_same_model(checkpoint: str, hf_config: dict, *, key: str, fall_back_to_intact: bool = False) -> Path:

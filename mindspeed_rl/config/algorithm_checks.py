@@ -35,6 +35,17 @@ def check_evaluation(config) -> None:
         raise ConfigError("megatron_training.eval_data_path", "must name the held-out prompts when "
                                                               "rl_config.eval_interval or eval_before_train is set "
                                                               "(a generated synthetic_data task has its own)")
+    # One-step off-policy starts the next rollout before the update; an evaluation after that update would start a
+    # second rollout on the inference ranks, which run one at a time. Before the first update, and after the last
+    # (no rollout runs ahead of it), there is none.
+    train_iters = config.megatron_training.train_iters
+    if config.rollout_staleness and 0 < rl.eval_interval < train_iters:
+        raise ConfigError("rl_config.eval_interval", f"is {rl.eval_interval}: an evaluation between updates needs the "
+                                                     f"inference ranks, where one-step off-policy "
+                                                     f"(async_generation_ratio: 1) runs the next rollout then; set "
+                                                     f"0 or >= megatron_training.train_iters={train_iters} "
+                                                     f"(eval_before_train evaluates before the first update), or "
+                                                     f"async_generation_ratio: 0")
 
 
 def check_dynamic_sampling(config) -> None:

@@ -1,7 +1,7 @@
 """GRPOConfig: the whole tree, and the checks that need more than one section."""
 
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from typing import Optional
 
 from mindspeed_rl.config.checks import require_equal
@@ -32,6 +32,7 @@ from mindspeed_rl.config.multi_turn import check_multi_turn
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 from mindspeed_rl.config.supported import check_supported
+from mindspeed_rl.parallel.layout import ParallelLayout
 from mindspeed_rl.registries import SYNTHETIC_REWARD_MODEL
 
 # Architecture fields the synthetic generator writes into the demo checkpoint; the model block
@@ -90,12 +91,17 @@ class GRPOConfig:
             more_roles=critic_role_sections(self),
         )
 
+    @cached_property
+    def layout(self) -> ParallelLayout:
+        """The run's training and inference layouts (parallel/layout.py), made once from this config: the sizes the
+        checks, the planner and the ranks read."""
+        return ParallelLayout.from_config(self)
+
     @property
     def train_data_parallel_size(self) -> int:
-        # Megatron carves expert parallelism out of the data-parallel ranks, so EP does not divide DP.
-        actor = self.actor_config
-        return self.world_size // (actor.tensor_model_parallel_size * actor.pipeline_model_parallel_size
-                                   * actor.context_parallel_size)
+        """Megatron's data-parallel size: the ranks that take different samples (CP excluded; Megatron carves expert
+        parallelism out of DP x CP, so EP does not divide it)."""
+        return self.layout.train_dp
 
     @property
     def disaggregated(self) -> bool:
@@ -124,8 +130,7 @@ class GRPOConfig:
 
     @property
     def infer_data_parallel_size(self) -> int:
-        generate = self.generate_config
-        return self.infer_world_size // (generate.infer_tensor_parallel_size * generate.infer_pipeline_parallel_size)
+        return self.layout.infer_dp
 
     @property
     def reward_model(self) -> Optional[tuple[str, RewardResources]]:

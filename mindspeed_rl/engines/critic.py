@@ -20,6 +20,7 @@ from mindspeed_rl.accelerator import Accelerator
 from mindspeed_rl.engines.megatron_engine import MegatronEngine, OptimizerSettings
 from mindspeed_rl.engines.reward_model import SCORE_WEIGHT, build_reward_gpt_model, load_reward_weights
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec
+from mindspeed_rl.parallel.megatron_state import RankGroups
 from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
 
 
@@ -38,14 +39,14 @@ def with_value_head(hf_state: dict[str, torch.Tensor], spec: Qwen2Spec, *, seed:
     return {**hf_state, SCORE_WEIGHT: head.to(dtype)}
 
 
-def response_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+def response_values(output: torch.Tensor, mb: MicroBatch, *, parallel: RankGroups) -> torch.Tensor:
     """[b, response_width] fp32 values of the response tokens from the head's output [b, s, 1] (packed:
-    [1, t, 1]; under CP this rank's chunks, each value read where its position lives), 0 where `mb.response_mask`
-    is 0."""
+    [1, t, 1]; under CP this rank's chunks, each value read where its position lives, `parallel`'s CP group), 0
+    where `mb.response_mask` is 0."""
     from mindspeed_rl.models.context_parallel import everywhere, scored_rows
 
-    rows, _, held = scored_rows(mb)
-    values = everywhere(output.reshape(-1)[rows].float(), held)
+    rows, _, held = scored_rows(mb, parallel=parallel)
+    values = everywhere(output.reshape(-1)[rows].float(), held, parallel=parallel)
     out = torch.zeros(mb.response_mask.shape, dtype=torch.float32, device=output.device)
     return out.masked_scatter(mb.response_mask.bool(), values)
 
@@ -55,16 +56,15 @@ class CriticEngine(MegatronEngine):
     step, last-stage broadcast and dist checkpoints, not its construction (a value head in place of the LM head)."""
 
     def __init__(self, *, spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], params_dtype: torch.dtype,
-                 accelerator: Accelerator, optimizer: OptimizerSettings, options: ModelOptions = ModelOptions(),
-                 head_seed: int = 0):
-        from mindspeed_rl.parallel import megatron_state
-
+                 accelerator: Accelerator, parallel: RankGroups, optimizer: OptimizerSettings,
+                 options: ModelOptions = ModelOptions(), head_seed: int = 0):
+        """`parallel`: this rank's place in the actor's training layout, from the caller (the critic shares it)."""
         if spec.is_moe:
             raise ValueError("critic: a MoE value model is not supported (dense Qwen2/Qwen3 only)")
         self.spec = spec
         self.accelerator = accelerator
-        self.parallel = megatron_state.current()
-        self.tp, self.pp, self.ep, self.cp = self.parallel.tp, self.parallel.pp, 1, self.parallel.cp
+        self.parallel = parallel
+        self.tp, self.pp, self.ep, self.cp = parallel.tp, parallel.pp, 1, parallel.cp
         self.logprob_chunk_tokens = options.logprob_chunk_tokens
         self.packed_sequences = options.packed_sequences
         with accelerator.megatron_context():
@@ -79,14 +79,14 @@ class CriticEngine(MegatronEngine):
                        packing: Packing | None = None) -> torch.Tensor:
         """[num_samples, response_width] values of the response tokens, on every rank."""
         return self._forward_response_rows(batch, micro_batch_size, packing,
-                                           lambda mb, output: response_values(output, mb))
+                                           lambda mb, output: response_values(output, mb, parallel=self.parallel))
 
     def train_step(self, batch: RolloutBatch, *, micro_batch_size: int, loss_fn: Callable,
                    packing: Packing | None = None) -> dict[str, float]:
         """One optimizer step: loss_fn(values, mb) -> (loss, stats), normalised by the whole mini-batch (as the
         actor's). Returns the stats summed over micro-batches and DP ranks, `critic/grad_norm`, `critic/lr`."""
         return self._optimizer_step(batch, micro_batch_size, packing,
-                                    lambda mb, output: loss_fn(response_values(output, mb), mb),
+                                    lambda mb, output: loss_fn(response_values(output, mb, parallel=self.parallel), mb),
                                     metrics_prefix="critic")
 
 

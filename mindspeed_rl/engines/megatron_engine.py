@@ -25,13 +25,13 @@ from mindspeed_rl.models.megatron_build import (  # noqa: F401 (build_gpt_model,
 from mindspeed_rl.models.context_parallel import cut_padding, model_inputs
 from mindspeed_rl.models.lora import MergedWeights, saved_state, with_adapters
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec
-from mindspeed_rl.engines.routing_replay import routes_of_this_rank
+from mindspeed_rl.engines.routing_replay import RoutingReplay, routes_of_this_rank
 from mindspeed_rl.models.scored_head import scored_rows_only
 from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
 
 if TYPE_CHECKING:
     from mindspeed_rl.models.lora import LoRASettings
-    from mindspeed_rl.engines.routing_replay import RoutingReplay
+    from mindspeed_rl.parallel.megatron_state import RankGroups
 
 def _in_batch_order(outputs: list[torch.Tensor], micro_batches: list[MicroBatch]) -> torch.Tensor | None:
     """The micro-batches' rows back in the batch's sample order (token-budget groups are not contiguous);
@@ -57,28 +57,29 @@ class MegatronEngine:
     # critic and the reward model build themselves without it.
     cp = 1
     # Routing replay (engines/routing_replay.py), the actor's when the run records vLLM's routes; None: routers route.
-    routing_replay: "RoutingReplay | None" = None
+    routing_replay: RoutingReplay | None = None
     _scored_logits = False  # see _logits_of_scored_rows
 
     def __init__(self, *, spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], params_dtype: torch.dtype,
-                 accelerator: Accelerator, optimizer: OptimizerSettings | None,
+                 accelerator: Accelerator, parallel: RankGroups, optimizer: OptimizerSettings | None,
                  options: ModelOptions = ModelOptions(), lora: LoRASettings | None = None,
-                 lora_filter: bool = False):
-        """`lora`: adapters on the loaded weights, which are then frozen (models/lora.py); `lora_filter`:
-        checkpoints hold the adapters only (the backbone is the HF checkpoint's)."""
-        from mindspeed_rl.parallel import megatron_state
-
+                 lora_filter: bool = False, routing_replay: bool | None = None):
+        """`parallel`: this rank's place in the training layout and its groups, from the caller (the rank's
+        init_distributed; Megatron's state was set from the same layout). `lora`: adapters on the loaded weights,
+        which are then frozen (models/lora.py); `lora_filter`: checkpoints hold the adapters only (the backbone is
+        the HF checkpoint's). `routing_replay` (engines/routing_replay.py): None, the routers route on their own;
+        False, they are fed vLLM's recorded routes to measure against; True, those routes are also forced."""
         self.spec = spec
         self.accelerator = accelerator
-        self.parallel = megatron_state.current()  # this rank's place in the training layout, its groups
-        self.tp, self.pp, self.ep, self.cp = self.parallel.tp, self.parallel.pp, self.parallel.ep, self.parallel.cp
+        self.parallel = parallel
+        self.tp, self.pp, self.ep, self.cp = parallel.tp, parallel.pp, parallel.ep, parallel.cp
         self.logprob_chunk_tokens = options.logprob_chunk_tokens
         self.packed_sequences = options.packed_sequences
         self.lora, self.lora_filter = lora, lora_filter
         with accelerator.megatron_context():
-            module = build_gpt_model(spec, params_dtype=params_dtype, parallel=self.parallel, options=options)
-            load_hf_into_megatron(module, hf_state, spec, parallel=self.parallel)
-            with_adapters(module, lora)
+            module = build_gpt_model(spec, params_dtype=params_dtype, parallel=parallel, options=options)
+            load_hf_into_megatron(module, hf_state, spec, parallel=parallel)
+            with_adapters(module, lora, parallel=parallel)
             module.to(accelerator.device)
             self.optimizer = None
             self.scheduler = None
@@ -87,6 +88,8 @@ class MegatronEngine:
             else:
                 self.model, self.optimizer, self.scheduler = self._wrap_for_training(
                     module, params_dtype, optimizer)
+        if routing_replay is not None:
+            self.routing_replay = RoutingReplay(module, forcing=routing_replay)
 
     def _wrap_for_training(self, module, params_dtype, settings: OptimizerSettings):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -169,9 +172,10 @@ class MegatronEngine:
             self.routing_replay.set_micro_batch(routes_of_this_rank(
                 mb, seq_length, parallel=self.parallel, sequence_parallel=self.module.config.sequence_parallel))
         scored = self._scored_logits and self.parallel.last_stage
-        with (scored_rows_only(self.module.output_layer, mb, tp_group=self.parallel.tp_group) if scored
+        with (scored_rows_only(self.module.output_layer, mb, parallel=self.parallel) if scored
               else contextlib.nullcontext()):
-            output = model(*model_inputs(mb, ids, positions), None, packed_seq_params=packed_seq_params)
+            output = model(*model_inputs(mb, ids, positions, parallel=self.parallel), None,
+                           packed_seq_params=packed_seq_params)
         return cut_padding(output, mb, width) if self.parallel.last_stage and not scored else output
 
     @contextlib.contextmanager
@@ -206,6 +210,7 @@ class MegatronEngine:
                          grad_into_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) of the response rows the output layer scored (`_logits_of_scored_rows`)."""
         return response_logprobs_from_logits(logits, mb, temperature, with_entropy=with_entropy,
+                                             parallel=self.parallel,
                                              chunk_tokens=self.logprob_chunk_tokens, rows_selected=True,
                                              chunk_bytes=self.accelerator.chunk_bytes_in_cache,
                                              grad_into_logits=grad_into_logits)

@@ -19,7 +19,6 @@ from mindspeed_rl.accelerator import Accelerator
 from mindspeed_rl.engines.megatron_engine import MegatronEngine
 from mindspeed_rl.models.megatron_build import params_to_dtype, qwen_layer_spec
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, transformer_config
-from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.parallel.megatron_state import RankGroups
 from mindspeed_rl.protocol import MicroBatch, RolloutBatch
 
@@ -147,12 +146,14 @@ class RewardModelEngine(MegatronEngine):
     last-stage broadcast, not its construction (no optimizer, a score head)."""
 
     def __init__(self, *, spec: Qwen2Spec, hf_state: dict[str, torch.Tensor], params_dtype: torch.dtype,
-                 accelerator: Accelerator, options: ModelOptions = ModelOptions(), model_dir: str = ""):
+                 accelerator: Accelerator, parallel: RankGroups, options: ModelOptions = ModelOptions(),
+                 model_dir: str = ""):
+        """`parallel`: this rank's place in the actor's training layout, from the caller."""
         check_reward_checkpoint(spec, hf_state, model_dir or "the reward model")
         self.spec = spec
         self.accelerator = accelerator
-        self.parallel = megatron_state.current()
-        self.tp, self.pp, self.ep, self.cp = self.parallel.tp, self.parallel.pp, 1, self.parallel.cp
+        self.parallel = parallel
+        self.tp, self.pp, self.ep, self.cp = parallel.tp, parallel.pp, 1, parallel.cp
         self.optimizer = None
         self.scheduler = None
         with accelerator.megatron_context():
@@ -167,7 +168,7 @@ class RewardModelEngine(MegatronEngine):
         def collect(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = True):
             from mindspeed_rl.models.context_parallel import last_token_scores
 
-            return last_token_scores(output, mb, last_token_index(mb))
+            return last_token_scores(output, mb, last_token_index(mb), parallel=self.parallel)
 
         self.model.eval()
         micro_batches = batch.micro_batches(micro_batch_size, self.accelerator.device)

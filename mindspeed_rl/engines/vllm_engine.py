@@ -20,6 +20,7 @@ from mindspeed_rl.accelerator import get_accelerator
 from mindspeed_rl.engines.vllm_cpu_linears import PackedLinears, unpack_cpu_linears
 from mindspeed_rl.engines.vllm_routing import RoutingRecorder, merge_pipeline_stages, positions_routing
 from mindspeed_rl.memory.offload import StorageGroup
+from mindspeed_rl.protocol import Generation  # noqa: F401  (what generate returns; defined with the batch types)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -53,20 +54,6 @@ class VLLMEngineConfig:
     # MoE routing replay: the experts vLLM chose per token and layer come back with each sample
     # (engines/vllm_routing.py).
     return_routed_experts: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
-class Generation:
-    """One sampled completion: token ids and the log-prob vLLM assigned to each sampled token."""
-
-    prompt_index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    # With logprobs > 0: per step, the `logprobs` most likely tokens' log-probs (plus the sampled one).
-    top_logprobs: list[dict[int, float]] | None = None
-    text: str | None = None  # with detokenize
-    # With return_routed_experts: [prompt + response - 1 positions, layers, top-k] int16 expert ids, -1 unrecorded.
-    routed_experts: "np.ndarray | None" = None
 
 
 class VLLMEngine:

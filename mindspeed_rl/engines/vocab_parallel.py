@@ -15,37 +15,43 @@ two fp32 numbers per token. The backward recomputes the softmax chunk by chunk a
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from mindspeed_rl.protocol import MicroBatch
 
+if TYPE_CHECKING:
+    from mindspeed_rl.parallel.megatron_state import RankGroups
+
 
 def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool,
-                                  chunk_tokens: int, rows_selected: bool = False, chunk_bytes: int | None = None,
+                                  chunk_tokens: int, *, parallel: RankGroups, rows_selected: bool = False,
+                                  chunk_bytes: int | None = None,
                                   grad_into_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every response token (and optionally the entropy there), [b, response_width] fp32, 0 where
     `mb.response_mask` is 0.
 
     logits: [b, s, vocab/tp] (packed: [1, t, vocab/tp]), of which only the rows that score a response token are
     taken (`MicroBatch.scored_rows`, a copy in the logits' dtype); or with `rows_selected` those rows only, in that
-    order ([1, n, vocab/tp]: models/scored_head.py). The vocabulary stays sharded and the fp32 work is chunked
-    (`vocab_parallel_logprobs`: chunk_tokens, chunk_bytes, grad_into_logits).
+    order ([1, n, vocab/tp]: models/scored_head.py). The vocabulary stays sharded over `parallel`'s TP group (this
+    rank's place in the training layout, from the caller; under CP its positions are summed over the CP group) and
+    the fp32 work is chunked (`vocab_parallel_logprobs`: chunk_tokens, chunk_bytes, grad_into_logits).
     """
-    from mindspeed_rl.parallel import megatron_state
-
     from mindspeed_rl.models.context_parallel import everywhere, scored_rows
 
     vocab_local = logits.shape[-1]
-    rows, targets, held = scored_rows(mb)  # under CP this rank's positions; every entry then comes from one rank
-    parallel = megatron_state.current()
+    # Under CP this rank's positions; every entry then comes from one rank.
+    rows, targets, held = scored_rows(mb, parallel=parallel)
     group = parallel.tp_group if parallel.tp > 1 else None
     scored = logits.reshape(-1, vocab_local) if rows_selected else logits.reshape(-1, vocab_local)[rows]
     token_logprobs, token_entropy = vocab_parallel_logprobs(scored, targets, temperature=temperature,
                                                             chunk_tokens=chunk_tokens, group=group,
                                                             with_entropy=with_entropy, chunk_bytes=chunk_bytes,
                                                             grad_into_logits=grad_into_logits)
-    token_logprobs, token_entropy = everywhere(token_logprobs, held), everywhere(token_entropy, held)
+    token_logprobs, token_entropy = (everywhere(token_logprobs, held, parallel=parallel),
+                                     everywhere(token_entropy, held, parallel=parallel))
     selected = mb.response_mask.bool()
 
     def place(values: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ INFER_WEIGHTS, KV_CACHE = "inference_weights", "kv_cache"
 STATE_GROUPS = (TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS, CRITIC_PARAMS,
                 CRITIC_GRADS, CRITIC_OPTIMIZER, INFER_WEIGHTS, KV_CACHE)
 CRITIC_STATES = frozenset({CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER})
+INFERENCE_STATES = frozenset({INFER_WEIGHTS, KV_CACHE})
 # Host-only: the push's copy of this rank's inference weights, kept to restore them before each push (LoRA's backbone,
 # resharding/adapter_push.py). Never on the device, in no row; the ledger counts it with the host mirrors.
 INFER_WEIGHTS_HOST = "inference_weights_host"
@@ -67,6 +68,20 @@ DROPPED_ON_PHASE_CHANGE = frozenset({INFER_WEIGHTS})
 RELOADED_LAST = KV_CACHE
 
 
+def run_states(config) -> frozenset[str]:
+    """The state groups a run holds, on whichever devices: the training engine's and the inference engine's always,
+    the reference's with a KL term, the reward model's and the critic's where the run has them. The roles compose the
+    parts declaring these (workers/roles.py) and the planner plans this table (`ResidencyPolicy.for_states`)."""
+    states = {TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, *INFERENCE_STATES}
+    if config.uses_reference:
+        states.add(REF_PARAMS)
+    if config.reward_model is not None:
+        states.add(REWARD_PARAMS)
+    if config.critic_config is not None:
+        states |= CRITIC_STATES
+    return frozenset(states)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ResidencyPolicy:
     # MindSpeed-RL's generate_config flags, given by every caller (their one default is GenerateConfig's).
@@ -100,17 +115,19 @@ class ResidencyPolicy:
         return cls(offload_train_param=True, offload_train_grad=True, offload_train_optimizer=True, **fields)
 
     @classmethod
-    def for_run(cls, config, *, has_reward_model: bool, has_critic: bool, offload_inference: bool = True,
-                critic_only: bool = False) -> "ResidencyPolicy":
-        """A run's table from its GRPOConfig, for the engine's ranks and the planner alike; `critic_only`: a critic's
-        own rank, where the critic's states stay."""
+    def for_states(cls, config, states: frozenset[str]) -> "ResidencyPolicy":
+        """The table of a rank whose parts declare `states` (workers/parts/: the union of their STATES), from the
+        run's GRPOConfig; the planner asks it with the states of every part of the run. The inference states stay
+        where nothing else shares their devices (a disaggregated inference rank), the critic's where they are alone
+        (a critic on devices of its own)."""
         gen = config.generate_config
+        critic_only = bool(states) and states <= CRITIC_STATES
         return cls(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
-                   offload_train_optimizer=gen.offload_train_optimizer, has_reward_model=has_reward_model,
-                   has_reference=config.uses_reference and not critic_only, offload_inference=offload_inference,
-                   has_critic=has_critic, offload_critic=not critic_only,
-                   reference_is_backbone=config.reference_is_backbone, has_adapters=config.actor_config.uses_lora,
-                   adapter_only_switch=config.adapter_only_switch,
+                   offload_train_optimizer=gen.offload_train_optimizer, has_reward_model=REWARD_PARAMS in states,
+                   has_reference=config.uses_reference and not critic_only,
+                   offload_inference=not states <= INFERENCE_STATES, has_critic=bool(states & CRITIC_STATES),
+                   offload_critic=not critic_only, reference_is_backbone=config.reference_is_backbone,
+                   has_adapters=config.actor_config.uses_lora, adapter_only_switch=config.adapter_only_switch,
                    has_old_logprob_pass=not config.old_logprobs_from_update,
                    swap_optimizer=config.megatron_training.swap_optimizer)
 

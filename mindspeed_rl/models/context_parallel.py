@@ -12,14 +12,21 @@ summed over the CP group; every CP rank then holds the same loss. Its backward k
 all-reduce's gradient is the identity), so a rank's gradients are its tokens' part and the CP group's sum is the
 whole: Megatron's schedule multiplies the loss by CP and DDP averages over DP x CP (`dp_cp_group`), which leaves
 that sum. `attention_dropout` is refused (the RL recipes run with 0).
+
+The CP size, rank and group come from the caller: the engine's `RankGroups` (`parallel`), and in the attention the
+CP group Megatron's attention passes down (`pg_collection.cp`).
 """
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
+
+if TYPE_CHECKING:
+    from mindspeed_rl.parallel.megatron_state import RankGroups
 
 
 def local_chunk_indices(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -40,13 +47,13 @@ def split_packed(tensor: torch.Tensor, cu_seqlens: torch.Tensor, *, cp_rank: int
                       for start, stop in zip(bounds[:-1], bounds[1:]) if stop > start], dim=1)
 
 
-def model_inputs(mb, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What this rank feeds the model of micro-batch `mb`: under CP its chunks (`this_ranks_tokens`), else all."""
-    from mindspeed_rl.parallel import megatron_state
-
-    if megatron_state.current().cp == 1:
+def model_inputs(mb, ids: torch.Tensor, positions: torch.Tensor, *,
+                 parallel: RankGroups) -> tuple[torch.Tensor, torch.Tensor]:
+    """What this rank (at `parallel`) feeds the model of micro-batch `mb`: under CP its chunks (`this_ranks_tokens`),
+    else all."""
+    if parallel.cp == 1:
         return ids, positions
-    return this_ranks_tokens(mb, ids, positions)
+    return this_ranks_tokens(mb, ids, positions, cp_rank=parallel.cp_rank, cp=parallel.cp)
 
 
 def cut_padding(output: torch.Tensor, mb, width: int) -> torch.Tensor:
@@ -57,24 +64,28 @@ def cut_padding(output: torch.Tensor, mb, width: int) -> torch.Tensor:
     return output[:, :width]
 
 
-def scored_rows(mb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The rows of this rank's flattened logits that score `mb`'s response tokens, their targets, and under CP which
-    of them this rank holds (None without CP: every one)."""
+def scored_rows(mb, *, parallel: RankGroups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The rows of this rank's (at `parallel`) flattened logits that score `mb`'s response tokens, their targets,
+    and under CP which of them this rank holds (None without CP: every one)."""
     if mb.context_parallel_length:
-        return scored_rows_of_this_rank(mb)
+        return scored_rows_of_this_rank(mb, cp_rank=parallel.cp_rank, cp=parallel.cp)
     rows = mb.scored_rows()
     return rows, mb.input_ids.reshape(-1)[rows + 1], None
 
 
-def everywhere(values: torch.Tensor | None, held: torch.Tensor | None) -> torch.Tensor | None:
-    """`from_the_holding_ranks` where this rank holds only some (`held`), else the values as they are."""
-    return values if values is None or held is None else from_the_holding_ranks(values, held)
+def everywhere(values: torch.Tensor | None, held: torch.Tensor | None, *,
+               parallel: RankGroups) -> torch.Tensor | None:
+    """`from_the_holding_ranks` over `parallel`'s CP group where this rank holds only some (`held`), else the values
+    as they are."""
+    if values is None or held is None:
+        return values
+    return from_the_holding_ranks(values, held, group=parallel.cp_group)
 
 
-def last_token_scores(output: torch.Tensor, mb, index: torch.Tensor) -> torch.Tensor:
-    """The [b] outputs of a width-1 head at each sample's position `index` (under CP where it lives)."""
+def last_token_scores(output: torch.Tensor, mb, index: torch.Tensor, *, parallel: RankGroups) -> torch.Tensor:
+    """The [b] outputs of a width-1 head at each sample's position `index` (under CP where it lives: `parallel`)."""
     if mb.context_parallel_length:
-        return last_token_outputs(output, mb, index)
+        return last_token_outputs(output, mb, index, parallel=parallel)
     return output[torch.arange(output.shape[0], device=output.device), index, 0].float()
 
 
@@ -88,14 +99,12 @@ def with_context_parallel(layer_spec, cp: int):
     return with_context_parallel_attention(layer_spec) if cp > 1 else layer_spec
 
 
-def this_ranks_tokens(mb, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The token ids and positions of micro-batch `mb` this CP rank feeds the model: its two chunks of each padded row
-    (a multiple of 2 CP long) or of each sample of a pack. Records the whole length in `mb.context_parallel_length`,
-    which tells the log-prob step (engines/vocab_parallel.py) which positions this rank's logits hold."""
-    from mindspeed_rl.parallel import megatron_state
-
-    parallel = megatron_state.current()
-    cp, cp_rank = parallel.cp, parallel.cp_rank
+def this_ranks_tokens(mb, ids: torch.Tensor, positions: torch.Tensor, *, cp_rank: int,
+                      cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token ids and positions of micro-batch `mb` CP rank `cp_rank` of `cp` feeds the model: its two chunks of
+    each padded row (a multiple of 2 CP long) or of each sample of a pack. Records the whole length in
+    `mb.context_parallel_length`, which tells the log-prob step (engines/vocab_parallel.py) which positions this
+    rank's logits hold."""
     mb.context_parallel_length = ids.shape[1]
     if mb.packed:
         return tuple(split_packed(x, mb.cu_seqlens, cp_rank=cp_rank, cp=cp) for x in (ids, positions))
@@ -154,36 +163,32 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
-def sum_over_context_parallel(tensor: torch.Tensor) -> torch.Tensor:
-    from mindspeed_rl.parallel import megatron_state
+def sum_over_context_parallel(tensor: torch.Tensor, group) -> torch.Tensor:
+    """`tensor` summed over the CP `group` (identity backward)."""
+    return _SumOverGroup.apply(tensor, group)
 
-    return _SumOverGroup.apply(tensor, megatron_state.current().cp_group)
 
-
-def from_the_holding_ranks(local_values: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+def from_the_holding_ranks(local_values: torch.Tensor, held: torch.Tensor, *, group) -> torch.Tensor:
     """[n] values each computed by the one CP rank holding its position (`held`: those of this rank, in order) ->
-    all n on every CP rank (the others' entries are 0 here before the sum; identity backward)."""
+    all n on every rank of the CP `group` (the others' entries are 0 here before the sum; identity backward)."""
     zeros = torch.zeros(held.shape, dtype=local_values.dtype, device=local_values.device)
-    return sum_over_context_parallel(zeros.masked_scatter(held, local_values))
+    return sum_over_context_parallel(zeros.masked_scatter(held, local_values), group)
 
 
-def last_token_outputs(output: torch.Tensor, mb, index: torch.Tensor) -> torch.Tensor:
+def last_token_outputs(output: torch.Tensor, mb, index: torch.Tensor, *, parallel: RankGroups) -> torch.Tensor:
     """Under CP, the [b] outputs (a head of width 1: [b, s / CP, 1], padded rows) at each sample's position `index`,
-    taken where it lives and summed over the CP ranks (the reward model's score at the last token)."""
-    from mindspeed_rl.parallel import megatron_state
-
-    parallel = megatron_state.current()
-    cp, cp_rank = parallel.cp, parallel.cp_rank
-    offsets = local_offsets(index, torch.full_like(index, mb.context_parallel_length), cp_rank, cp)
+    taken where it lives and summed over `parallel`'s CP ranks (the reward model's score at the last token)."""
+    offsets = local_offsets(index, torch.full_like(index, mb.context_parallel_length), parallel.cp_rank, parallel.cp)
     held = offsets >= 0
     rows = torch.arange(len(index), device=output.device)[held]
-    return from_the_holding_ranks(output[rows, offsets[held], 0].float(), held)
+    return from_the_holding_ranks(output[rows, offsets[held], 0].float(), held, group=parallel.cp_group)
 
 
 class ContextParallelAttention(MegatronModule):
     """The core attention of a layer under CP (Megatron's local DotProductAttention refuses CP > 1): q, k, v
-    [s / CP, b, heads, d] of this rank's chunks -> [s / CP, b, heads x d_v]. MLA's keys are wider than its values
-    (nope + rope vs v_head_dim; `k_channels`/`v_channels`) and it passes its own softmax scale (YaRN's mscale)."""
+    [s / CP, b, heads, d] of this rank's chunks -> [s / CP, b, heads x d_v], K and V gathered over the CP group of
+    the `pg_collection` Megatron's attention builds it with. MLA's keys are wider than its values (nope + rope vs
+    v_head_dim; `k_channels`/`v_channels`) and it passes its own softmax scale (YaRN's mscale)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None, cp_comm_type=None,
@@ -193,13 +198,14 @@ class ContextParallelAttention(MegatronModule):
             raise ValueError("context parallelism here runs without attention dropout (attention_dropout: 0)")
         if config.apply_query_key_layer_scaling:
             raise ValueError("context-parallel attention assumes apply_query_key_layer_scaling off")
+        if pg_collection is None or getattr(pg_collection, "cp", None) is None:
+            raise ValueError("context-parallel attention takes its CP group from the attention's pg_collection")
+        self.cp_group = pg_collection.cp
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        from mindspeed_rl.parallel import megatron_state
-
-        group = megatron_state.current().cp_group
+        group = self.cp_group
         cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         if packed_seq_params is None:  # [s / CP, b, h, d]: one segment per row
             keys, values = (_in_global_order(_GatherParts.apply(x, group), cp) for x in (key, value))
@@ -245,13 +251,9 @@ def with_context_parallel_attention(layer_spec):
     return layer_spec
 
 
-def scored_rows_of_this_rank(mb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Under CP, for the response tokens in `response_mask` order: the rows of this rank's flattened
+def scored_rows_of_this_rank(mb, *, cp_rank: int, cp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Under CP, for the response tokens in `response_mask` order: the rows of CP rank `cp_rank`'s flattened
     [b x s / CP, vocab] logits that score those it holds, their target ids, and which ones it holds ([n] bool)."""
-    from mindspeed_rl.parallel import megatron_state
-
-    parallel = megatron_state.current()
-    cp, cp_rank = parallel.cp, parallel.cp_rank
     samples, scoring = mb.scored_positions()
     if mb.packed:  # segment j holds cu[j + 1] - cu[j] tokens, of which this rank's part starts at cu[j] / CP
         starts = mb.cu_seqlens.long()[samples]

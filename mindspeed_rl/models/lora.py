@@ -22,6 +22,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,9 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                      gather_from_sequence_parallel_region,
                                                      reduce_from_tensor_model_parallel_region,
                                                      scatter_to_sequence_parallel_region)
+
+if TYPE_CHECKING:
+    from mindspeed_rl.parallel.megatron_state import RankGroups
 
 COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
 ROW_TARGETS = ("linear_proj", "linear_fc2")
@@ -125,10 +129,10 @@ def lora_settings_of(actor_config, *, seed: int) -> LoRASettings | None:
                         target_modules=tuple(actor_config.lora_target_modules), seed=seed)
 
 
-def with_adapters(model: torch.nn.Module, settings: LoRASettings | None) -> None:
+def with_adapters(model: torch.nn.Module, settings: LoRASettings | None, *, parallel: RankGroups) -> None:
     """`add_lora` where the run has LoRA (`settings`); a model without it keeps every weight trainable."""
     if settings is not None:
-        add_lora(model, settings)
+        add_lora(model, settings, parallel=parallel)
 
 
 def saved_state(state: dict, *, adapters_only: bool) -> dict:
@@ -137,27 +141,25 @@ def saved_state(state: dict, *, adapters_only: bool) -> dict:
     return {key: value for key, value in state.items() if is_lora_param(key)} if adapters_only else state
 
 
-def add_lora(model: torch.nn.Module, settings: LoRASettings) -> None:
-    """Adapters on every target linear of this rank's stage of a GPTModel; every other parameter frozen (no
-    gradient, so DDP gives it no grad buffer and the optimizer no state)."""
+def add_lora(model: torch.nn.Module, settings: LoRASettings, *, parallel: RankGroups) -> None:
+    """Adapters on every target linear of this rank's stage of a GPTModel, cut to this rank's TP shard (`parallel`,
+    the caller's); every other parameter frozen (no gradient, so DDP gives it no grad buffer and the optimizer no
+    state)."""
     for layer in model.decoder.layers:
         for name, module in layer.named_modules():
             leaf = name.rsplit(".", 1)[-1]
             if leaf in settings.target_modules:
-                _attach(module, leaf, layer.layer_number, settings)
+                _attach(module, leaf, layer.layer_number, settings, tp=parallel.tp, tp_rank=parallel.tp_rank)
     for name, param in model.named_parameters():
         param.requires_grad_(is_lora_param(name))
 
 
-def _attach(module: torch.nn.Module, leaf: str, layer_number: int, settings: LoRASettings) -> None:
-    from mindspeed_rl.parallel import megatron_state
-
+def _attach(module: torch.nn.Module, leaf: str, layer_number: int, settings: LoRASettings, *, tp: int,
+            tp_rank: int) -> None:
     kind = type(module)
     if kind not in _LORA_CLASSES or (leaf in COLUMN_TARGETS) != (kind is ColumnParallelLinear):
         raise TypeError(f"{leaf} of layer {layer_number} is a {kind.__name__}: LoRA here wraps Megatron's local "
                         "ColumnParallelLinear (linear_qkv, linear_fc1) and RowParallelLinear (linear_proj, linear_fc2)")
-    parallel = megatron_state.current()
-    tp, tp_rank = parallel.tp, parallel.tp_rank
     weight = module.weight
     column = kind is ColumnParallelLinear
     assert not (column and module.gather_output), "an adapter on a gathered output is not needed by GPT's layers"

@@ -8,16 +8,15 @@ import torch
 
 from mindspeed_rl.models.layouts import megatron_shard_from_hf
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec, layers_of_stage, transformer_config
-from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.parallel.megatron_state import RankGroups
 
 
-def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, parallel: RankGroups | None = None,
+def build_gpt_model(spec: Qwen2Spec, *, params_dtype: torch.dtype, parallel: RankGroups,
                     options: ModelOptions = ModelOptions()):
-    """The model on this rank's shard of `parallel` (default: Megatron's state as it is, parallel/megatron_state.py)."""
+    """The model on this rank's shard of `parallel` (the caller's: the layout Megatron's state was set from,
+    parallel/megatron_state.py)."""
     from megatron.core.models.gpt import GPTModel
 
-    parallel = parallel or megatron_state.current()
     config = transformer_config(spec, params_dtype=params_dtype, tp=parallel.tp, pp=parallel.pp, ep=parallel.ep,
                                 cp=parallel.cp, options=options)
     if spec.deepseek is not None:
@@ -81,8 +80,9 @@ def _deepseek_block_spec(config, options: ModelOptions):
 
 
 def load_hf_into_megatron(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], spec: Qwen2Spec, *,
-                          parallel: RankGroups | None = None) -> None:
-    p = parallel or megatron_state.current()
+                          parallel: RankGroups) -> None:
+    """This rank's shard (at `parallel`, the caller's) of the HF tensors `hf_state` into `model`."""
+    p = parallel
     shard = megatron_shard_from_hf(hf_state, spec, tp_rank=p.tp_rank, tp=p.tp, pp_rank=p.pp_rank, pp=p.pp,
                                    ep_rank=p.ep_rank, ep=p.ep)
     params = {**dict(model.named_parameters()), **layout_buffers(model)}

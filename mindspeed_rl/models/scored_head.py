@@ -12,17 +12,22 @@ runs without its sequence-parallel gather: its input gradient is then summed ove
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
 from mindspeed_rl.models.context_parallel import scored_rows
 
+if TYPE_CHECKING:
+    from mindspeed_rl.parallel.megatron_state import RankGroups
 
-def hidden_rows(mb, sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+
+def hidden_rows(mb, sequence_length: int, *, parallel: RankGroups) -> tuple[torch.Tensor, torch.Tensor]:
     """(position, sample) in Megatron's [s, b, h] hidden states of each row `response_logprobs_from_logits` scores:
-    `sequence_length` is the hidden states' s (a padded row's length with its padding; under CP this rank's)."""
+    `sequence_length` is the hidden states' s (a padded row's length with its padding; under CP this rank's, at
+    `parallel`)."""
     if mb.context_parallel_length:
-        rows = scored_rows(mb)[0]  # this rank's flattened [b x s / CP] rows, b-major
+        rows = scored_rows(mb, parallel=parallel)[0]  # this rank's flattened [b x s / CP] rows, b-major
         return rows % sequence_length, rows // sequence_length
     samples, positions = mb.scored_positions()
     if mb.packed:
@@ -31,9 +36,9 @@ def hidden_rows(mb, sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def scored_rows_only(output_layer: torch.nn.Module, mb, *, tp_group):
+def scored_rows_only(output_layer: torch.nn.Module, mb, *, parallel: RankGroups):
     """`output_layer` computes the logits of `mb`'s scored rows only while the context lasts ([1, n, vocab / TP]
-    out of the model)."""
+    out of the model); `parallel`: this rank's place in the training layout (its TP group, its CP rank)."""
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
     sequence_parallel = output_layer.sequence_parallel
@@ -41,8 +46,9 @@ def scored_rows_only(output_layer: torch.nn.Module, mb, *, tp_group):
     def select(module, args):
         hidden = args[0]
         if sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=tp_group)
-        positions, samples = hidden_rows(mb, hidden.shape[0])
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                          group=parallel.tp_group)
+        positions, samples = hidden_rows(mb, hidden.shape[0], parallel=parallel)
         return (hidden[positions, samples].unsqueeze(1), *args[1:])
 
     handle = output_layer.register_forward_pre_hook(select)

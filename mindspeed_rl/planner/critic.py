@@ -33,9 +33,9 @@ def critic_states(inputs: PlanInputs, c: dict, *, on_this_rank: bool) -> dict[st
     if not inputs.policy.has_critic or not on_this_rank:
         return {CRITIC_PARAMS: 0, CRITIC_GRADS: 0, CRITIC_OPTIMIZER: 0, CRITIC_ACTIVATIONS: 0}
     critic = inputs.for_critic()
-    state = stage_critic_bytes(critic.arch, tp=inputs.tp, pp=inputs.pp, pp_rank=c["pp_rank"], dp=critic.dp,
+    state = stage_critic_bytes(critic.arch, tp=inputs.tp, pp=inputs.pp, pp_rank=c["pp_rank"], dp_cp=critic.dp_cp,
                                bf16=inputs.bf16, distributed_optimizer=inputs.distributed_optimizer,
-                               dp_rank=c["dp_rank"])
+                               dp_cp_rank=c["dp_cp_rank"])
     return {CRITIC_PARAMS: state.params, CRITIC_GRADS: state.grads, CRITIC_OPTIMIZER: state.optimizer,
             CRITIC_ACTIVATIONS: activation_bytes(critic, c["pp_rank"], logits=False)}
 
@@ -59,7 +59,7 @@ def critic_layout_lines(i: PlanInputs) -> list[str]:
     first, last = i.world_size, i.world_size + i.critic_world_size - 1
     numbers = f"rank {first}" if first == last else f"ranks {first}-{last}"
     return [f"  critic: {i.critic_world_size} device(s) of its own ({numbers} below), TP{i.tp} x PP{i.pp} x "
-            f"DP{i.for_critic().dp}; its states stay there in every phase"]
+            f"DP{i.for_critic().dp_cp}; its states stay there in every phase"]
 
 
 def critic_devices_text(i: PlanInputs) -> str:

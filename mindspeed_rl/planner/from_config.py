@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mindspeed_rl.config import ConfigError, GRPOConfig
 from mindspeed_rl.config.tolerated import longest_sample_tokens, sequence_parallel_in_effect
-from mindspeed_rl.memory.residency import ResidencyPolicy
+from mindspeed_rl.memory.residency import ResidencyPolicy, run_states
 from mindspeed_rl.planner.arch import Architecture, ArchitectureError, from_hf_config, hf_config_from_model_block
 from mindspeed_rl.planner.critic import critic_inputs
 from mindspeed_rl.planner.lora import lora_inputs
@@ -105,17 +105,13 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
     cpu = on_cpu(config, device_memory, device)
     profile = profile or ("accelerator" if not cpu and mt.use_fused_rmsnorm and mt.use_fused_swiglu else "cpu")
     return PlanInputs(
-        arch=replace(arch, pipeline_stage_layers=ac.pipeline_stage_layers), world_size=config.world_size, tp=ac.tensor_model_parallel_size,
-        pp=ac.pipeline_model_parallel_size, ep=ac.expert_model_parallel_size, cp=ac.context_parallel_size,
-        infer_tp=gen.infer_tensor_parallel_size, infer_pp=gen.infer_pipeline_parallel_size,
-        infer_expert_parallel=gen.infer_expert_parallel_size > 1,
+        arch=replace(arch, pipeline_stage_layers=ac.pipeline_stage_layers), **PlanInputs.layout_fields(config.layout),
         bf16=mt.bf16, infer_dtype=gen.dtype, distributed_optimizer=mt.use_distributed_optimizer,
         sequence_parallel=sequence_parallel_in_effect(config), flash_attention=mt.use_flash_attn and not cpu,
         micro_batch_size=ac.micro_batch_size, mini_batch_samples=rl.mini_batch_size_in_samples,
         seq_length=seq_length or longest_sample_tokens(config),
         response_length=config.response_length_limit,
-        policy=ResidencyPolicy.for_run(config, has_reward_model=config.reward_model is not None,
-                                       has_critic=config.critic_config is not None),
+        policy=ResidencyPolicy.for_states(config, run_states(config)),
         **lora_inputs(config), reward_arch=reward_architecture(config), **critic_inputs(config, _architecture_at),
         kv=KVCacheSpec(on_cpu=cpu, cpu_bytes=int(gen.cpu_kvcache_space_gb * GIB),
                        gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,

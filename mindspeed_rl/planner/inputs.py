@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from mindspeed_rl.memory.residency import ResidencyPolicy
-from mindspeed_rl.parallel.layout import InferLayout, TrainLayout
+from mindspeed_rl.parallel.layout import InferLayout, ParallelLayout, TrainLayout
 from mindspeed_rl.planner.arch import Architecture
 
 ACTIVATION_PROFILES = ("cpu", "accelerator")
@@ -81,6 +81,13 @@ class PlanInputs:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
 
+    @staticmethod
+    def layout_fields(layout: ParallelLayout) -> dict:
+        """PlanInputs' sizes of the run's `layout` (GRPOConfig.layout): the planner plans the config's layout."""
+        train, infer = layout.train, layout.infer
+        return dict(world_size=layout.train_world_size, tp=train.tp, pp=train.pp, ep=train.ep, cp=train.cp,
+                    infer_tp=infer.tp, infer_pp=infer.pp, infer_expert_parallel=infer.expert_parallel)
+
     def for_critic(self) -> "PlanInputs":
         """These inputs as the critic's update sees them: its architecture, micro-batch and recompute (the
         actor's layout and sequence parallel), on its own devices where it has them."""
@@ -106,18 +113,19 @@ class PlanInputs:
         if self.world_size % (self.infer_tp * self.infer_pp):
             raise ValueError(f"infer TP*PP={self.infer_tp}*{self.infer_pp}={self.infer_tp * self.infer_pp} must "
                              f"divide the world size {self.world_size}")
-        if self.dp % self.ep:
-            raise ValueError(f"EP={self.ep} must divide the data-parallel size {self.dp}")
+        if self.dp_cp % self.ep:
+            raise ValueError(f"EP={self.ep} must divide the data-parallel x context-parallel size {self.dp_cp}")
 
     @property
     def dp(self) -> int:
-        """Ranks that hold the same weights (Megatron's DP x CP: the distributed optimizer shards over them)."""
-        return self.world_size // (self.tp * self.pp)
+        """Megatron's data-parallel size: the ranks that take different samples (CP ranks share theirs)."""
+        return self.train_layout.dp(self.world_size)
 
     @property
-    def data_parallel_size(self) -> int:
-        """Ranks that take different samples (CP ranks share theirs)."""
-        return self.dp // self.cp
+    def dp_cp(self) -> int:
+        """The ranks that hold the same weights, DP x CP (Megatron's data-parallel group with context parallelism:
+        the gradients are reduced and the distributed optimizer shards over them; EP is carved out of them)."""
+        return self.dp * self.cp
 
     @property
     def infer_dp(self) -> int:
@@ -140,9 +148,9 @@ class PlanInputs:
     @property
     def micro_batches_per_step(self) -> int:
         if self.packing_token_budget is not None:  # at the worst case every sample is seq_length long
-            tokens = self.mini_batch_samples // self.data_parallel_size * self.seq_length
+            tokens = self.mini_batch_samples // self.dp * self.seq_length
             return max(1, -(-tokens // self.packing_token_budget))
-        return max(1, self.mini_batch_samples // (self.data_parallel_size * self.micro_batch_size))
+        return max(1, self.mini_batch_samples // (self.dp * self.micro_batch_size))
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -166,9 +174,9 @@ class PlanInputs:
         """Megatron's order tp-cp-ep-dp-pp (the engine's TrainLayout) and vLLM's DP x PP x TP (InferLayout)."""
         c = self.train_layout.of(rank, self.world_size)
         infer = self.infer_layout
-        # dp_rank: the index among the ranks that hold the same weights (DP x CP), what the optimizer shards over.
+        # dp_cp_rank: the index among the ranks that hold the same weights (DP x CP), what the optimizer shards over.
         # infer_ep_rank: vLLM's expert-parallel rank within the stage (DP x TP), the device_id of an EPLB map.
-        return dict(tp_rank=c.tp_rank, pp_rank=c.pp_rank, dp_rank=c.cp_rank + self.cp * c.dp_rank, ep_rank=c.ep_rank,
-                    expert_dp_rank=c.expert_dp_rank, infer_tp_rank=infer.tp_rank(rank),
+        return dict(tp_rank=c.tp_rank, pp_rank=c.pp_rank, dp_cp_rank=c.cp_rank + self.cp * c.dp_rank,
+                    ep_rank=c.ep_rank, expert_dp_rank=c.expert_dp_rank, infer_tp_rank=infer.tp_rank(rank),
                     infer_pp_rank=infer.pp_rank(rank), infer_dp_rank=infer.dp_rank(rank),
                     infer_ep_rank=infer.dp_rank(rank) * self.infer_tp + infer.tp_rank(rank))

@@ -19,12 +19,13 @@ def actor_train_bytes(inputs, c: dict) -> TrainStateBytes:
     """The actor's params, grads and Adam states on a rank at coordinates `c`: the whole model's, or with LoRA the
     frozen backbone's and the adapters'."""
     if inputs.lora_targets:
-        return stage_lora_train_bytes(inputs.arch, tp=inputs.tp, pp=inputs.pp, pp_rank=c["pp_rank"], dp=inputs.dp,
-                                      bf16=inputs.bf16, distributed_optimizer=inputs.distributed_optimizer,
-                                      dp_rank=c["dp_rank"], rank=inputs.lora_rank, targets=inputs.lora_targets)
+        return stage_lora_train_bytes(inputs.arch, tp=inputs.tp, pp=inputs.pp, pp_rank=c["pp_rank"],
+                                      dp_cp=inputs.dp_cp, bf16=inputs.bf16,
+                                      distributed_optimizer=inputs.distributed_optimizer, dp_cp_rank=c["dp_cp_rank"],
+                                      rank=inputs.lora_rank, targets=inputs.lora_targets)
     return stage_train_bytes(inputs.arch, tp=inputs.tp, pp=inputs.pp, pp_rank=c["pp_rank"], ep=inputs.ep,
-                             dp=inputs.dp, bf16=inputs.bf16, distributed_optimizer=inputs.distributed_optimizer,
-                             dp_rank=c["dp_rank"])
+                             dp_cp=inputs.dp_cp, bf16=inputs.bf16, distributed_optimizer=inputs.distributed_optimizer,
+                             dp_cp_rank=c["dp_cp_rank"])
 
 
 def push_host_copy_bytes(inputs, inference_weight_bytes: int) -> int:
@@ -60,8 +61,8 @@ def lora_layer_change(inputs: PlanInputs, e: int, h_split: int) -> float:
 
 
 @lru_cache(maxsize=1024)
-def stage_lora_train_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, dp: int, bf16: bool,
-                           distributed_optimizer: bool, dp_rank: int, rank: int,
+def stage_lora_train_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, dp_cp: int, bf16: bool,
+                           distributed_optimizer: bool, dp_cp_rank: int, rank: int,
                            targets: tuple[str, ...]) -> TrainStateBytes:
     """The actor with LoRA (models/lora.py): the frozen backbone's shard (no DDP buffer, grads or optimizer state)
     plus the adapters of the stage's target linears, trained as params are: A [r, columns] and B [rows, r] of
@@ -77,7 +78,7 @@ def stage_lora_train_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int
             adapters += [Param(f"{module}.lora_A", rank * columns), Param(f"{module}.lora_B", rows * rank)]
     e = 2 if bf16 else 4
     frozen = sum(p.numel for p in _stage_params(arch, tp, pp, pp_rank, 1)) * e
-    trained = train_state_bytes(tuple(adapters), bf16=bf16, distributed_optimizer=distributed_optimizer, dp=dp,
-                                expert_dp=dp, dp_rank=dp_rank, expert_dp_rank=dp_rank)
+    trained = train_state_bytes(tuple(adapters), bf16=bf16, distributed_optimizer=distributed_optimizer, dp_cp=dp_cp,
+                                expert_dp=dp_cp, dp_cp_rank=dp_cp_rank, expert_dp_rank=dp_cp_rank)
     return TrainStateBytes(params=frozen, grads=trained.grads, optimizer=trained.optimizer, reference=0,
                            adapter_params=trained.params)

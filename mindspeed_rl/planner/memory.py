@@ -277,7 +277,7 @@ def plan_memory(inputs: PlanInputs, *, switch_staging: dict[int, int] | None = N
         c = inputs.rank_coordinates(rank)
         # TP and EP ranks of a stage hold equal shapes; only the stage (train and vLLM's) and the optimizer's DP
         # shards differ, and with an EPLB map the experts vLLM's EP rank holds.
-        key = (c["pp_rank"], c["dp_rank"], c["expert_dp_rank"], c["infer_pp_rank"],
+        key = (c["pp_rank"], c["dp_cp_rank"], c["expert_dp_rank"], c["infer_pp_rank"],
                c["infer_ep_rank"] if inputs.expert_slots is not None else 0)
         if key not in by_key:
             by_key[key] = rank_bytes(inputs, rank)

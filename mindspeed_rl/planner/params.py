@@ -106,15 +106,16 @@ class Buffer:
         return total
 
 
-def ddp_buffers(params: tuple[Param, ...], *, bf16: bool, distributed_optimizer: bool, dp: int,
+def ddp_buffers(params: tuple[Param, ...], *, bf16: bool, distributed_optimizer: bool, dp_cp: int,
                 expert_dp: int) -> list[Buffer]:
-    """Megatron DDP's buffers for one rank's params (reverse order, as DDP fills them)."""
+    """Megatron DDP's buffers for one rank's params (reverse order, as DDP fills them), the distributed optimizer's
+    sharded over `dp_cp` ranks (DP x CP) and the experts' over `expert_dp` (Megatron's expert data-parallel group)."""
     groups: dict[tuple[bool, bool], list[Param]] = {}
     for param in params:
         groups.setdefault((param.expert, not bf16), []).append(param)
     buffers = []
     for (expert, fp32), members in groups.items():
-        group = expert_dp if expert else dp
+        group = expert_dp if expert else dp_cp
         position, ranges = 0, []
         for param in reversed(members):
             if distributed_optimizer:
@@ -138,45 +139,49 @@ class TrainStateBytes:
     largest_optimizer: int = 0  # the optimizer bytes of the rank's largest param (a swap bucket's overshoot)
 
 
-def train_state_bytes(params: tuple[Param, ...], *, bf16: bool, distributed_optimizer: bool, dp: int,
-                      expert_dp: int, dp_rank: int, expert_dp_rank: int,
+def train_state_bytes(params: tuple[Param, ...], *, bf16: bool, distributed_optimizer: bool, dp_cp: int,
+                      expert_dp: int, dp_cp_rank: int, expert_dp_rank: int,
                       buffers: list[Buffer] | None = None) -> TrainStateBytes:
+    """One rank's params, grads and Adam states: `dp_cp` the ranks holding the same weights (DP x CP: the grads
+    reduce and the distributed optimizer shards over them) and `dp_cp_rank` this rank's index among them."""
     element_bytes = 2 if bf16 else 4
     unpadded = sum(p.numel for p in params) * element_bytes
     if buffers is None:
-        buffers = ddp_buffers(params, bf16=bf16, distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=expert_dp)
+        buffers = ddp_buffers(params, bf16=bf16, distributed_optimizer=distributed_optimizer, dp_cp=dp_cp,
+                              expert_dp=expert_dp)
     grads = sum(b.numel for b in buffers) * 4  # grad_reduce_in_fp32
     if distributed_optimizer:
         train = sum(b.numel for b in buffers) * element_bytes
         optimizer = 0
         for b in buffers:
-            elements = b.shard_numel(expert_dp_rank if b.expert else dp_rank)
+            elements = b.shard_numel(expert_dp_rank if b.expert else dp_cp_rank)
             optimizer += elements * (8 if b.fp32 else 12)
     else:
         train = unpadded
         optimizer = sum(p.numel for p in params) * (12 if bf16 else 8)
     largest = max((p.numel for p in params), default=0)
-    largest = -(-largest // dp) if distributed_optimizer else largest  # its shard, about
+    largest = -(-largest // dp_cp) if distributed_optimizer else largest  # its shard, about
     return TrainStateBytes(params=train, grads=grads, optimizer=optimizer, reference=unpadded,
                            largest_optimizer=largest * (12 if bf16 else 8))
 
 
 @lru_cache(maxsize=4096)
-def stage_train_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, ep: int, dp: int, bf16: bool,
-                      distributed_optimizer: bool, dp_rank: int) -> TrainStateBytes:
-    """`train_state_bytes` of a rank of pipeline stage `pp_rank` and data-parallel rank `dp_rank` (EP ranks are
-    carved out of DP: expert-DP rank = dp_rank // ep)."""
+def stage_train_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, ep: int, dp_cp: int, bf16: bool,
+                      distributed_optimizer: bool, dp_cp_rank: int) -> TrainStateBytes:
+    """`train_state_bytes` of a rank of pipeline stage `pp_rank` and index `dp_cp_rank` among the `dp_cp` ranks
+    holding its weights (EP ranks are carved out of DP x CP: expert-DP rank = dp_cp_rank // ep)."""
     params = _stage_params(arch, tp, pp, pp_rank, ep)
-    buffers = _stage_buffers(arch, tp, pp, pp_rank, ep, dp, bf16, distributed_optimizer)
-    return train_state_bytes(params, bf16=bf16, distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=dp // ep,
-                             dp_rank=dp_rank, expert_dp_rank=dp_rank // ep, buffers=buffers)
+    buffers = _stage_buffers(arch, tp, pp, pp_rank, ep, dp_cp, bf16, distributed_optimizer)
+    return train_state_bytes(params, bf16=bf16, distributed_optimizer=distributed_optimizer, dp_cp=dp_cp,
+                             expert_dp=dp_cp // ep, dp_cp_rank=dp_cp_rank, expert_dp_rank=dp_cp_rank // ep,
+                             buffers=buffers)
 
 
 @lru_cache(maxsize=1024)
-def _stage_buffers(arch: Architecture, tp: int, pp: int, pp_rank: int, ep: int, dp: int, bf16: bool,
+def _stage_buffers(arch: Architecture, tp: int, pp: int, pp_rank: int, ep: int, dp_cp: int, bf16: bool,
                    distributed_optimizer: bool) -> list[Buffer]:
     return ddp_buffers(_stage_params(arch, tp, pp, pp_rank, ep), bf16=bf16,
-                       distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=dp // ep)
+                       distributed_optimizer=distributed_optimizer, dp_cp=dp_cp, expert_dp=dp_cp // ep)
 
 
 def reward_model_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, bf16: bool) -> int:
@@ -189,16 +194,16 @@ def reward_model_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, bf
 
 
 @lru_cache(maxsize=1024)
-def stage_critic_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, dp: int, bf16: bool,
-                       distributed_optimizer: bool, dp_rank: int) -> TrainStateBytes:
+def stage_critic_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, dp_cp: int, bf16: bool,
+                       distributed_optimizer: bool, dp_cp_rank: int) -> TrainStateBytes:
     """The critic's (engines/critic.py) params, DDP grads and Adam states on a rank of stage `pp_rank`: the trunk's
     shard as the actor's without the language-model head, and on the last stage the replicated hidden -> 1 value
     head, trained like the actor."""
     params = [p for p in _stage_params(arch, tp, pp, pp_rank, 1) if p.name != "output_layer.weight"]
     if pp_rank == pp - 1:
         params.append(Param("output_layer.weight", arch.hidden_size))
-    return train_state_bytes(tuple(params), bf16=bf16, distributed_optimizer=distributed_optimizer, dp=dp,
-                             expert_dp=dp, dp_rank=dp_rank, expert_dp_rank=dp_rank)
+    return train_state_bytes(tuple(params), bf16=bf16, distributed_optimizer=distributed_optimizer, dp_cp=dp_cp,
+                             expert_dp=dp_cp, dp_cp_rank=dp_cp_rank, expert_dp_rank=dp_cp_rank)
 
 
 # -- inference shards -----------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ def _layout_line(plan: MemoryPlan) -> list[str]:
     i = plan.inputs
     # CP shows where it is used; EP wherever there are experts.
     cp = f"CP{i.cp} ({i.cp_exchange})"
-    sizes = [f"TP{i.tp}", f"PP{i.pp}", *[cp][:i.cp > 1], f"DP{i.data_parallel_size}"]
+    sizes = [f"TP{i.tp}", f"PP{i.pp}", *[cp][:i.cp > 1], f"DP{i.dp}"]
     train = f"train {' x '.join(sizes)}" + (f" (EP{i.ep})" if i.arch.is_moe else "")
     extras = ["bf16" if i.bf16 else "fp32"]
     if i.distributed_optimizer:
@@ -242,7 +242,7 @@ def json_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
         "model": {"name": model_name, "architecture": arch.name, "model_type": arch.model_type, "source": source,
                   "parameters": arch.parameter_count(), "active_parameters": arch.active_parameter_count(),
                   "mtp_layers_excluded": arch.mtp_layers, "trainable": arch.trainable, "support": arch.support},
-        "layout": {"world_size": i.world_size, "critic_world_size": i.critic_world_size, "tp": i.tp, "pp": i.pp, "cp": i.cp, "dp": i.data_parallel_size, "ep": i.ep,
+        "layout": {"world_size": i.world_size, "critic_world_size": i.critic_world_size, "tp": i.tp, "pp": i.pp, "cp": i.cp, "dp": i.dp, "ep": i.ep,
                    "infer_tp": i.infer_tp, "infer_pp": i.infer_pp, "infer_dp": i.infer_dp,
                    "infer_expert_parallel": i.infer_expert_parallel, "cp_exchange": i.cp_exchange,
                    "eplb_redundant_experts": i.eplb_redundant_experts,

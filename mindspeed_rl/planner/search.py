@@ -92,7 +92,7 @@ def predicted_seconds(config: GRPOConfig, arch: Architecture, plan: MemoryPlan, 
     i = plan.inputs
     samples = config.megatron_training.global_batch_size * config.rl_config.n_samples_per_prompt
     forward = samples * i.seq_length * forward_flops_per_token(arch, i.seq_length)
-    dp = i.world_size // (i.tp * i.pp * i.cp)
+    dp = i.dp
     micro_batches = max(1, i.mini_batch_samples // max(1, dp * i.micro_batch_size))
     steps = max(1, samples // max(1, i.mini_batch_samples))
     bubble = 1 + (i.pp - 1) / micro_batches

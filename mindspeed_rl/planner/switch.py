@@ -58,11 +58,10 @@ def plan_switch(inputs: PlanInputs, *, link_bytes_per_second: float) -> SwitchPl
     spec = inputs.arch.to_spec()
     if spec is None:
         return None
-    from mindspeed_rl.resharding.plan import TrainLayout, build_plan
+    from mindspeed_rl.resharding.plan import build_plan
 
     # inputs.infer_layout is InferLayout(tp, pp, expert_parallel): each rank receives only its stage's parameters.
-    plan = build_plan(spec, TrainLayout(tp=inputs.tp, pp=inputs.pp, ep=inputs.ep), inputs.infer_layout,
-                      inputs.world_size)
+    plan = build_plan(spec, inputs.train_layout, inputs.infer_layout, inputs.world_size)
     size = DTYPE_BYTES[inputs.infer_dtype]
     ranks = []
     for rank in range(inputs.world_size):

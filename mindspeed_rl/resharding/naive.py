@@ -5,11 +5,16 @@ Kept for the benchmark (side by side with the planned transfer) and as the test 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from mindspeed_rl.models.qwen2 import Qwen2Spec
 from mindspeed_rl.models.layouts import LocalTensor, hf_from_megatron_shards, tensor_view, vllm_layout
+
+if TYPE_CHECKING:
+    from mindspeed_rl.parallel.megatron_state import RankGroups
 
 
 def materialize(local: LocalTensor, hf: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -36,12 +41,11 @@ def load_full_hf(destinations: dict[str, torch.Tensor], hf: dict[str, torch.Tens
 
 
 @torch.no_grad()
-def gather_full_hf(params: dict[str, torch.Tensor], spec: Qwen2Spec) -> tuple[dict[str, torch.Tensor], int]:
-    """Full HF tensors of every layer on every rank: all-gather over TP, then broadcast each
-    pipeline stage over PP. Returns the tensors and the bytes this rank received."""
-    from mindspeed_rl.parallel import megatron_state
-
-    parallel = megatron_state.current()
+def gather_full_hf(params: dict[str, torch.Tensor], spec: Qwen2Spec, *,
+                   parallel: RankGroups) -> tuple[dict[str, torch.Tensor], int]:
+    """Full HF tensors of every layer on every rank: all-gather over `parallel`'s TP group (this rank's place in the
+    training layout, the caller's), then broadcast each pipeline stage over PP. Returns the tensors and the bytes
+    this rank received."""
     tp, pp = parallel.tp, parallel.pp
     received = 0
     if tp == 1:

@@ -53,8 +53,11 @@ class _Sample:
 
 
 class ToolTurns:
-    """The rollout of a multi-turn run: the tools, built once from tool_config_path, and the driver's tokenizer
-    (tool outputs become tokens here, so every inference rank continues from the same ids)."""
+    """The rollout strategy of a multi-turn run (trainer/rollout_strategy.py): the tools, built once from
+    tool_config_path, and the driver's tokenizer (tool outputs become tokens here, so every inference rank continues
+    from the same ids)."""
+
+    runs_ahead = False  # each turn waits for the tools (config/multi_turn.py refuses async_generation_ratio 1)
 
     def __init__(self, config: GRPOConfig, tokenizer):
         from mindspeed_rl.tools.parser import TOOL_PARSERS
@@ -93,8 +96,8 @@ class ToolTurns:
         """One batched generate; sample j of the turn is context j // n's (j % n)-th."""
         actor_group.start_generate(contexts, iteration, n=n, greedy=greedy, max_tokens=max_tokens)
         generated, metrics = generated_samples(actor_group.finish_generate())
-        for sample, (_, token_ids, logprobs, *_) in zip(samples, generated, strict=True):
-            sample.add_turn(list(token_ids), list(logprobs))
+        for sample, generation in zip(samples, generated, strict=True):
+            sample.add_turn(list(generation.token_ids), list(generation.logprobs))
         return metrics
 
     def _budget(self, sample: _Sample) -> int:

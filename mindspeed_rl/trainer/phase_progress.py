@@ -90,6 +90,15 @@ class ProgressReportingGroup:
         with self._clock.phase("generate"):
             return self._group.finish_generate()
 
+    def start_score(self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]) -> None:
+        # As start_generate: a group that re-scores in this process does it here.
+        with self._clock.phase(self._name("score_sequences")):
+            self._group.start_score(prompt_token_ids, response_token_ids)
+
+    def finish_score(self) -> list[Any]:
+        with self._clock.phase(self._name("score_sequences")):
+            return self._group.finish_score()
+
     def stop_reporting(self) -> None:
         self._clock.close()
 
@@ -97,6 +106,6 @@ class ProgressReportingGroup:
         return getattr(self._group, name)
 
 
-def with_phase_progress(group: Any, *, every_seconds: float, iteration: Callable[[], int]) -> ProgressReportingGroup:
-    return ProgressReportingGroup(group, PhaseClock(every_seconds=every_seconds, iteration=iteration,
-                                                    print_line=lambda line: print(line, flush=True)))
+def console_clock(*, every_seconds: float, iteration: Callable[[], int]) -> PhaseClock:
+    """The run's clock, its lines on the console."""
+    return PhaseClock(every_seconds=every_seconds, iteration=iteration, print_line=lambda line: print(line, flush=True))

@@ -3,7 +3,7 @@ node lost) the ranks are torn down and started again from the newest intact chec
 first save: where it started), so the iterations after a restart are those of a run never interrupted.
 
 What makes them equal is kept in the checkpoint, not here: the sampler's position, the KL controller, the rng
-streams, the rollout started ahead (trainer/grpo_trainer.Rollouts); every sampling stream is seeded by (iteration,
+streams, the rollout started ahead (trainer/rollouts.Rollouts); every sampling stream is seeded by (iteration,
 refill), so dynamic sampling's refills and multi-turn tool calls regenerate as they were. Here: whether to restart,
 the one line per restart, and the wait for a cluster that lost a node.
 """

@@ -1,44 +1,70 @@
-"""Rollouts and forward passes as the driver sees them: one generation waited for, the ranks' results assembled
-into one prompt-major batch, a forward RPC's per-sample values, the response tokens of a batch. Used by the
-training loop and by the evaluation."""
+"""Rollouts and forward passes as the driver sees them: the plain rollout (one generate, waited for; the rollout
+strategy of every run without tool turns, trainer/rollout_strategy.py), the ranks' generations assembled into one
+prompt-major batch, a forward RPC's per-sample values, the response tokens of a batch."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from mindspeed_rl.config import GRPOConfig
-from mindspeed_rl.protocol import ROUTES_COLUMN, UNRECORDED_ROUTE, RolloutBatch
+from mindspeed_rl.protocol import ROUTES_COLUMN, UNRECORDED_ROUTE, Generation, RolloutBatch
 from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics, merge_shards
 
 
+class PlainRollout:
+    """One generate per rollout, over the inference ranks. It can run ahead (one-step off-policy): `start` now,
+    `finish` later (a checkpoint keeps the ranks' results between the two), `assemble` the batch."""
+
+    runs_ahead = True
+
+    def __init__(self, config: GRPOConfig):
+        self.config = config
+
+    def generate(self, actor_group: ActorGroup, prompt_ids: list[list[int]], *, iteration=None, n: int | None = None,
+                 greedy: bool = False) -> tuple[RolloutBatch, dict]:
+        """`n` samples of each prompt (default rl_config's), waited for: one prompt-major batch and the metrics."""
+        self.start(actor_group, prompt_ids, iteration, n=n, greedy=greedy)
+        return self.assemble(self.finish(actor_group), prompt_ids)
+
+    def start(self, actor_group: ActorGroup, prompt_ids: list[list[int]], iteration=None, *, n: int | None = None,
+              greedy: bool = False) -> None:
+        actor_group.start_generate(prompt_ids, iteration, n=n, greedy=greedy)
+
+    def finish(self, actor_group: ActorGroup) -> list:
+        """The started rollout's per-rank (Shard of generations, metrics)."""
+        return actor_group.finish_generate()
+
+    def assemble(self, results: list, prompt_ids: list[list[int]]) -> tuple[RolloutBatch, dict]:
+        return rollout_batch(results, prompt_ids, self.config)
+
+
 def generate(actor_group: ActorGroup, prompt_batch, config: GRPOConfig, *, iteration: int | None = None,
-             n: int | None = None, greedy: bool = False, tool_turns=None) -> tuple[RolloutBatch, dict]:
-    """One rollout of `prompt_batch` (`n` samples each, default the config's), waited for; turn by turn with the
-    tools of a multi-turn run (`tool_turns`, trainer/multi_turn.ToolTurns)."""
-    prompt_ids = [p.token_ids for p in prompt_batch]
-    if tool_turns is not None:
-        return tool_turns.generate(actor_group, prompt_ids, iteration=iteration, n=n, greedy=greedy)
-    actor_group.start_generate(prompt_ids, iteration, n=n, greedy=greedy)
-    return rollout_batch(actor_group.finish_generate(), prompt_ids, config)
+             n: int | None = None, greedy: bool = False) -> tuple[RolloutBatch, dict]:
+    """One plain rollout of the prompt records `prompt_batch`, waited for (scripts and tests driving a group by hand;
+    a run's own rollouts go through its strategy)."""
+    return PlainRollout(config).generate(actor_group, [p.token_ids for p in prompt_batch], iteration=iteration, n=n,
+                                         greedy=greedy)
 
 
-def generated_samples(results: list) -> tuple[list[tuple], dict]:
-    """Every inference rank's (shard of samples, metrics) -> the (prompt index, token ids, log-probs[, routes]) of
-    every sample, prompt-major (a prompt's n samples contiguous, in vLLM's order), and the merged metrics."""
-    samples = [(shard.start + sample[0], *sample[1:]) for shard in merge_shards([s for s, _ in results])
-               for sample in shard.value]
-    samples.sort(key=lambda sample: sample[0])  # stable
+def generated_samples(results: list) -> tuple[list[Generation], dict]:
+    """Every inference rank's (shard of generations, metrics) -> every generation, its prompt index counted in the
+    whole rollout, prompt-major (a prompt's n samples contiguous, in vLLM's order), and the merged metrics."""
+    samples = [replace(g, prompt_index=shard.start + g.prompt_index)
+               for shard in merge_shards([s for s, _ in results]) for g in shard.value]
+    samples.sort(key=lambda g: g.prompt_index)  # stable
     return samples, merge_metrics([m for _, m in results])
 
 
 def rollout_batch(results: list, prompt_ids: list[list[int]], config: GRPOConfig) -> tuple[RolloutBatch, dict]:
-    """Every inference rank's (samples, metrics) -> one prompt-major batch and the merged metrics."""
+    """Every inference rank's (generations, metrics) -> one prompt-major batch and the merged metrics."""
     samples, metrics = generated_samples(results)
     width = config.response_length_limit
-    batch = RolloutBatch.from_token_lists([prompt_ids[s[0]] for s in samples], [s[1] for s in samples],
+    batch = RolloutBatch.from_token_lists([prompt_ids[g.prompt_index] for g in samples], [g.token_ids for g in samples],
                                           pad_id=0, response_width=width)
-    batch.columns["rollout_logprobs"] = padded_rows([s[2] for s in samples], batch.response_logprobs_shape)
-    if samples and len(samples[0]) > 3:  # vLLM recorded its routes (routing replay, the ledger's routing share)
-        batch.columns[ROUTES_COLUMN] = routes_column([s[3] for s in samples], batch.input_ids.shape[1])
+    batch.columns["rollout_logprobs"] = padded_rows([g.logprobs for g in samples], batch.response_logprobs_shape)
+    if samples and samples[0].routed_experts is not None:  # vLLM recorded its routes (routing replay, the ledger)
+        batch.columns[ROUTES_COLUMN] = routes_column([g.routed_experts for g in samples], batch.input_ids.shape[1])
     return batch, metrics
 
 

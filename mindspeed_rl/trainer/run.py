@@ -6,18 +6,18 @@ import contextlib
 import dataclasses
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from mindspeed_rl import interrupts
 from mindspeed_rl.checkpoint.store import discard_unfinished_saves
-from mindspeed_rl.checkpoint.trainer_state import (ResumePoint, check_optimizer_split, find_resume_point, resume_actor,
-                                                  saved_rollout_ahead, truncate_metrics_after)
+from mindspeed_rl.checkpoint.trainer_state import (check_optimizer_split, find_resume_point, resume_actor,
+                                                  truncate_metrics_after)
 from mindspeed_rl.config import ConfigError, GRPOConfig
-from mindspeed_rl.data.dataset import PromptDataset, PromptSampler, check_prompt_rows, load_prompt_dataset
+from mindspeed_rl.data.dataset import PromptDataset, check_prompt_rows, load_prompt_dataset
 from mindspeed_rl.interrupts import RunInterrupted
 from mindspeed_rl.trainer import setup
 from mindspeed_rl.trainer.grpo_trainer import make_sampler, train
+from mindspeed_rl.trainer.prepared_run import PreparedRun
 from mindspeed_rl.trainer.restarts import Restarts, wait_for_cluster
 from mindspeed_rl.trainer.reward_model import resolve_reward_model
 from mindspeed_rl.trainer.stopping import DISK_ERRNOS, WORKER_FAILURE_EXIT_CODE, RunProgress, RunStopped
@@ -42,23 +42,6 @@ def run_grpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
             if error.errno not in DISK_ERRNOS:
                 raise
             raise RunStopped(WORKER_FAILURE_EXIT_CODE, progress.disk_failure_line(error)) from None
-
-
-@dataclass(frozen=True, kw_only=True)
-class PreparedRun:
-    """What the checks found and loaded before any worker starts."""
-
-    model_dir: str
-    ref_dir: str
-    tokenizer: object
-    dataset: PromptDataset
-    eval_dataset: PromptDataset | None  # megatron_training.eval_data_path
-    sampler: PromptSampler
-    resume: ResumePoint | None
-    ref_checkpoint: Path | None
-    device: str
-    prediction: object  # the planner's MemoryPlan, or None
-    restarted: bool = False  # resume is this run's own save: everything in it loads, whatever actor_config says
 
 
 def _run(config: GRPOConfig, run_dir: Path, progress: RunProgress) -> list[dict]:
@@ -119,12 +102,7 @@ def _start_and_train(config: GRPOConfig, run: PreparedRun, run_dir: Path, progre
         restore(config, run, actor_group, run_dir, progress)
         if restarts.count:
             print(restarts.resumed_line(run.resume.iteration + 1 if run.resume else 1), flush=True)
-        history = train(config, actor_group, run.tokenizer, run.dataset, run_dir, sampler=run.sampler,
-                        start_iteration=run.resume.iteration + 1 if run.resume else 1, hf_dir=run.model_dir,
-                        progress=progress, prediction=run.prediction, reward_group=reward_group,
-                        eval_dataset=run.eval_dataset,
-                        kl_coef=run.resume.state.get("kl_coef") if run.resume and run.resume.iteration else None,
-                        rollout_ahead=saved_rollout_ahead(run.resume) if config.rollout_staleness else None)
+        history = train(config, actor_group, run, run_dir, progress=progress, reward_group=reward_group)
         completed = True
         return history
     finally:

@@ -26,6 +26,9 @@ class ActorGroup(Protocol):
     def call(self, method: str, *args: Any, blocking: bool = True, **kwargs: Any) -> list[Any]:
         """Run `method` on every rank (SPMD): each rank's result, or with blocking=False what `wait` takes."""
 
+    def wait(self, method: str, refs: list) -> list[Any]:
+        """The results of a `call(method, ..., blocking=False)`, each rank's."""
+
     def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None, *,
                        n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None) -> None:
         """Start the rollout of `prompt_token_ids` (`n` samples each, default rl_config's; `greedy` for
@@ -34,6 +37,13 @@ class ActorGroup(Protocol):
 
     def finish_generate(self) -> list[Any]:
         """The started rollout's per-rank (Shard, metrics)."""
+
+    def start_score(self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]) -> None:
+        """Start vLLM's log-prob of each response token under the weights it generates with next (pushed first where
+        the training weights changed): the mismatch ledger's re-score of a rollout sampled ahead."""
+
+    def finish_score(self) -> list[Any]:
+        """The started re-score's per-rank (Shard, metrics)."""
 
     def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
                        blocking: bool = True) -> list[Any]:
@@ -54,7 +64,8 @@ class RankGroupBase:
     also `worker_class`, `deadlines` and `shm_segments`; a group with more to close than its ranks' `shutdown`,
     `_close_ranks`."""
 
-    _pending: list | None = None
+    _pending: list | None = None  # the started rollout's refs
+    _pending_score: list | None = None  # the started re-score's refs
     worker_class: type | None = None
     # Each rank's place in the data-parallel splits (workers/dispatch.py), asked once its engines are built.
     dispatch_places: list[dict] | None = None
@@ -128,6 +139,15 @@ class RankGroupBase:
         refs, self._pending = self._pending, None
         return self.wait("generate_sequences", refs)
 
+    def start_score(self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]) -> None:
+        assert self._pending_score is None, "a re-score is already running; finish_score first"
+        self._pending_score = self.call("score_sequences", prompt_token_ids, response_token_ids, blocking=False)
+
+    def finish_score(self) -> list[Any]:
+        assert self._pending_score is not None, "no re-score was started"
+        refs, self._pending_score = self._pending_score, None
+        return self.wait("score_sequences", refs)
+
     def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
                        blocking: bool = True) -> list[Any]:
         return self.call("offload_states", include, keep_contents, blocking=blocking)
@@ -157,6 +177,21 @@ class CompositeGroup(RankGroupBase):
 
     def member_for(self, method: str):
         return next((group for group in self.member_groups if group.answers(method)), self.member_groups[0])
+
+    # The rollout and the re-score go to the member that holds the inference engine, whichever it is.
+    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None, *,
+                       n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None) -> None:
+        self.member_for("generate_sequences").start_generate(prompt_token_ids, iteration, n=n, greedy=greedy,
+                                                             max_tokens=max_tokens)
+
+    def finish_generate(self) -> list[Any]:
+        return self.member_for("generate_sequences").finish_generate()
+
+    def start_score(self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]) -> None:
+        self.member_for("score_sequences").start_score(prompt_token_ids, response_token_ids)
+
+    def finish_score(self) -> list[Any]:
+        return self.member_for("score_sequences").finish_score()
 
     def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
                        blocking: bool = True) -> list[Any]:

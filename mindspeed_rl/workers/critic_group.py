@@ -42,13 +42,6 @@ class ActorWithOwnCritic(CompositeGroup):
     def _group(self, method: str):
         return self.member_for(method)
 
-    def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None, *,
-                       n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None) -> None:
-        self.actor.start_generate(prompt_token_ids, iteration, n=n, greedy=greedy, max_tokens=max_tokens)
-
-    def finish_generate(self) -> list[Any]:
-        return self.actor.finish_generate()
-
     def shutdown(self) -> None:
         try:
             self.critic.shutdown()

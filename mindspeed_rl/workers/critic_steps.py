@@ -30,9 +30,11 @@ def critic_optimizer_settings(cfg: GRPOConfig):
                              use_distributed_optimizer=cfg.megatron_training.use_distributed_optimizer)
 
 
-def build_critic(config: GRPOConfig, accelerator, options, *, model_dir: str, progress: Callable[[str], None]):
+def build_critic(config: GRPOConfig, accelerator, options, *, parallel, model_dir: str,
+                 progress: Callable[[str], None]):
     """The critic from critic_config.load (an HF reward model or causal LM) or else the actor's initial
-    weights; None without a critic_config."""
+    weights, in the actor's layout (`parallel`: this rank's RankGroups, the caller's); None without a
+    critic_config."""
     if config.critic_config is None:
         return None
     from mindspeed_rl.checkpoint.store import is_checkpoint_dir
@@ -47,8 +49,8 @@ def build_critic(config: GRPOConfig, accelerator, options, *, model_dir: str, pr
     options = replace(options, recompute_granularity=c.recompute_granularity, recompute_method=c.recompute_method,
                       recompute_num_layers=c.recompute_num_layers)  # the critic's own activation recompute
     critic = CriticEngine(spec=train_spec(config, spec), hf_state=state, params_dtype=params_dtype(config),
-                          accelerator=accelerator, optimizer=critic_optimizer_settings(config), options=options,
-                          head_seed=config.megatron_training.seed + CRITIC_SEED_OFFSET)
+                          accelerator=accelerator, parallel=parallel, optimizer=critic_optimizer_settings(config),
+                          options=options, head_seed=config.megatron_training.seed + CRITIC_SEED_OFFSET)
     progress("Megatron critic built")
     return critic
 

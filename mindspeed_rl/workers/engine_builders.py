@@ -2,7 +2,7 @@
 the reward model, the vLLM engine, their offloadable states, the residency policy and the layouts of the weight push."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -10,22 +10,28 @@ from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.config.tolerated import sequence_parallel_in_effect
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 
+if TYPE_CHECKING:
+    from mindspeed_rl.parallel.megatron_state import RankGroups
 
-def init_distributed(accelerator, *, rank: int, world_size: int, config: GRPOConfig, train_layout=None) -> None:
-    """This rank's world; with a `train_layout` (a training rank) Megatron's groups over it and their RNG.
-    vLLM, under external_launcher, builds its own groups over the world it finds."""
+
+def init_distributed(accelerator, *, rank: int, world_size: int, config: GRPOConfig,
+                     train_layout=None) -> RankGroups | None:
+    """This rank's world; with a `train_layout` (a training rank) Megatron's groups over it and their RNG, returned
+    as this rank's `RankGroups` for the engines and helpers that need them (None on a rank without a training
+    layout). vLLM, under external_launcher, builds its own groups over the world it finds."""
     import torch.distributed as dist
 
     runtime = config.runtime
     dist.init_process_group(accelerator.distributed_backend, rank=rank, world_size=world_size,
                             timeout=set_collective_timeout(runtime.collective_timeout_seconds))
     if train_layout is None:
-        return
+        return None
     from mindspeed_rl.parallel import megatron_state
 
-    megatron_state.initialize(train_layout, rank=rank, world_size=world_size,
-                              timeout_minutes=max(1, round(runtime.collective_timeout_seconds / 60)))
+    groups = megatron_state.initialize(train_layout, rank=rank, world_size=world_size,
+                                       timeout_minutes=max(1, round(runtime.collective_timeout_seconds / 60)))
     accelerator.seed_model_parallel_rng(config.megatron_training.seed)
+    return groups
 
 
 def set_collective_timeout(seconds: float):
@@ -83,19 +89,19 @@ def train_spec(config: GRPOConfig, spec):
     return replace(spec, pipeline_stage_layers=config.actor_config.pipeline_stage_layers)
 
 
-def build_actor(config: GRPOConfig, accelerator, options, *, checkpoint, progress: Callable[[str], None]):
-    """The actor (with Megatron's optimizer) from the HF checkpoint `checkpoint` = (spec, state)."""
+def build_actor(config: GRPOConfig, accelerator, options, *, parallel: RankGroups, checkpoint,
+                progress: Callable[[str], None]):
+    """The actor (with Megatron's optimizer) from the HF checkpoint `checkpoint` = (spec, state), on this rank's
+    place `parallel` in the training layout (init_distributed's); it replays or measures vLLM's routes where the
+    run records them (records_routes)."""
     from mindspeed_rl.engines.megatron_engine import MegatronEngine
     from mindspeed_rl.workers.actor_steps import optimizer_settings
 
     spec, state = checkpoint
     actor = MegatronEngine(spec=train_spec(config, spec), hf_state=state, params_dtype=params_dtype(config),
-                           accelerator=accelerator, optimizer=optimizer_settings(config), options=options,
-                           lora=lora_settings(config), lora_filter=config.actor_config.lora_filter)
-    if records_routes(config, spec):
-        from mindspeed_rl.engines.routing_replay import RoutingReplay
-
-        actor.routing_replay = RoutingReplay(actor.module, forcing=config.rl_config.routing_replay)
+                           accelerator=accelerator, parallel=parallel, optimizer=optimizer_settings(config),
+                           options=options, lora=lora_settings(config), lora_filter=config.actor_config.lora_filter,
+                           routing_replay=config.rl_config.routing_replay if records_routes(config, spec) else None)
     if not config.uses_reference:
         progress("Megatron actor built (no reference: init_kl_coef is 0)")
     elif config.reference_is_backbone:
@@ -105,13 +111,14 @@ def build_actor(config: GRPOConfig, accelerator, options, *, checkpoint, progres
     return actor
 
 
-def build_reference(config: GRPOConfig, accelerator, options, *, checkpoint, progress: Callable[[str], None]):
-    """The reference model (no optimizer) from `checkpoint` = (spec, state), in the actor's layout."""
+def build_reference(config: GRPOConfig, accelerator, options, *, parallel: RankGroups, checkpoint,
+                    progress: Callable[[str], None]):
+    """The reference model (no optimizer) from `checkpoint` = (spec, state), in the actor's layout (`parallel`)."""
     from mindspeed_rl.engines.megatron_engine import MegatronEngine
 
     spec, state = checkpoint
     reference = MegatronEngine(spec=train_spec(config, spec), hf_state=state, params_dtype=params_dtype(config),
-                               accelerator=accelerator, optimizer=None, options=options)
+                               accelerator=accelerator, parallel=parallel, optimizer=None, options=options)
     progress("Megatron reference built")
     return reference
 
@@ -123,17 +130,18 @@ def lora_settings(config: GRPOConfig):
     return lora_settings_of(config.actor_config, seed=config.megatron_training.seed)
 
 
-def build_reward_model(config: GRPOConfig, accelerator, options, *, progress: Callable[[str], None]):
+def build_reward_model(config: GRPOConfig, accelerator, options, *, parallel: RankGroups,
+                       progress: Callable[[str], None]):
     """The reward model of rewards.<name>.model_path (the driver resolved the path), in the actor's TP/PP
-    layout and dtype; None without one."""
+    layout (`parallel`) and dtype; None without one."""
     if config.reward_model is None:
         return None
     from mindspeed_rl.engines.reward_model import RewardModelEngine
 
     model_dir = config.reward_model[1].model_path
     spec, state = load_hf_checkpoint(model_dir)
-    engine = RewardModelEngine(spec=spec, hf_state=state, accelerator=accelerator, model_dir=model_dir,
-                               params_dtype=params_dtype(config), options=options)
+    engine = RewardModelEngine(spec=spec, hf_state=state, accelerator=accelerator, parallel=parallel,
+                               model_dir=model_dir, params_dtype=params_dtype(config), options=options)
     progress("Megatron reward model built")
     return engine
 

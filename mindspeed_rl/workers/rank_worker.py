@@ -1,41 +1,65 @@
-"""One rank of a run: the parts its role composes (workers/parts/), and what every rank has around them: its world, the
-offloader of its states, the sharding manager that moves them by the residency table, the weight push between the
-parts' two ends, the memory ledger and ROLL's manual state control.
+"""One rank of a run: the parts its role composes (workers/parts/), each an object built with this rank's one
+`RankContext`, and what every rank has around them: its world and parallel groups, the offloader of its states, the
+sharding manager that moves them by the residency table, the weight push between the parts' two ends, the memory
+ledger and ROLL's manual state control.
 
 The driver calls every method on every rank of a group (SPMD); ranks return their share of the result and the rank
-group (workers/actor_group.py) assembles it. Each part's RPC declares its phase of the residency table
-(`@phase_rpc`); the sharding manager moves the states, nothing else does.
+group (workers/actor_group.py) assembles it. The rank class of a role (`compose`) forwards each RPC its parts declare
+to the part; each RPC declares its phase of the residency table (`@phase_rpc`); the sharding manager moves the
+states, nothing else does.
 """
 from __future__ import annotations
 
-import functools
+import inspect
 import os
 import time
+from typing import Callable
 
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.memory.residency import IDLE, ResidencyPolicy
-from mindspeed_rl.workers.parts import DESTINATION, MEGATRON, SOURCE, VLLM, Part
+from mindspeed_rl.workers.parts import DESTINATION, MEGATRON, SOURCE, VLLM, Part, RankContext, declared_rpcs
 from mindspeed_rl.workers.rank_process import RankInfo, RankProcess
+
+# What a forwarded RPC carries of its declaration (workers/phase_rpc.py, workers/parts/part_rpc).
+_DECLARATION = ("phase", "progress", "changes_weights", "dispatch", "rpc")
 
 
 def compose(role: str, parts: tuple[type[Part], ...]) -> type:
-    """The worker class of `role`: its parts over the rank base (the class Ray makes an actor of)."""
+    """The rank class of `role` (the class Ray makes an actor of): the rank base holding one object per part, with a
+    method per RPC the parts declare that forwards to the part."""
     name = "".join(word.title() for word in (role or "actor_hybrid").split("_")) + "Worker"
-    return type(name, (*parts, RankWorker), {"ROLE": role, "PARTS": tuple(parts)})
+    namespace: dict = {"ROLE": role, "PARTS": tuple(parts)}
+    for part in parts:
+        for method, rpc in declared_rpcs(part).items():
+            namespace[method] = _forwarder(part.NAME, method, rpc)
+    return type(name, (RankWorker,), namespace)
+
+
+def _forwarder(part_name: str, method: str, rpc: Callable) -> Callable:
+    def forward(self, *args, **kwargs):
+        return getattr(self.parts[part_name], method)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = method
+    forward.__doc__ = rpc.__doc__
+    # Ray checks every call against the signature it finds (the RPC's own, `meta_info` included).
+    forward.__signature__ = inspect.signature(rpc)
+    for attribute in _DECLARATION:
+        if hasattr(rpc, attribute):
+            setattr(forward, attribute, getattr(rpc, attribute))
+    return forward
 
 
 class RankWorker(RankProcess):
     # Named in failure messages beside the rank (actor_train, actor_infer, critic; "" for the colocated actor).
     ROLE = ""
     PARTS: tuple[type[Part], ...] = ()
-    # Set by the parts that build them; None where this rank has no such part.
-    actor = reference = inference_model = reward_model = critic = None
 
     def __init__(self, config: GRPOConfig, rank_info: RankInfo, *, model_dir: str, ref_model_dir: str):
         self.config = config
         self.rank_info = rank_info
         self.model_dir = model_dir
         self.ref_model_dir = ref_model_dir
+        self.parts: dict[str, Part] = {}  # by NAME, in the role's order; built by initialize
         os.environ.update(
             RANK=str(rank_info.rank), LOCAL_RANK=str(rank_info.rank), WORLD_SIZE=str(rank_info.world_size),
             MASTER_ADDR=rank_info.master_addr, MASTER_PORT=str(rank_info.master_port),
@@ -48,13 +72,15 @@ class RankWorker(RankProcess):
     def holds(self, push_end: str) -> bool:
         return any(part.PUSH_END == push_end for part in self.PARTS)
 
+    def _end(self, push_end: str) -> Part | None:
+        """This rank's part at `push_end` of the weight push, or None."""
+        return next((part for part in self.parts.values() if part.PUSH_END == push_end), None)
+
     # -- construction ----------------------------------------------------------------------------
     def initialize(self) -> dict[str, float]:
         """Distributed groups, each part's engines, the weight push, the ledger; ends in `idle`."""
         from mindspeed_rl.accelerator import get_accelerator
-        from mindspeed_rl.memory.offload import Offloader
         from mindspeed_rl.workers import engine_builders as build
-        from mindspeed_rl.workers.sharding_manager import ShardingManager
 
         started = time.perf_counter()
         cfg = self.config
@@ -62,33 +88,53 @@ class RankWorker(RankProcess):
         # Ray makes exactly this rank's device visible to the actor; a rank in the driver takes the first visible one.
         self.accelerator.set_device(0)
         trains = any(part.STAGE == MEGATRON for part in self.PARTS)
-        build.init_distributed(self.accelerator, rank=self.rank_info.rank, world_size=self.rank_info.world_size,
-                               config=cfg, train_layout=self.layout.train if trains else None)
-        self.offloader = Offloader(self.accelerator)
-        self._checkpoints: dict[str, tuple] = {}
-        self._build(MEGATRON, started)
-        self.sharding_manager = ShardingManager(offloader=self.offloader, policy=self._residency_policy())
+        self.groups = build.init_distributed(self.accelerator, rank=self.rank_info.rank,
+                                             world_size=self.rank_info.world_size, config=cfg,
+                                             train_layout=self.layout.train if trains else None)
+        context = self._context(started)
+        self._build(context, MEGATRON)
         # Only pinned states stay while vLLM starts: on an accelerator it sizes its KV cache by the free memory.
         self.sharding_manager.enter(IDLE)
-        self._build(VLLM, started)
+        self._build(context, VLLM)
         self._checkpoints = {}
         if self.holds(SOURCE) and self.holds(DESTINATION):
             self._wire_colocated_push()
         self._setup_memory()
         return {"timing/initialize": time.perf_counter() - started}
 
-    def _build(self, stage: str, started: float) -> None:
-        for part in self.PARTS:
-            if part.STAGE == stage:
-                part.build_part(self, started)
+    def _context(self, started: float) -> RankContext:
+        """The one context every part is built with; the mechanisms in it exist before any part (the ledger's
+        capacity is set once they are all built, as the device settles)."""
+        from mindspeed_rl.memory import MemoryLedger
+        from mindspeed_rl.memory.offload import Offloader
+        from mindspeed_rl.workers.sharding_manager import ShardingManager
 
-    @functools.cached_property
+        self.offloader = Offloader(self.accelerator)
+        self.sharding_manager = ShardingManager(offloader=self.offloader, policy=self.residency_policy())
+        self.ledger = MemoryLedger(self.offloader.phase_bytes, self.accelerator,
+                                   read_host_states=self.offloader.host_bytes)
+        self._checkpoints: dict[str, tuple] = {}
+        return RankContext(
+            config=self.config, rank_info=self.rank_info, role=self.ROLE,
+            part_names=tuple(part.NAME for part in self.PARTS), model_dir=self.model_dir,
+            ref_model_dir=self.ref_model_dir, accelerator=self.accelerator, layout=self.layout, groups=self.groups,
+            offloader=self.offloader, sharding_manager=self.sharding_manager, ledger=self.ledger,
+            progress=lambda step: self._progress(step, started), hf_checkpoint=self.hf_checkpoint,
+            model_options=self.model_options)
+
+    def _build(self, context: RankContext, stage: str) -> None:
+        """This stage's parts, in the role's order: each gets the parts it borrows from (built before it)."""
+        for part_class in self.PARTS:
+            if part_class.STAGE == stage:
+                borrowed = {name: self.parts[name] for name in part_class.BORROWS if name in self.parts}
+                part = self.parts[part_class.NAME] = part_class(context, borrowed)
+                part.build()
+
+    @property
     def layout(self):
-        """The run's parallel layout (parallel/layout.py), built once on this rank: Megatron's groups, the push and
+        """The run's parallel layout (parallel/layout.py), the config's one object: Megatron's groups, the push and
         the dispatch places come from it."""
-        from mindspeed_rl.parallel.layout import ParallelLayout
-
-        return ParallelLayout.from_config(self.config)
+        return self.config.layout
 
     def hf_checkpoint(self, model_dir: str) -> tuple:
         """(spec, state) of an HF directory, read once per initialize (the actor and the reference share one)."""
@@ -107,13 +153,14 @@ class RankWorker(RankProcess):
             self._model_options = build.model_options(self.config, self.accelerator, announce=announce)
         return self._model_options
 
-    def _residency_policy(self) -> ResidencyPolicy:
-        """The table's rows for the states this rank's parts hold: vLLM's stay where nothing else shares its
-        devices, the critic's where it is alone on its ranks."""
-        names = {part.NAME for part in self.PARTS}
-        return ResidencyPolicy.for_run(self.config, has_reward_model="reward model" in names,
-                                       has_critic="critic" in names, offload_inference=len(names) > 1,
-                                       critic_only=names == {"critic"})
+    @classmethod
+    def residency_policy_of(cls, config: GRPOConfig) -> ResidencyPolicy:
+        """The table's rows for the states this role's parts declare (the planner asks the same function with the
+        run's)."""
+        return ResidencyPolicy.for_states(config, frozenset().union(*(part.STATES for part in cls.PARTS)))
+
+    def residency_policy(self) -> ResidencyPolicy:
+        return self.residency_policy_of(self.config)
 
     def _wire_colocated_push(self) -> None:
         """Both ends of the push on this rank: through the plan into the local vLLM; LoRA's moves only the adapters
@@ -122,18 +169,17 @@ class RankWorker(RankProcess):
         from mindspeed_rl.workers import engine_builders as build
 
         self.sharding_manager.attach_push(colocated_push_of(
-            self.actor, inference_model=self.inference_model, train=self.layout.train, infer=self.layout.infer,
-            rank=self.rank_info.rank, world_size=self.rank_info.world_size, bucket_bytes=build.bucket_bytes(self.config),
+            self._end(SOURCE).actor, inference_model=self._end(DESTINATION).inference_model, train=self.layout.train,
+            infer=self.layout.infer, rank=self.rank_info.rank, world_size=self.rank_info.world_size,
+            bucket_bytes=build.bucket_bytes(self.config),
             check_weights=self.config.generate_config.check_weights_after_switch), colocated=True)
 
     def _setup_memory(self) -> None:
-        """The ledger over the offloader's states; then, as ROLL's workers do after initialize, only what
-        the table pins stays on the device (vLLM holds dummy weights until the first push: dropped)."""
-        from mindspeed_rl.memory import MemoryLedger
+        """The ledger's capacity; then, as ROLL's workers do after initialize, only what the table pins stays on the
+        device (vLLM holds dummy weights until the first push: dropped)."""
         from mindspeed_rl.memory.context_managers import log_gpu_memory_usage, register_memory_source
 
-        self.ledger = MemoryLedger(self.offloader.phase_bytes, self.accelerator,
-                                   read_host_states=self.offloader.host_bytes, capacity=self._capacity())
+        self.ledger.capacity = self._capacity()
         self.sharding_manager.capacity = self.ledger.capacity
         register_memory_source(self.offloader.resident_bytes, self.accelerator)
         self.sharding_manager.enter(IDLE)
@@ -162,10 +208,8 @@ class RankWorker(RankProcess):
         from mindspeed_rl.workers.dispatch import INFER_DP, TRAIN_DP, DataParallelPlace
 
         places = {}
-        if any(part.STAGE == MEGATRON for part in self.PARTS):
-            from mindspeed_rl.parallel import megatron_state
-
-            p = megatron_state.current()
+        if self.groups is not None:
+            p = self.groups
             places[TRAIN_DP] = DataParallelPlace(dp_rank=p.dp_rank, dp_size=p.dp,
                                                  collected=p.tp_rank == 0 and p.cp_rank == 0 and p.last_stage)
         if any(part.STAGE == VLLM for part in self.PARTS):
@@ -190,11 +234,11 @@ class RankWorker(RankProcess):
             train_world_size=train_world_size, infer_world_size=infer_world_size,
             bridge_rank=self.rank_info.rank + (0 if source else train_world_size),
             dtypes=infer_dtypes if infer_dtypes is not None else self.inference_dtypes(),
-            inference_model=self.inference_model, host=host, port=port,
+            inference_model=getattr(self._end(DESTINATION), "inference_model", None), host=host, port=port,
             timeout_seconds=self.config.runtime.collective_timeout_seconds,
             backend=self.accelerator.distributed_backend, bucket_bytes=build.bucket_bytes(self.config),
             check_weights=self.config.generate_config.check_weights_after_switch)
-        push = bridge_push_of(lora=build.lora_settings(self.config), actor=self.actor if source else None,
+        push = bridge_push_of(lora=build.lora_settings(self.config), actor=self._end(SOURCE).actor if source else None,
                               adapter_dtype=build.params_dtype(self.config), **common)
         self.sharding_manager.attach_push(push, colocated=False)
 

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+from mindspeed_rl.memory.residency import run_states
 from mindspeed_rl.workers.parts.critic import CriticPart
 from mindspeed_rl.workers.parts.inference import InferencePart
 from mindspeed_rl.workers.parts.reference import ReferencePart
@@ -20,15 +21,11 @@ ALL_PARTS = (TrainingPart, ReferencePart, RewardModelPart, CriticPart, Inference
 
 
 def training_parts(config) -> tuple[type, ...]:
-    """The actor's training side: the engine, and beside it what the run has of the others."""
-    parts = [TrainingPart]
-    if config.uses_reference:
-        parts.append(ReferencePart)
-    if config.reward_model is not None:
-        parts.append(RewardModelPart)
-    if config.critic_config is not None and not config.critic_has_own_devices:
-        parts.append(CriticPart)
-    return tuple(parts)
+    """The actor's training side: the parts (inference aside) whose states the run holds (`run_states`), the critic
+    only where it shares the actor's devices."""
+    states = run_states(config)
+    return tuple(part for part in (TrainingPart, ReferencePart, RewardModelPart, CriticPart)
+                 if part.STATES & states and not (part is CriticPart and config.critic_has_own_devices))
 
 
 def actor_worker(config) -> type:

@@ -23,15 +23,16 @@ class CriticPart(Part):
     STAGE = MEGATRON
     CHECKPOINT = Checkpointed(save="save_critic_checkpoint", load="load_critic_checkpoint", state_key="critic_scheduler")
 
-    def build_part(self, started: float) -> None:
+    def build(self) -> None:
         from mindspeed_rl.engines.critic import register_critic_states
 
+        ctx = self.context
         self.critic_shuffler = critic_steps.critic_shuffler(self.config)
-        alone = self.PARTS == (CriticPart,)
+        alone = ctx.part_names == (self.NAME,)
         self.critic = critic_steps.build_critic(
-            self.config, self.accelerator, self.model_options(), model_dir=self.model_dir,
-            progress=lambda step: self._progress(f"critic ranks: {step}" if alone else step, started))
-        register_critic_states(self.offloader, self.critic)
+            self.config, ctx.accelerator, ctx.model_options(), model_dir=ctx.model_dir, parallel=ctx.groups,
+            progress=lambda step: ctx.progress(f"critic ranks: {step}" if alone else step))
+        register_critic_states(ctx.offloader, self.critic)
 
     @phase_rpc(CRITIC_VALUES, progress="critic values", dispatch=Dispatch(TRAIN_DP, "batch"))
     def compute_values(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -42,8 +43,8 @@ class CriticPart(Part):
     def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
         from mindspeed_rl.memory import ActivationMeter
 
-        guard = self.ledger.activation_guard(CRITIC_UPDATE, self.offloader.resident_bytes())
-        with ActivationMeter(self.offloader.storage_keys(), on_grow=guard) as activations:
+        guard = self.ledger.activation_guard(CRITIC_UPDATE, self.context.offloader.resident_bytes())
+        with ActivationMeter(self.context.offloader.storage_keys(), on_grow=guard) as activations:
             metrics = update_critic(self.critic, self.config, batch, self.critic_shuffler)
             in_phase = self.ledger.record(CRITIC_UPDATE, extra={"activations": activations.peak_bytes})
         return {**metrics, **in_phase.metrics()}
@@ -59,7 +60,7 @@ class CriticPart(Part):
         critic_dir = os.path.join(checkpoint_dir, "critic")
         state = self.critic.save_sharded(critic_dir, with_optimizer=with_optimizer)
         if with_rng:
-            save_rng_state(critic_dir, self.rank_info.rank, {"critic_shuffler": self.critic_shuffler.generator})
+            save_rng_state(critic_dir, self.context.rank_info.rank, {"critic_shuffler": self.critic_shuffler.generator})
         return state, {"timing/save_critic": time.perf_counter() - started}
 
     @phase_rpc(CRITIC_UPDATE, label="load_critic", progress="checkpoint load")
@@ -73,5 +74,5 @@ class CriticPart(Part):
         critic_dir = os.path.join(checkpoint_dir, "critic")
         self.critic.load_sharded(critic_dir, load_optimizer=load_optimizer, scheduler_state=scheduler_state)
         if load_rng:
-            load_rng_state(critic_dir, self.rank_info.rank, {"critic_shuffler": self.critic_shuffler.generator})
+            load_rng_state(critic_dir, self.context.rank_info.rank, {"critic_shuffler": self.critic_shuffler.generator})
         return {"timing/load_critic": time.perf_counter() - started}

@@ -3,11 +3,13 @@ the weight push."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
 from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.memory.residency import GENERATE, INFER_WEIGHTS, KV_CACHE
+from mindspeed_rl.protocol import Generation
 from mindspeed_rl.workers.actor_steps import sampling_seed
 from mindspeed_rl.workers.dispatch import INFER_DP, Dispatch
 from mindspeed_rl.workers.parts import DESTINATION, VLLM, Part, part_rpc
@@ -20,13 +22,14 @@ class InferencePart(Part):
     STAGE = VLLM
     PUSH_END = DESTINATION
 
-    def build_part(self, started: float) -> None:
+    def build(self) -> None:
         from mindspeed_rl.memory.vllm_states import register_inference_states
         from mindspeed_rl.workers import engine_builders as build
 
-        self.inference_model = build.build_inference_model(self.config, self.accelerator, model_dir=self.model_dir)
-        self._progress("vLLM started", started)
-        register_inference_states(self.offloader, self.inference_model, self.accelerator)
+        ctx = self.context
+        self.inference_model = build.build_inference_model(self.config, ctx.accelerator, model_dir=ctx.model_dir)
+        ctx.progress("vLLM started")
+        register_inference_states(ctx.offloader, self.inference_model, ctx.accelerator)
 
     @part_rpc
     def inference_dtypes(self) -> dict:
@@ -38,9 +41,9 @@ class InferencePart(Part):
     @phase_rpc(GENERATE, progress="generate", dispatch=Dispatch(INFER_DP, "prompt_token_ids", "max_tokens"))
     def generate_sequences(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None,
                            n: int | None = None, greedy: bool = False,
-                           max_tokens: list[int] | None = None) -> tuple[list, dict[str, float]]:
+                           max_tokens: list[int] | None = None) -> tuple[list[Generation], dict[str, float]]:
         """Each inference-DP group samples its share of the prompts (the ranks of a TP x PP block the same: vLLM
-        broadcasts the last stage's output): (index in the share, token ids, log-probs) per sample. `n` samples
+        broadcasts the last stage's output): a `Generation` per sample (its prompt index in the share). `n` samples
         per prompt (default rl_config.n_samples_per_prompt), greedily with `greedy` (evaluation), at most
         `max_tokens[i]` tokens for prompt i (default sampling_config.max_tokens; a multi-turn turn's budgets).
 
@@ -52,7 +55,7 @@ class InferencePart(Part):
         in_phase = self.ledger.record(GENERATE)
         if iteration is not None:
             base_seed = sampling.seed if sampling.seed is not None else self.config.megatron_training.seed
-            dp_rank = self.layout.infer.dp_rank(self.rank_info.rank)
+            dp_rank = self.context.layout.infer.dp_rank(self.context.rank_info.rank)
             torch.manual_seed(sampling_seed(base_seed, iteration, dp_rank))
         t0 = time.perf_counter()
         generations = [] if not prompt_token_ids else self.inference_model.generate(
@@ -65,9 +68,8 @@ class InferencePart(Part):
                    # Of the inference weights, the oneDNN-packed copies the CPU GEMMs read (engines/vllm_cpu_linears.py).
                    "memory/generate/inference_weights_packed_bytes": float(self.inference_model.packed_linear_bytes())}
         return_free_heap()  # an inference-only rank (disaggregated) has no update to end its iteration
-        # With routing replay the routes ride along: (index, token ids, log-probs, [positions, layers, k] experts).
-        return [(g.prompt_index, g.token_ids, g.logprobs) + (() if g.routed_experts is None else (g.routed_experts,))
-                for g in generations], metrics
+        # Their prompt_index counts in this rank's share; with routing replay the routes ride along.
+        return [replace(g, top_logprobs=None, text=None) for g in generations], metrics
 
     @phase_rpc(GENERATE, progress="re-score", dispatch=Dispatch(INFER_DP, "prompt_token_ids", "response_token_ids"))
     def score_sequences(self, prompt_token_ids: list[list[int]],

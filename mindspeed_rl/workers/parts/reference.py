@@ -11,7 +11,7 @@ import torch
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.workers.dispatch import TRAIN_DP, Dispatch
 from mindspeed_rl.workers.parts import MEGATRON, Part
-from mindspeed_rl.workers.parts.training import forward_logprobs
+from mindspeed_rl.workers.parts.training import TrainingPart, forward_logprobs
 from mindspeed_rl.workers.phase_rpc import phase_rpc
 
 
@@ -20,24 +20,28 @@ class ReferencePart(Part):
     STATES = frozenset({REF_PARAMS})
     STAGE = MEGATRON
 
-    def build_part(self, started: float) -> None:
+    # Under LoRA's shared backbone (rl_config.share_backbone) the reference is the training engine's backbone.
+    BORROWS = (TrainingPart.NAME,)
+
+    def build(self) -> None:
         from mindspeed_rl.memory.megatron_states import register_reference_states
         from mindspeed_rl.workers import engine_builders as build
 
+        ctx = self.context
         if self.config.reference_is_backbone:
+            self.reference = None
             return
-        self.reference = build.build_reference(self.config, self.accelerator, self.model_options(),
-                                               checkpoint=self.hf_checkpoint(self.ref_model_dir),
-                                               progress=lambda step: self._progress(step, started))
-        register_reference_states(self.offloader, self.reference)
+        self.reference = build.build_reference(self.config, ctx.accelerator, ctx.model_options(), parallel=ctx.groups,
+                                               checkpoint=ctx.hf_checkpoint(ctx.ref_model_dir), progress=ctx.progress)
+        register_reference_states(ctx.offloader, self.reference)
 
     @phase_rpc(REF_LOGPROB, progress="reference log-probs", dispatch=Dispatch(TRAIN_DP, "batch"))
     def compute_ref_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """The reference model's log-probs of this rank's share; with LoRA's shared backbone, the actor's with its
         adapters off."""
         in_phase = self.ledger.record(REF_LOGPROB)
-        engine = self.reference or self.actor
-        with contextlib.nullcontext() if self.reference is not None else self.actor.adapters_disabled():
+        engine = self.reference or self.borrowed[TrainingPart.NAME].actor
+        with contextlib.nullcontext() if self.reference is not None else engine.adapters_disabled():
             logprobs = forward_logprobs(self, engine, batch, reference=True)
         return logprobs, in_phase.metrics()
 

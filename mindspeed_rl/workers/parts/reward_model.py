@@ -15,13 +15,14 @@ class RewardModelPart(Part):
     STATES = frozenset({REWARD_PARAMS})
     STAGE = MEGATRON
 
-    def build_part(self, started: float) -> None:
+    def build(self) -> None:
         from mindspeed_rl.engines.reward_model import register_reward_states
         from mindspeed_rl.workers import engine_builders as build
 
-        self.reward_model = build.build_reward_model(self.config, self.accelerator, self.model_options(),
-                                                     progress=lambda step: self._progress(step, started))
-        register_reward_states(self.offloader, self.reward_model)
+        ctx = self.context
+        self.reward_model = build.build_reward_model(self.config, ctx.accelerator, ctx.model_options(),
+                                                     parallel=ctx.groups, progress=ctx.progress)
+        register_reward_states(ctx.offloader, self.reward_model)
 
     @phase_rpc(REWARD, progress="reward model", dispatch=Dispatch(TRAIN_DP, "batch"))
     def compute_reward_scores(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:

@@ -25,17 +25,15 @@ class TrainingPart(Part):
     PUSH_END = SOURCE
     CHECKPOINT = Checkpointed(save="save_checkpoint", load="load_checkpoint", state_key="scheduler")
 
-    def build_part(self, started: float) -> None:
+    def build(self) -> None:
         from mindspeed_rl.memory.megatron_states import register_megatron_states
         from mindspeed_rl.workers import engine_builders as build
 
-        self.shuffler = MiniBatchShuffler(seed=self.config.megatron_training.seed,
-                                          shuffle=self.config.rl_config.shuffle_mini_batch)
-        self.actor = build.build_actor(self.config, self.accelerator, self.model_options(),
-                                       checkpoint=self.hf_checkpoint(self.model_dir),
-                                       progress=lambda step: self._progress(step, started))
-        mt = self.config.megatron_training
-        register_megatron_states(self.offloader, self.actor,
+        ctx, mt = self.context, self.config.megatron_training
+        self.shuffler = MiniBatchShuffler(seed=mt.seed, shuffle=self.config.rl_config.shuffle_mini_batch)
+        self.actor = build.build_actor(self.config, ctx.accelerator, ctx.model_options(), parallel=ctx.groups,
+                                       checkpoint=ctx.hf_checkpoint(ctx.model_dir), progress=ctx.progress)
+        register_megatron_states(ctx.offloader, self.actor,
                                  swap_optimizer_times=mt.swap_optimizer_times if mt.swap_optimizer else None)
 
     @property
@@ -52,17 +50,22 @@ class TrainingPart(Part):
         """The actor's log-probs of this rank's share of the batch; with `batch.meta_info["disable_adapter"]`
         (ROLL's LoRA reference call), its backbone's, with the adapters off."""
         in_phase = self.ledger.record(OLD_LOGPROB)
-        disabled = batch.meta_info.get("disable_adapter", False)
-        replayed = batch.meta_info.get("replay_routing", False)  # the mismatch ledger's routing share
-        with self.actor.adapters_disabled() if disabled else contextlib.nullcontext(), self._routing(replayed):
+        disabled = batch.meta_info.get("disable_adapter", False)  # ROLL's API, not a flag of ours
+        with self.actor.adapters_disabled() if disabled else contextlib.nullcontext():
             logprobs = forward_logprobs(self, self.actor, batch, reference=False)
         routing = self.actor.routing_metrics()
-        return logprobs, in_phase.metrics() | ({} if disabled or replayed else routing)
+        return logprobs, in_phase.metrics() | ({} if disabled else routing)
 
-    def _routing(self, replayed: bool):
-        """vLLM's recorded routes forced for this call (the ledger's `L_replayed`), replay on or not."""
+    @phase_rpc(OLD_LOGPROB, progress="replayed log-probs", dispatch=Dispatch(TRAIN_DP, "batch"))
+    def compute_replayed_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The actor's log-probs of this rank's share with vLLM's recorded routes forced (the batch's routes column),
+        routing replay on or not: the mismatch ledger's `L_replayed`, which splits off its routing share."""
+        in_phase = self.ledger.record(OLD_LOGPROB)
         replay = self.actor.routing_replay
-        return replay.forced(True) if replayed and replay is not None else contextlib.nullcontext()
+        with replay.forced(True) if replay is not None else contextlib.nullcontext():
+            logprobs = forward_logprobs(self, self.actor, batch, reference=False)
+        self.actor.routing_metrics()  # forced routes flip nothing: their counts are taken and not reported
+        return logprobs, in_phase.metrics()
 
     @phase_rpc(UPDATE, progress="update", changes_weights=True, dispatch=Dispatch(TRAIN_DP, "batch"))
     def update(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
@@ -79,8 +82,8 @@ class TrainingPart(Part):
                                        temperature=self.config.generate_config.sampling_config.temperature,
                                        packing=packing_for(rl, "update"))
 
-        guard = self.ledger.activation_guard(UPDATE, self.offloader.resident_bytes())
-        with ActivationMeter(self.offloader.storage_keys(), on_grow=guard) as activations:
+        guard = self.ledger.activation_guard(UPDATE, self.context.offloader.resident_bytes())
+        with ActivationMeter(self.context.offloader.storage_keys(), on_grow=guard) as activations:
             metrics, steps = over_mini_batches(batch, rl, self.shuffler, step, lr_key="actor/lr",
                                                data_parallel_size=self.actor.parallel.dp)
             # Recorded after the steps: the optimizer creates its moments lazily at the first one.
@@ -111,7 +114,7 @@ class TrainingPart(Part):
         with self._whole_optimizer(with_optimizer):
             scheduler_state = self.actor.save_sharded(checkpoint_dir, with_optimizer=with_optimizer)
         if with_rng:
-            save_rng_state(checkpoint_dir, self.rank_info.rank, {"shuffler": self.shuffler.generator})
+            save_rng_state(checkpoint_dir, self.context.rank_info.rank, {"shuffler": self.shuffler.generator})
         return scheduler_state, {"timing/save_checkpoint": time.perf_counter() - started}
 
     @phase_rpc(UPDATE, label="load_checkpoint", progress="checkpoint load", changes_weights=True)
@@ -124,7 +127,7 @@ class TrainingPart(Part):
         with self._whole_optimizer(load_optimizer):
             self.actor.load_sharded(checkpoint_dir, load_optimizer=load_optimizer, scheduler_state=scheduler_state)
         if load_rng:
-            load_rng_state(checkpoint_dir, self.rank_info.rank, {"shuffler": self.shuffler.generator})
+            load_rng_state(checkpoint_dir, self.context.rank_info.rank, {"shuffler": self.shuffler.generator})
         return {"timing/load_checkpoint": time.perf_counter() - started}
 
     @contextlib.contextmanager
@@ -152,11 +155,12 @@ class TrainingPart(Part):
         return (str(path) if path is not None else None), {"timing/export_hf": time.perf_counter() - started}
 
 
-def forward_logprobs(rank, engine, batch: RolloutBatch, *, reference: bool) -> torch.Tensor:
+def forward_logprobs(part: Part, engine, batch: RolloutBatch, *, reference: bool) -> torch.Tensor:
     """`engine`'s log-probs of `batch` (this rank's share), in the reference's or the actor's micro-batches and
     packing."""
-    rl = rank.config.rl_config
+    config = part.config
+    rl = config.rl_config
     size = rl.ref_forward_micro_batch_size if reference else rl.actor_forward_micro_batch_size
-    return engine.compute_logprobs(batch, micro_batch_size=size or rank.config.actor_config.micro_batch_size,
-                                   temperature=rank.config.generate_config.sampling_config.temperature,
+    return engine.compute_logprobs(batch, micro_batch_size=size or config.actor_config.micro_batch_size,
+                                   temperature=config.generate_config.sampling_config.temperature,
                                    packing=packing_for(rl, "ref" if reference else "actor"))
