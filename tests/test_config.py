@@ -195,8 +195,8 @@ def test_unknown_top_level_key() -> None:
     message = config_error(TINY, "+trainer.lr=1")
     assert message == (
         "trainer: unknown key (valid top-level keys: megatron_training, actor_config, critic_config, rl_config, "
-        "generate_config, model, synthetic_data, runtime, num_gpus_per_node, actor_train, actor_infer, reference, "
-        "critic, rewards, async_generation_ratio)"
+        "generate_config, model, synthetic_data, runtime, profiler_config, num_gpus_per_node, actor_train, actor_infer, "
+        "reference, critic, rewards, async_generation_ratio)"
     )
 
 

@@ -53,9 +53,17 @@ VALIDATED_ONLY: dict[str, str] = {
                                            "actor_config.context_parallel_algo (the critic shares the actor's layout)",
     "critic_config.moe_tp_extend_ep": "the critic shares the actor's layout; the planner counts the critic's update with "
                                       "actor_config.moe_tp_extend_ep",
+    **{f"profiler_config.integrated.{key}": "an Ascend-profiler choice torch.profiler lacks: checked, and listed at "
+                                            "start as having no effect when profiling asks for it (config/profiler.py)"
+       for key in ("profile_export_type", "profile_level", "profile_analysis")},
     "runtime.strict_keys": "read by config/loader.py from the raw tree, before the schema: no-effect keys become errors",
-    "rl_config.rollout_correction.preset": "applied at load: it sets the rollout_is/rs/veto keys it names "
+    "rl_config.rollout_correction.preset": "applied at load: it sets the rollout_is/rs keys it names "
                                            "(config/rollout_correction.py), which the correction reads",
+    "rl_config.rollout_correction.rollout_rs_threshold_lower": "verl's key before 97eac9048, deprecated: mapped at "
+                                                               "load into rollout_rs_threshold's lower_upper string, "
+                                                               "which the correction reads",
+    "rl_config.rollout_correction.bypass_mode": "false only: verl's bypass mode is refused at load, saying why",
+    "rl_config.rollout_correction.loss_type": "ppo_clip only (verl's bypass-mode loss; reinforce refused, saying why)",
     # ROLL's role sections (config/resources.py): parsed, computed and checked; the values other than
     # these are refused at load as not supported yet, so they are listed here although resources.py reads them.
     "actor_train.num_gpus_per_worker": "1 only: a training role has one device per worker (computed)",

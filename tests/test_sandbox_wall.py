@@ -118,7 +118,12 @@ def test_nothing_it_starts_outlives_the_call():
     assert _processes_with(token) == []
 
 
-def test_a_fork_bomb_is_bounded_and_ends_with_the_call():
+def test_a_fork_bomb_is_bounded_and_ends_with_the_call(monkeypatch):
+    from mindspeed_rl.tools import cgroups
+
+    made, remove = [], cgroups.CallCgroups.remove
+    monkeypatch.setattr(cgroups.CallCgroups, "remove", lambda self: (made.append((self.memory, self.pids)),
+                                                                      remove(self)))
     token = f"bomb-{uuid.uuid4().hex}"
     before, peak, done = len(psutil.pids()), [0], threading.Event()
 
@@ -137,6 +142,8 @@ def test_a_fork_bomb_is_bounded_and_ends_with_the_call():
     assert peak[0] - before <= PROCESS_LIMIT + 32  # the sandbox's processes, and room for the host's own churn
     time.sleep(0.3)
     assert _processes_with(token) == []
+    # Its cgroups are gone too, though its last processes were still exiting when the call returned.
+    assert made and not any(path is not None and path.exists() for path in made[0])
 
 
 def test_a_disk_filler_fills_its_own_small_tmpfs_only():
@@ -191,3 +198,244 @@ def test_allow_unisolated_runs_it_unisolated_with_one_warning(tmp_path, monkeypa
     (tool,) = tools.values()
     assert tool.isolated is False and caplog.text.count("UNISOLATED") == 1
     assert tool.run_code("print(6*7)", 5.0, "python").stdout.strip() == "42"
+
+
+def test_the_root_and_dev_are_read_only_so_small_files_cannot_fill_memory():
+    # bwrap's root and /dev are unsized tmpfs (RAM): many files under the size limit would fill it without bound.
+    run = _run("import os\nfor folder in ('/', '/dev', '/dev/shm'):\n    try:\n"
+               "        for i in range(3):\n            open(os.path.join(folder, f'f{i}'), 'wb').write(b'x')\n"
+               "        print(folder, 'written')\n    except OSError as error:\n        print(folder, error.errno)")
+    assert run.stdout.split("\n")[:3] == ["/ 30", "/dev 30", "/dev/shm written"], run.stderr  # EROFS
+
+
+# --- The interpreter under /tmp (a common CI and container layout): bound over the private /tmp, read-only. ---
+
+_UNDER_TMP = """\
+import json, os, sys
+from mindspeed_rl.tools import wall
+from mindspeed_rl.tools.registry import load_tools
+from mindspeed_rl.tools.sandbox import run_python
+secret, repo_file = sys.argv[1], sys.argv[2]
+repo = os.path.dirname(os.path.dirname(repo_file))
+(tool,) = load_tools(os.path.join(repo, "configs", "tools", "retool_local.yaml")).values()
+attack = ("import os, sys\\nfor act in (lambda: open(%r).read(), lambda: open(%r).read(),\\n"
+          "            lambda: open(os.path.join(sys.prefix, 'evil'), 'w').write('x')):\\n"
+          "    try:\\n        print(act())\\n    except OSError as error:\\n        print(error.errno)\\n"
+          "print(sys.prefix)") % (secret, repo_file)
+run = run_python(attack, timeout_seconds=10, memory_limit_mb=256)
+print(json.dumps({"prefix": sys.prefix, "reason": wall.wall_unavailable_reason(), "isolated": tool.isolated,
+                  "answer": tool.run_code("print(6*7)", 10.0, "python").stdout, "status": run.status,
+                  "stdout": run.stdout, "stderr": run.stderr}))
+"""
+
+
+@pytest.fixture
+def interpreter_under_tmp():
+    """A real virtualenv whose prefix is under /tmp, seeing this one's packages and the repo through a .pth file."""
+    import subprocess
+    import sys
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="mindspeed_rl_venv_", dir="/tmp"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True, timeout=120)
+        python = root / "venv" / "bin" / "python"
+        site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+        here = [p for p in sys.path if p.endswith("site-packages")] + [str(REPO)]
+        Path(site, "host_packages.pth").write_text("\n".join(here) + "\n")
+        yield root, python
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_with_python_under_tmp_the_tool_config_loads_and_the_code_cannot_reach_the_host(interpreter_under_tmp):
+    import json
+    import subprocess
+
+    root, python = interpreter_under_tmp
+    secret = root / "secret.txt"  # under /tmp, beside the virtualenv: not bound
+    secret.write_text(f"secret-{uuid.uuid4().hex}")
+    done = subprocess.run([str(python), "-c", _UNDER_TMP, str(secret), str(REPO / "mindspeed_rl" / "__init__.py")],
+                          capture_output=True, text=True, timeout=120, cwd=str(root))
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["prefix"].startswith("/tmp/") and result["reason"] is None and result["isolated"] is True
+    assert result["answer"].strip() == "42" and result["status"] == FINISHED, result["stderr"]
+    # ENOENT twice (the secret beside it and the repo are not there), EROFS (its own prefix is read-only).
+    assert result["stdout"].split() == ["2", "2", "30", result["prefix"]]
+    assert not (Path(result["prefix"]) / "evil").exists() and secret.read_text() not in done.stdout
+
+
+def test_the_unavailable_reason_says_what_failed(monkeypatch):
+    import sys
+
+    from mindspeed_rl.tools import wall
+
+    if all(d == "/usr" or d.startswith("/usr/") for d in (sys.prefix, sys.base_prefix)):
+        pytest.skip("this interpreter lives under /usr, which the wall always binds: it cannot be left out")
+    monkeypatch.setattr(wall, "_interpreter_dirs", lambda: [])  # the interpreter is then not in the wall
+    reason = wall.wall_unavailable_reason.__wrapped__()
+    assert reason is not None and "bwrap: execvp" in reason and "No such file" in reason
+    assert "user namespaces" not in reason
+
+
+# --- One call's memory, bounded as a whole: children that each touch memory, measured from outside. ---
+
+_FORKS_AND_TOUCHES = """\
+import os, resource, sys, time
+print("limits", resource.getrlimit(resource.RLIMIT_AS)[0], flush=True)
+children = []
+for i in range({children}):
+    try:
+        pid = os.fork()
+    except OSError as error:
+        print("fork-failed", i, error.errno, flush=True)
+        break
+    if pid == 0:
+        try:
+            block = bytearray({touch_mb} * 2**20)
+            for j in range(0, len(block), 4096):
+                block[j] = 1
+            print("held", i, flush=True)
+        except MemoryError:
+            print("memory-error", i, flush=True)
+        time.sleep(1)
+        os._exit(0)
+    children.append(pid)
+statuses = [os.waitpid(pid, 0)[1] for pid in children]
+print("killed", sum(status != 0 for status in statuses))
+sys.exit(1 if any(statuses) else 0)
+"""
+
+
+class _Watch:
+    """From outside the sandbox: the most memory (PSS: shared pages split between their holders) and the most
+    processes this test's descendants (the launcher, bwrap and everything in the sandbox) held at once."""
+
+    def __enter__(self):
+        self.memory, self.processes, self._done = 0, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        me = psutil.Process()
+        while not self._done.is_set():
+            memory, processes = 0, me.children(recursive=True)
+            for process in processes:
+                try:
+                    memory += process.memory_full_info().pss
+                except psutil.Error:
+                    pass
+            self.memory, self.processes = max(self.memory, memory), max(self.processes, len(processes))
+            time.sleep(0.02)
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+
+
+def _attack(limit_mb: int, children: int, touch_mb: int):
+    with _Watch() as watch:
+        run = run_python(_FORKS_AND_TOUCHES.format(children=children, touch_mb=touch_mb), timeout_seconds=20,
+                         memory_limit_mb=limit_mb)
+    lines = run.stdout.split("\n")
+    return run, watch, lines, sum(line.startswith("held") for line in lines)
+
+
+def test_a_call_that_forks_cannot_hold_more_than_its_limit_in_total(monkeypatch):
+    from mindspeed_rl.tools import cgroups
+
+    probe = cgroups.CallCgroups(2**20)
+    probe.remove()
+    if probe.memory is None:
+        pytest.skip("no memory cgroup can be made here (not root, or no writable memory controller): the shared "
+                    "budget below is what bounds a call here")
+    peaks, remove = [], cgroups.CallCgroups.remove
+    monkeypatch.setattr(cgroups.CallCgroups, "remove", lambda self: (peaks.append(self.memory_peak_bytes()),
+                                                                      remove(self)))
+    # 8 children of 96 MiB each: 3x the limit, each well under it (the old per-process limit let all 8 hold it).
+    run, watch, lines, held = _attack(limit_mb=256, children=8, touch_mb=96)
+    assert run.status == "Failed" and held < 8 and "killed 0" not in lines, run.stdout  # the OOM killer's SIGKILL
+    assert peaks and peaks[0] <= 256 * 2**20
+    assert watch.memory <= (256 + 16) * 2**20, watch.memory  # 16 MiB: a sample landing mid-kill
+
+
+def _without_memory_cgroup(monkeypatch):
+    """The fallback as this caller gets it: a root caller with the memory cgroup made impossible (its pids cgroup
+    caps the processes), or a caller that is not root (RLIMIT_NPROC does)."""
+    from mindspeed_rl.tools import cgroups
+
+    parents = cgroups.candidate_parents
+    monkeypatch.setattr(cgroups, "candidate_parents", lambda c: () if c == "memory" else parents(c))
+    probe = cgroups.CallCgroups(2**20)
+    probe.remove()
+    if os.geteuid() == 0 and probe.pids is None:
+        pytest.skip("a root caller without any cgroup: only the time limit bounds its processes (documented)")
+
+
+def test_without_a_memory_cgroup_the_processes_share_the_limit(monkeypatch):
+    from mindspeed_rl.tools.cgroups import PROCESS_SHARE_BYTES, process_budget
+
+    _without_memory_cgroup(monkeypatch)
+    budget = process_budget(1024 * 2**20, memory_cgroup=False)
+    assert (budget.processes, budget.address_space) == (1024 * 2**20 // PROCESS_SHARE_BYTES, PROCESS_SHARE_BYTES)
+    run, watch, lines, held = _attack(limit_mb=1024, children=8, touch_mb=200)
+    assert lines[0] == f"limits {budget.address_space}", run.stderr
+    assert f"fork-failed {budget.processes - 1} 11" in lines and held == budget.processes - 1  # EAGAIN
+    assert watch.processes <= budget.processes + 2 and watch.memory <= 1024 * 2**20
+    run, watch, lines, held = _attack(limit_mb=1024, children=1, touch_mb=300)  # over its share
+    assert "memory-error 0" in lines and held == 0
+
+
+_AS_NOBODY = """\
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import test_sandbox_wall as t
+from mindspeed_rl.tools.cgroups import CallCgroups
+budget = CallCgroups(1024 * 2**20).budget  # no cgroup is made for a caller that is not root: nothing to remove
+run, watch, lines, held = t._attack(limit_mb=1024, children=8, touch_mb=200)
+with t._Watch() as bomb:
+    t._run("import os, time\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n"
+           "        time.sleep(0.01)", timeout=2.0)
+print(json.dumps({"budget": [budget.processes, budget.address_space], "lines": lines, "held": held,
+                  "memory": watch.memory, "processes": watch.processes, "bomb": bomb.processes}))
+"""
+
+
+def _unprivileged_python() -> list[str]:
+    """setpriv's command line running an interpreter of this version as nobody with this one's packages, or a
+    skip naming what is missing."""
+    import subprocess
+    import sys
+
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to become nobody (a caller that is not root runs the test above as is)")
+    path = ":".join([p for p in sys.path if p.endswith("site-packages")] + [str(REPO)])
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for python in (os.path.realpath(sys.executable), f"/usr/bin/{version}", f"/usr/local/bin/{version}"):
+        command = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "env", "HOME=/tmp",
+                   f"PYTHONPATH={path}", python]
+        check = subprocess.run([*command, "-c", "import psutil, pytest, mindspeed_rl.tools.sandbox"],
+                               capture_output=True, timeout=60, cwd="/")
+        if check.returncode == 0:
+            return command
+    pytest.skip(f"no {version} with this interpreter's packages is readable by nobody here")
+
+
+def test_a_caller_that_is_not_root_gets_the_shared_budget_and_a_capped_fork_bomb():
+    import json
+    import subprocess
+
+    command = _unprivileged_python()
+    done = subprocess.run([*command, "-c", _AS_NOBODY, str(REPO / "tests")], capture_output=True, text=True,
+                          timeout=180, cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    processes, address_space = result["budget"]
+    assert processes * address_space <= 1024 * 2**20 and result["lines"][0] == f"limits {address_space}"
+    assert f"fork-failed {processes - 1} 11" in result["lines"] and result["held"] == processes - 1
+    assert result["memory"] <= 1024 * 2**20 and result["processes"] <= processes + 2
+    assert result["bomb"] <= processes + 2  # RLIMIT_NPROC in its user namespace: bwrap's two, then its own

@@ -29,6 +29,7 @@ from mindspeed_rl.config.context_parallel import check_context_parallel
 from mindspeed_rl.config.layout_checks import check_infer_layout, check_model_sharding, check_train_layout
 from mindspeed_rl.config.lora import check_lora_run
 from mindspeed_rl.config.multi_turn import check_multi_turn
+from mindspeed_rl.config.profiler import ProfilerConfig
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 from mindspeed_rl.config.supported import check_supported
@@ -59,6 +60,8 @@ class GRPOConfig:
     model: dict[str, ModelArchConfig] = field(default_factory=dict)
     synthetic_data: Optional[SyntheticDataConfig] = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    # MindSpeed-RL's profiler section (config/profiler.py): torch.profiler traces per stage, rank and iteration.
+    profiler_config: Optional[ProfilerConfig] = None
     # ROLL's resource sections (config/resources.py), all optional: left out, every role runs on the
     # actor's rl_config.actor_resource.num_npus devices, as in MindSpeed-RL's integrated worker.
     num_gpus_per_node: Optional[int] = None
@@ -71,6 +74,11 @@ class GRPOConfig:
     # one-step off-policy, disaggregated only: the rollout of iteration k+1 runs on the inference devices
     # while iteration k updates on the training devices, so it samples from weights one update old.
     async_generation_ratio: float = 0
+
+    @property
+    def profiling(self) -> bool:
+        """profiler_config.integrated.profile: the ranks profile their stages (workers/stage_profiler.py)."""
+        return self.profiler_config is not None and self.profiler_config.enabled
 
     @property
     def world_size(self) -> int:

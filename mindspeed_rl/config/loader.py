@@ -68,6 +68,8 @@ def load_config(
     except OmegaConfBaseException as error:
         raise _as_config_error(error, cfg) from None
     assert isinstance(config, GRPOConfig)
+    if notices is not None and config.profiler_config is not None:
+        notices += config.profiler_config.integrated.notices()  # Ascend-profiler choices torch.profiler lacks
     return config
 
 

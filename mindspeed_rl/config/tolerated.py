@@ -18,8 +18,9 @@ def longest_sample_tokens(config) -> int:
 
 
 def warning_lines(config) -> list[str]:
-    """`[config] warning: ...` for each contradiction this config carries, with what the run does about it, then
-    `[config] note: ...` for each key planned for but run this engine's way."""
+    """`[config] warning: ...` for each contradiction this config carries, with what the run does about it,
+    `[config] deprecated: ...` for each older verl name it reads (config/rollout_correction.py), then `[config] note:
+    ...` for each key planned for but run this engine's way."""
     lines = []
     if config.megatron_training.sequence_parallel and not sequence_parallel_in_effect(config):
         lines.append("megatron_training.sequence_parallel: true at actor_config.tensor_model_parallel_size=1 trains "
@@ -31,7 +32,9 @@ def warning_lines(config) -> list[str]:
                      f"{prompt + response} exceeds generate_config.max_model_len={max_model_len}: prompts longer than "
                      f"{max_model_len - response} tokens get a response budget of max_model_len - prompt (vLLM ends "
                      f"them there, as in MindSpeed-RL)")
-    return [f"[config] warning: {line}" for line in lines] + [f"[config] note: {line}" for line in planned_for_lines(config)]
+    deprecated = [f"[config] deprecated: {line}" for line in config.rl_config.rollout_correction.deprecations]
+    return ([f"[config] warning: {line}" for line in lines] + deprecated
+            + [f"[config] note: {line}" for line in planned_for_lines(config)])
 
 
 def planned_for_lines(config) -> list[str]:

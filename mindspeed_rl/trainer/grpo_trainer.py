@@ -60,6 +60,8 @@ def train(config: GRPOConfig, actor_group: ActorGroup, run: PreparedRun, run_dir
             record.evaluation_before_train(evaluation.run(0))
         for iteration in range(first, config.megatron_training.train_iters + 1):
             progress.iteration = iteration
+            if config.profiling:  # profiler_config's step range counts these iterations
+                actor_group.begin_iteration(iteration)
             started = time.perf_counter()
             scored = sampling.next(iteration)  # generated now or during the last update, scored, maybe refilled
             batch, rewards, metrics = scored.batch, scored.rewards, scored.metrics

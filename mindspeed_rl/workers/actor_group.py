@@ -45,6 +45,9 @@ class ActorGroup(Protocol):
     def finish_score(self) -> list[Any]:
         """The started re-score's per-rank (Shard, metrics)."""
 
+    def begin_iteration(self, iteration: int) -> None:
+        """Tell every rank of every member the trainer's iteration (profiler_config's step range)."""
+
     def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
                        blocking: bool = True) -> list[Any]:
         """ROLL's `actor.offload_states(blocking=True)`, on every rank."""
@@ -148,6 +151,9 @@ class RankGroupBase:
         refs, self._pending_score = self._pending_score, None
         return self.wait("score_sequences", refs)
 
+    def begin_iteration(self, iteration: int) -> None:
+        self.call("begin_iteration", iteration)
+
     def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
                        blocking: bool = True) -> list[Any]:
         return self.call("offload_states", include, keep_contents, blocking=blocking)
@@ -192,6 +198,10 @@ class CompositeGroup(RankGroupBase):
 
     def finish_score(self) -> list[Any]:
         return self.member_for("score_sequences").finish_score()
+
+    def begin_iteration(self, iteration: int) -> None:
+        for group in self.member_groups:  # a rank-base call, which `call` would send to the first member only
+            group.begin_iteration(iteration)
 
     def offload_states(self, include: list[str] | None = None, *, keep_contents: bool | None = None,
                        blocking: bool = True) -> list[Any]:

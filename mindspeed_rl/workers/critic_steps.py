@@ -68,17 +68,18 @@ def critic_values(critic, config: GRPOConfig, batch: RolloutBatch) -> torch.Tens
 
 def update_critic(critic, config: GRPOConfig, batch: RolloutBatch, shuffler: MiniBatchShuffler) -> dict[str, float]:
     """`epochs` passes over the batch in the actor's mini-batch size, one critic optimizer step per mini-batch, on
-    the clipped value loss toward the batch's `returns` around its `values` (the rollout's)."""
+    the clipped value loss toward the batch's `returns` around its `values` (the rollout's), over the sampled tokens
+    the rollout correction kept (the loss mask, as verl's critic reads its corrected response_mask)."""
     rl = config.rl_config
     mode = loss_agg_mode(rl)
 
     def step(mini_batch: RolloutBatch) -> dict[str, float]:
-        mask = mini_batch.response_mask
+        mask = mini_batch.loss_mask()
         denominator = critic.over_data_parallel(count_loss_units(mask, mode, config.response_length_limit))
         tokens = critic.over_data_parallel(float(mask.sum()))
 
         def loss_fn(values: torch.Tensor, mb: MicroBatch):
-            return clipped_value_loss(values, mb.extras["values"], mb.extras["returns"], mb.response_mask,
+            return clipped_value_loss(values, mb.extras["values"], mb.extras["returns"], mb.loss_mask(),
                                       cliprange_value=rl.cliprange_value, loss_agg_mode=mode, denominator=denominator,
                                       mini_batch_tokens=tokens)
 

@@ -37,6 +37,9 @@ def compose(role: str, parts: tuple[type[Part], ...]) -> type:
 
 def _forwarder(part_name: str, method: str, rpc: Callable) -> Callable:
     def forward(self, *args, **kwargs):
+        if self.profiler is not None:  # profiler_config on: the stage's RPC may run under torch.profiler
+            with self.profiler.around(method):
+                return getattr(self.parts[part_name], method)(*args, **kwargs)
         return getattr(self.parts[part_name], method)(*args, **kwargs)
 
     forward.__name__ = forward.__qualname__ = method
@@ -53,6 +56,8 @@ class RankWorker(RankProcess):
     # Named in failure messages beside the rank (actor_train, actor_infer, critic; "" for the colocated actor).
     ROLE = ""
     PARTS: tuple[type[Part], ...] = ()
+    # workers/stage_profiler.py's StageProfiler, built by initialize when profiler_config.integrated.profile is on.
+    profiler = None
 
     def __init__(self, config: GRPOConfig, rank_info: RankInfo, *, model_dir: str, ref_model_dir: str):
         self.config = config
@@ -100,7 +105,17 @@ class RankWorker(RankProcess):
         if self.holds(SOURCE) and self.holds(DESTINATION):
             self._wire_colocated_push()
         self._setup_memory()
+        if cfg.profiling:
+            from mindspeed_rl.workers.stage_profiler import StageProfiler
+
+            self.profiler = StageProfiler(cfg.profiler_config.integrated, rank=self.rank_info.rank,
+                                          device_type=self.accelerator.name)
         return {"timing/initialize": time.perf_counter() - started}
+
+    def begin_iteration(self, iteration: int) -> None:
+        """The trainer's iteration, for profiler_config's step range (called only when profiling is on)."""
+        if self.profiler is not None:
+            self.profiler.begin_iteration(iteration)
 
     def _context(self, started: float) -> RankContext:
         """The one context every part is built with; the mechanisms in it exist before any part (the ledger's
