@@ -311,18 +311,31 @@ sys.exit(1 if any(statuses) else 0)
 
 class _Watch:
     """From outside the sandbox: the most memory (PSS: shared pages split between their holders) and the most
-    processes this test's descendants (the launcher, bwrap and everything in the sandbox) held at once."""
+    processes this test's descendants (the launcher, bwrap and everything in the sandbox) held at once. Only the trees
+    of the children started after entering count: in the suite the pytest process has other children (an earlier
+    module's Ray daemons and their workers, servers)."""
 
     def __enter__(self):
         self.memory, self.processes, self._done = 0, 0, threading.Event()
+        self._before = {child.pid for child in psutil.Process().children()}
         self._thread = threading.Thread(target=self._sample)
         self._thread.start()
         return self
 
+    def _calls_processes(self, me) -> list:
+        processes = []
+        for child in me.children():
+            if child.pid not in self._before:
+                try:
+                    processes += [child, *child.children(recursive=True)]
+                except psutil.Error:
+                    pass
+        return processes
+
     def _sample(self):
         me = psutil.Process()
         while not self._done.is_set():
-            memory, processes = 0, me.children(recursive=True)
+            memory, processes = 0, self._calls_processes(me)
             for process in processes:
                 try:
                     memory += process.memory_full_info().pss
