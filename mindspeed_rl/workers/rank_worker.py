@@ -125,7 +125,7 @@ class RankWorker(RankProcess):
         from mindspeed_rl.workers.sharding_manager import ShardingManager
 
         self.offloader = Offloader(self.accelerator)
-        self.sharding_manager = ShardingManager(offloader=self.offloader, policy=self.residency_policy())
+        self.sharding_manager = ShardingManager(offloader=self.offloader, policy=self.residency_policy_of(self.config))
         self.ledger = MemoryLedger(self.offloader.phase_bytes, self.accelerator,
                                    read_host_states=self.offloader.host_bytes)
         self._checkpoints: dict[str, tuple] = {}
@@ -173,9 +173,6 @@ class RankWorker(RankProcess):
         """The table's rows for the states this role's parts declare (the planner asks the same function with the
         run's)."""
         return ResidencyPolicy.for_states(config, frozenset().union(*(part.STATES for part in cls.PARTS)))
-
-    def residency_policy(self) -> ResidencyPolicy:
-        return self.residency_policy_of(self.config)
 
     def _wire_colocated_push(self) -> None:
         """Both ends of the push on this rank: through the plan into the local vLLM; LoRA's moves only the adapters

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from mindspeed_rl.config.profiler import STAGE_RPCS, IntegratedProfilerConfig
+from mindspeed_rl.data.asset_cache import write_text_atomic
 
 # The table's rows: enough to see where a stage's time goes without a file of every op.
 TABLE_ROWS = 40
@@ -93,8 +94,6 @@ class StageProfiler:
         sort = "self_cpu_time_total" if self.device_type == "cpu" else "self_device_time_total"
         text = profiler.key_averages(group_by_input_shape=self.settings.profile_record_shapes).table(
             sort_by=sort, row_limit=TABLE_ROWS)
-        tmp = table.with_name(f".{table.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, table)
+        write_text_atomic(table, text)
         if self.rank == 0:  # rank 0 speaks for all: every profiled rank writes its own rank<r>/ beside it
             print(f"[profiler] {stage} iteration {self.iteration}: {trace} and {table.name}", flush=True)
