@@ -48,7 +48,7 @@ test-multinode: venv
 test-restarts: venv
 	$(PY) -m pytest -q -m restarts tests/test_restarts_e2e.py
 
-# The planner's verdicts against a device of that size (runtime.device_memory_limit): 22 sampled layouts, each
+# The planner's verdicts against a device of that size (runtime.device_memory_limit): 16 sampled layouts, each
 # one iteration, FITS runs and DOES NOT FIT fails at the predicted phase; .ci/run runs it too.
 .PHONY: test-capacity
 test-capacity: venv

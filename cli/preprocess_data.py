@@ -52,6 +52,8 @@ def preprocess(config: PreprocessConfig) -> Path:
     keys = DataKeys(data_path="input", prompt_type="prompt_type", map_keys="map_keys", max_prompt_length="seq_length",
                     overlong_prompts="overlong_prompts", tokenizer="tokenizer_name_or_path")
     tokenizer = _load_tokenizer(config.tokenizer_name_or_path)
+    if config.is_pairwise_dataset:
+        return _preprocess_pairs(config, tokenizer, keys)
     dataset = load_prompt_dataset(config.input, tokenizer=tokenizer, prompt_type=config.prompt_type,
                                   map_keys=config.map_keys, max_prompt_length=config.seq_length,
                                   overlong_prompts=config.overlong_prompts, show_progress=True, keys=keys)
@@ -67,6 +69,24 @@ def preprocess(config: PreprocessConfig) -> Path:
     print(f"[preprocess] {len(dataset.records)} prompts written to {output} ({dataset.num_filtered} longer than "
           f"seq_length={config.seq_length} dropped); train with megatron_training.data_path={output} "
           f"megatron_training.prompt_type={config.prompt_type}", flush=True)
+    return output
+
+
+def _preprocess_pairs(config: PreprocessConfig, tokenizer, keys) -> Path:
+    """DPO's pairs (is_pairwise_dataset): prompt, chosen and rejected tokenized (data/preference.py)."""
+    from mindspeed_rl.data.dataset import tokenizer_fingerprint
+    from mindspeed_rl.data.preference import load_preference_dataset, save_preference_dataset
+
+    dataset = load_preference_dataset(config.input, tokenizer=tokenizer, prompt_type=config.prompt_type,
+                                      map_keys=config.map_keys, max_length=config.seq_length, keys=keys)
+    metadata = {"input": str(Path(config.input).resolve()), "prompt_type": config.prompt_type,
+                "tokenizer_name_or_path": str(Path(config.tokenizer_name_or_path).resolve()),
+                "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer, config.prompt_type),
+                "map_keys": dict(config.map_keys), "seq_length": config.seq_length}
+    output = save_preference_dataset(dataset, config.output_prefix, metadata=metadata)
+    print(f"[preprocess] {len(dataset.pairs)} preference pairs written to {output} ({dataset.num_filtered} longer "
+          f"than seq_length={config.seq_length} dropped); train DPO with megatron_training.data_path={output} "
+          f"megatron_training.is_pairwise_dataset=true", flush=True)
     return output
 
 

@@ -7,6 +7,10 @@ import torch
 
 # A multi-turn rollout's [B, R] column: 0.0 on the tool outputs inside a response (trainer/multi_turn.py).
 LOSS_MASK = "loss_mask"
+# Every rollout's [B, R] int64 column: the policy version (updates applied to the weights) that sampled each response
+# token; a partial rollout's resumed sample holds several (trainer/partial_rollout.py). Its age is the policy being
+# updated's version minus it (token_ages).
+TOKEN_VERSIONS = "token_versions"
 
 
 def _without_tool_outputs(response_mask: torch.Tensor, columns: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -251,3 +255,28 @@ class Generation:
     # The policy version that sampled each token (room for partial rollout: a sample resumed under newer weights);
     # None: every token by the version of the rollout that holds it.
     policy_versions: list[int] | None = None
+    # True: vLLM stopped the sample (an end or stop token); False: it reached its max_tokens; None: not said.
+    stopped: bool | None = None
+
+
+def token_ages(batch: RolloutBatch, policy_version: int) -> torch.Tensor:
+    """[B, R] versions each response token lags the policy of version `policy_version` (0 where nothing was sampled:
+    outside `loss_mask`, the tokens trained on)."""
+    versions = batch.columns[TOKEN_VERSIONS]
+    return (policy_version - versions) * (batch.loss_mask() > 0).long()
+
+
+def checked_token_ages(batch: RolloutBatch, policy_version: int, *, bound: int) -> torch.Tensor:
+    """token_ages, each checked to lie in [0, bound] (the run's declared bound, config/partial_rollout.max_token_age):
+    a token outside it is the engine's bug, not the user's, and stops the run before it trains."""
+    ages = token_ages(batch, policy_version)
+    oldest, newest = (int(ages.max()), int(ages.min())) if ages.numel() else (0, 0)
+    assert 0 <= newest and oldest <= bound, (
+        f"a trained token is {oldest if oldest > bound else newest} policy versions behind the policy of version "
+        f"{policy_version}; the declared bound is [0, {bound}] (config/partial_rollout.max_token_age)")
+    return ages
+
+
+def versions_column(batch: RolloutBatch, version: int) -> torch.Tensor:
+    """The TOKEN_VERSIONS column of a batch sampled by one policy version."""
+    return torch.full(batch.response_logprobs_shape, version, dtype=torch.long)

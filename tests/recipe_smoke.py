@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RECIPES = Path(__file__).resolve().parent / "data" / "mindspeed_rl_recipes"
-# vllm-ascend's format (tests/eplb_maps.py): the tiny DeepSeek-V3's 2 MoE layers on 2 EP ranks, one redundant expert each
-EPLB_MAP = Path(__file__).resolve().parent / "data" / "eplb" / "tiny_deepseek_v3_ep2_expert_map.json"
 VOCAB = 64
 PROMPTS = 64
 ARCHITECTURES = {"qwen25_7b": "qwen2", "qwen25_32b": "qwen2", "qwen3_8b": "qwen3", "qwen3_32b": "qwen3",
@@ -51,9 +49,9 @@ SHRINKS: dict[str, Shrink] = {
     "grpo_qwen3_235b_a22b_A2": Shrink({**PP2, "num_layers": 4, "noop_layers": "3", "num_layer_list": None},
                                       INFER_EP2),
     "grpo_deepseek_r1_671b_A3": Shrink({**EP2, "num_layer_list": None}, INFER_EP2),
-    # Their EPLB map is made from their rollouts' expert loads (not published): one for the tiny model at EP2.
-    "grpo_deepseek_r1_671b_A3_eplb": Shrink({**EP2, "num_layer_list": None}, INFER_EP2,
-                                            (f"generate_config.expert_map_path={EPLB_MAP}",)),
+    # Their EPLB map is made from their rollouts' expert loads (not published): the test makes one for the tiny model
+    # at EP2 from grpo_deepseek_r1_671b_A3's collection (generate_config.expert_map_path, tests/test_recipes_smoke_e2e.py).
+    "grpo_deepseek_r1_671b_A3_eplb": Shrink({**EP2, "num_layer_list": None}, INFER_EP2),
     "grpo_deepseek_r1_671b_A2": Shrink(PP2, INFER_EP2),
     "dapo_qwen25_32b_A3": Shrink(TP2, INFER_TP2),
     "dapo_qwen25_32b_A2_20k": Shrink(CP2, INFER_TP2),
@@ -62,6 +60,9 @@ SHRINKS: dict[str, Shrink] = {
     "dapo_qwen3_30b_a3b_A3": Shrink(EP2, INFER_EP2),
     "dapo_qwen3_32b_A3": Shrink(PP2, INFER_TP2),
     "ppo_qwen25_32b_A3": Shrink(TP2, INFER_TP2),
+    # DPO (no vLLM: the inference layout is not read). Their recipe saves no optimizer or RNG state (no_save_optim,
+    # no_save_rng), which an exact resume needs: saved here.
+    "dpo_qwen3_30b_a3b_A3": Shrink(TP2, extra=("actor_config.no_save_optim=false", "actor_config.no_save_rng=false")),
 }
 
 
@@ -113,9 +114,13 @@ def tiny_assets(root: Path) -> dict[str, Path]:
     from mindspeed_rl.data.bigram_policy import program_bigram_policy
 
     root.mkdir(parents=True, exist_ok=True)
-    made = {"prompts": root / "prompts.jsonl"}
+    made = {"prompts": root / "prompts.jsonl", "pairs": root / "pairs.jsonl"}
     if not made["prompts"].is_file():
         write_prompts_jsonl(made["prompts"], make_arith_prompts(PROMPTS, MAX_OPERAND, 1))
+    if not made["pairs"].is_file():  # DPO's preference pairs of the same problems (data/preference.py)
+        from mindspeed_rl.data.preference import make_arith_pairs
+
+        write_prompts_jsonl(made["pairs"], make_arith_pairs(MAX_OPERAND, 1, eval_fraction=0.0)[0])
     tokenizer = smoke_tokenizer()
     for arch, create in (("qwen2", _qwen2), ("qwen3", _qwen3), ("qwen3_moe", _qwen3_moe),
                          ("deepseek_v3", _deepseek_v3)):
@@ -176,11 +181,12 @@ def smoke_overrides(name: str, assets: dict[str, Path], *, save: Path, load: Pat
     block = tree["megatron_training"]["model"]
     checkpoint = assets[f"{ARCHITECTURES[block]}-{policy_of(tree)}"]
     shrink = SHRINKS[name]
+    dpo = tree["megatron_training"].get("stage") == "dpo"  # preference pairs, 2 samples (chosen, rejected) each
     overrides = [
         "runtime.device=cpu",
         "rl_config.actor_resource.num_npus=2",
         f"megatron_training.tokenizer_name_or_path={checkpoint}",
-        f"megatron_training.data_path={assets['prompts']}",
+        f"megatron_training.data_path={assets['pairs'] if dpo else assets['prompts']}",
         f"megatron_training.train_iters={train_iters}", "megatron_training.save_interval=1",
         "megatron_training.global_batch_size=4",
         f"actor_config.save={save}",
@@ -190,6 +196,7 @@ def smoke_overrides(name: str, assets: dict[str, Path], *, save: Path, load: Pat
         *(f"actor_config.{key}={_value(value)}" for key, value in shrink.layout.items()),
         *(f"generate_config.{key}={value}" for key, value in shrink.infer.items()),
         *_critic(tree, shrink, checkpoint),
+        *([f"megatron_training.ref_model={checkpoint}"] if dpo else []),  # their ref_model: their load's weights
         *shrink.extra,
     ]
     return overrides
@@ -233,7 +240,8 @@ def _block_fields(block: str, tree: dict) -> dict:
 def _sizes(tree: dict) -> list[str]:
     """Short lengths and small batches: 4 prompts x 4 samples per iteration, one optimizer step."""
     rl = tree.get("rl_config", {})
-    sizes = ["rl_config.n_samples_per_prompt=4", "rl_config.mini_batch_size=4",
+    dpo = tree["megatron_training"].get("stage") == "dpo"  # a pair: its chosen and rejected samples
+    sizes = [f"rl_config.n_samples_per_prompt={2 if dpo else 4}", "rl_config.mini_batch_size=4",
              "rl_config.max_prompt_length=16", "generate_config.sampling_config.max_tokens=8",
              "generate_config.max_model_len=32", "generate_config.max_num_batched_tokens=512",
              "generate_config.max_num_seqs=32", "generate_config.cpu_kvcache_space_gb=0.03125",

@@ -140,6 +140,10 @@ OPT_IN_SECTIONS = ("num_gpus_per_node", "actor_train", "actor_infer", "reference
                    "critic_config", "critic")
 # Read only by PPO (adv_estimator gae): listed in ppo_tiny_cpu; in the GRPO YAML they would be no-effect notices.
 PPO_ONLY_KEYS = ("rl_config.lam", "rl_config.use_kl_in_reward", "rl_config.critic_resource.num_npus")
+# DPO's keys (stage dpo): configs/dpo_tiny_cpu.yaml lists them.
+DPO_ONLY_KEYS = tuple(f"megatron_training.{key}" for key in ("is_pairwise_dataset", "dpo_loss_type", "dpo_beta",
+                                                             "dpo_label_smoothing", "pref_ftx", "ref_model",
+                                                             "refer_model_iter"))
 
 
 def test_tiny_yaml_lists_every_key_so_plain_overrides_work() -> None:
@@ -147,7 +151,7 @@ def test_tiny_yaml_lists_every_key_so_plain_overrides_work() -> None:
     cfg = compose_cfg(TINY)
     absent = "<absent>"
     keys = [key for key in sorted(_schema_keys(GRPOConfig))
-            if key.split(".")[0] not in OPT_IN_SECTIONS and key not in PPO_ONLY_KEYS]
+            if key.split(".")[0] not in OPT_IN_SECTIONS and key not in PPO_ONLY_KEYS + DPO_ONLY_KEYS]
     missing = [key for key in keys if OmegaConf.select(cfg, key, default=absent) == absent]
     assert missing == []
 
@@ -444,7 +448,7 @@ def test_removed_key_in_a_yaml_mapping_is_found_without_hydra() -> None:
     [
         ("megatron_training.use_mcore_models=false", "megatron_training.use_mcore_models: must be true: "),
         ("megatron_training.tokenizer_type=Llama2Tokenizer", "megatron_training.tokenizer_type: must be 'PretrainedFromHF': "),
-        ("megatron_training.stage=ray_sft", "megatron_training.stage: must be one of ray_grpo, ray_dapo, ray_ppo, got 'ray_sft'"),
+        ("megatron_training.stage=ray_sft", "megatron_training.stage: must be one of ray_grpo, ray_dapo, ray_ppo, dpo, got 'ray_sft'"),
         ("megatron_training.save_interval=0", "megatron_training.save_interval: must be a positive number of "
                                               "iterations or null, got 0"),
         ("megatron_training.dataset_additional_keys=[]", "megatron_training.dataset_additional_keys: must be ['labels']: "),

@@ -43,6 +43,8 @@ VALIDATED_ONLY: dict[str, str] = {
     "megatron_training.split": "'N,0,0' only: no validation/test splits, every row trains",
     "megatron_training.dataset_additional_keys": "['labels'] only: the label column feeds the verifiers",
     "rl_config.use_integrated_worker": "true only: the integrated worker is the only worker",
+    "generate_config.data_parallel_size": "the inference layout's DP only (MindSpeed-RL derives it and overwrites what "
+                                          "is written; config/their_keys.py)",
     "rl_config.rule_reward": "true only: rule verifiers are the only reward",
     "generate_config.enable_expert_parallel": "infer_expert_parallel_size > 1 only, which the engine reads",
     "actor_config.num_layer_list": "the layers of each training pipeline stage (Megatron's pipeline layout)",

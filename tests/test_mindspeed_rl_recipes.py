@@ -34,7 +34,10 @@ def test_their_recipe_loads_unchanged_with_its_knobs_listed(name: str) -> None:
     assert config.runtime.device == "cpu"
     listed = {notice.split(" ", 1)[0] for notice in notices}
     ppo = config.rl_config.adv_estimator == "gae"  # GAE reads lam
-    assert {"megatron_training.seq_length", "rl_config.blocking", *(() if ppo else ("rl_config.lam",))} <= listed
+    if not config.generates:  # their DPO recipe: MindSpeed-LLM's arguments, no rl_config (config/dpo.py)
+        assert {"megatron_training.seq_length", "megatron_training.tokenizer_not_use_fast"} <= listed
+    else:
+        assert {"megatron_training.seq_length", "rl_config.blocking", *(() if ppo else ("rl_config.lam",))} <= listed
     assert no_effect_notice(notices).startswith("[config] no effect on this engine: megatron_training.seq_length (")
 
 

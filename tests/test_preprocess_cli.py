@@ -153,7 +153,7 @@ def test_unknown_override_key(capsys):
     assert run_main("seq_lenght=10") == 2
     err = capsys.readouterr().err.strip()
     assert err == ("config error: seq_lenght: unknown key (valid keys: input, tokenizer_name_or_path, output_prefix, "
-                   "prompt_type, map_keys, seq_length, overlong_prompts)")
+                   "prompt_type, map_keys, seq_length, overlong_prompts, is_pairwise_dataset, handler_name)")
 
 
 def test_a_schema_key_the_yaml_leaves_out_is_set_without_a_plus(tmp_path):

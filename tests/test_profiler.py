@@ -73,6 +73,12 @@ def test_each_bad_value_is_one_line_naming_its_key(override, key, expected):
     assert message.startswith(f"{P}.{key}: ") and expected in message and "\n" not in message, message
 
 
+def test_an_empty_save_path_is_their_default_and_refused_only_when_profiling():
+    assert IntegratedProfilerConfig(profile=False, profile_save_path="").profile_save_path == ""
+    message = config_error(TINY, f"{P}.profile=true", f"{P}.profile_save_path=''")
+    assert message.startswith(f"{P}.profile_save_path: must name a directory when profile is true"), message
+
+
 def test_an_unknown_key_is_still_an_error():
     message = config_error(TINY, f"+{P}.profile_freq=2")
     assert message.startswith(f"{P}.profile_freq: unknown key (valid keys of {P}: profile, mstx, stage"), message

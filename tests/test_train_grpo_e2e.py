@@ -52,6 +52,8 @@ def test_two_iterations_write_metrics(tmp_path):
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
+    # partial rollout off (its split 1): every trained token sampled by the policy being updated
+    assert all(r["rollout/token_age_max"] == 0 and r["rollout/resumed_samples"] == 0 for r in records)
     # wandb (offline here) holds every numeric scalar of every record
     (wandb_run,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     for row, record in zip(history_rows(wandb_run), records, strict=True):

@@ -23,6 +23,7 @@ HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenize
 LOAD_KEY = "actor_config.load"
 CONTENTS_KEY = "contents"
 ROLLOUT_AHEAD_NAME = "rollout_ahead.pt"
+CARRIED_SAMPLES_NAME = "carried_samples.json"  # partial rollout's carried groups (trainer/partial_rollout.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,10 +43,12 @@ def checkpointed(actor_group) -> list:
 
 def save_run_checkpoint(*, actor_group, save_root: str, iteration: int, sampler, kl_coef: float, seed: int,
                         hf_dir: str, keep_last_n: int | None, records: dict | None = None,
-                        contents: Contents = Contents(), rollout_ahead: list | None = None) -> Path:
+                        contents: Contents = Contents(), rollout_ahead: list | None = None,
+                        carried_samples: dict | None = None) -> Path:
     """Every rank writes its parts' shards into a temporary dir, the driver adds its state (and `records`: what a
     feature keeps of its settings, e.g. LoRA's, checkpoint/lora_export.py; `rollout_ahead`: one-step off-policy's
-    finished rollout of the next iteration, sampled by weights no checkpoint holds) and commits it."""
+    finished rollout of the next iteration, sampled by weights no checkpoint holds; `carried_samples`: partial
+    rollout's unfinished and untrained groups, their tokens, log-probs and policy versions) and commits it."""
     tmp = begin_save(save_root, iteration)
     parts = dict(with_optimizer=contents.optimizer, with_rng=contents.rng)
     with disk_error_named(tmp):
@@ -58,6 +61,8 @@ def save_run_checkpoint(*, actor_group, save_root: str, iteration: int, sampler,
         import torch
 
         torch.save(rollout_ahead, tmp / ROLLOUT_AHEAD_NAME)
+    if carried_samples is not None:  # JSON: Python writes a float's shortest repr, read back bit-exact
+        (tmp / CARRIED_SAMPLES_NAME).write_text(json.dumps(carried_samples))
     (tmp / HF_SUBDIR).mkdir()
     for name in HF_FILES:
         if (Path(hf_dir) / name).is_file():
@@ -93,6 +98,13 @@ def saved_rollout_ahead(point: ResumePoint | None) -> list | None:
 
     saved = torch.load(point.path / ROLLOUT_AHEAD_NAME, weights_only=False)  # our own file, verified by its manifest
     return [(_as_generations(shard), metrics) for shard, metrics in saved]
+
+
+def saved_carried_samples(point: ResumePoint | None) -> dict | None:
+    """The samples partial rollout carried past `point` (with the sampler it saved, after their prompts), or None."""
+    if point is None or not point.iteration or not (point.path / CARRIED_SAMPLES_NAME).is_file():
+        return None
+    return json.loads((point.path / CARRIED_SAMPLES_NAME).read_text())
 
 
 def _as_generations(shard):
@@ -189,5 +201,5 @@ def truncate_metrics_after(metrics_path: Path, iteration: int) -> None:
     tmp.replace(metrics_path)
 
 
-__all__ = ["ResumePoint", "find_resume_point", "resume_actor", "save_run_checkpoint", "saved_rollout_ahead",
-           "truncate_metrics_after"]
+__all__ = ["ResumePoint", "find_resume_point", "resume_actor", "save_run_checkpoint", "saved_carried_samples",
+           "saved_rollout_ahead", "truncate_metrics_after"]

@@ -67,6 +67,9 @@ class GenerateConfig:
     # one inference-DP slice. Colocated actor only.
     infer_pipeline_parallel_size: int = 1
     infer_expert_parallel_size: int = 1
+    # MindSpeed-RL's rollout DP, which it derives (devices / (infer TP x PP)); a value written must equal that
+    # (config/their_keys.py). null: derived.
+    data_parallel_size: Optional[int] = None
     # MindSpeed-RL's switch of vLLM's expert parallelism; here it follows from infer_expert_parallel_size > 1,
     # so a value given must agree with that.
     enable_expert_parallel: Optional[bool] = None
@@ -94,6 +97,12 @@ class GenerateConfig:
     # rank holds, redundant copies included), a path relative to where the run starts. Planned for: the planner counts
     # each rank's experts from it on an accelerator (planner/expert_map.py); vLLM here places experts evenly.
     expert_map_path: Optional[str] = None
+    # MindSpeed-RL's EPLB token collection: per MoE layer, the tokens each expert received in the rollouts, saved per
+    # inference rank as <eplb_token_save_path>/eplb_token_collects_<rank>.json after every generate call (added to a
+    # file already there); cli/eplb_generate_map_ds.py makes expert_map_path's map from them (engines/eplb_counts.py).
+    eplb_token_collects: bool = False
+    # The counts' directory, relative to where the run starts; required when collecting.
+    eplb_token_save_path: Optional[str] = None
     sampling_config: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
@@ -118,3 +127,17 @@ class GenerateConfig:
                                                                    f"{self.infer_expert_parallel_size}: vLLM's "
                                                                    f"experts are parallel exactly when it is > 1")
         require_in_range(prefix, self, "gpu_memory_utilization", 0.0, 1.0, low_open=True)
+        if self.eplb_token_collects and not self.eplb_token_save_path:
+            raise ConfigError(f"{prefix}.eplb_token_save_path", "is required with eplb_token_collects: true (the "
+                                                                "directory each inference rank's "
+                                                                "eplb_token_collects_<rank>.json is saved to)")
+
+
+def check_eplb_token_collection(config) -> None:
+    """EPLB counts the tokens vLLM's MoE routers send to each expert: a model without MoE layers has none to count
+    (the model block here; a run without one is refused when its engine finds the checkpoint dense)."""
+    arch = config.selected_model
+    if config.generate_config.eplb_token_collects and arch is not None and not arch.num_experts:
+        raise ConfigError(f"{GenerateConfig.SECTION_KEY}.eplb_token_collects",
+                          f"counts the tokens each MoE expert receives; model.{config.actor_config.model} has no MoE "
+                          "layers (no num_experts)")

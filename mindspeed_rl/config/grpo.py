@@ -6,7 +6,7 @@ from typing import Optional
 
 from mindspeed_rl.config.checks import require_equal
 from mindspeed_rl.errors import ConfigError, run_checks
-from mindspeed_rl.config.generate import GenerateConfig
+from mindspeed_rl.config.generate import GenerateConfig, check_eplb_token_collection
 from mindspeed_rl.config.megatron import ActorConfig, CriticConfig, MegatronTrainingConfig
 from mindspeed_rl.config.model_arch import ModelArchConfig
 from mindspeed_rl.config.resources import (
@@ -26,13 +26,16 @@ from mindspeed_rl.config.algorithm_checks import (check_dynamic_sampling, check_
 from mindspeed_rl.config.critic import (check_critic, critic_has_own_devices, critic_role_sections, critic_world_size,
                                         own_critic_ranks)
 from mindspeed_rl.config.context_parallel import check_context_parallel
+from mindspeed_rl.config.dpo import DPO_STAGE, check_dpo_run
 from mindspeed_rl.config.layout_checks import check_infer_layout, check_model_sharding, check_train_layout
 from mindspeed_rl.config.lora import check_lora_run
 from mindspeed_rl.config.multi_turn import check_multi_turn
+from mindspeed_rl.config.partial_rollout import check_partial_rollout
 from mindspeed_rl.config.profiler import ProfilerConfig
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 from mindspeed_rl.config.supported import check_supported
+from mindspeed_rl.config.their_keys import check_generate_data_parallel_size
 from mindspeed_rl.parallel.layout import ParallelLayout
 from mindspeed_rl.registries import SYNTHETIC_REWARD_MODEL
 
@@ -160,7 +163,10 @@ class GRPOConfig:
             lambda: check_supported(self.resource_plan, self.rewards), self._check_reward_model,
             self._check_async_generation, partial(check_evaluation, self), partial(check_dynamic_sampling, self),
             partial(check_mismatch_ledger, self), partial(check_routing_replay, self),
+            partial(check_eplb_token_collection, self),
             partial(check_critic, self), partial(check_lora_run, self), partial(check_multi_turn, self),
+            partial(check_generate_data_parallel_size, self),
+            partial(check_dpo_run, self), partial(check_partial_rollout, self),
         )
 
     @property
@@ -191,9 +197,14 @@ class GRPOConfig:
 
     @property
     def uses_reference(self) -> bool:
-        """The reference model only feeds the KL term: with init_kl_coef 0 (DAPO) none is built, loaded or
-        given a phase."""
-        return self.rl_config.init_kl_coef > 0
+        """The reference model feeds the KL term (with init_kl_coef 0, DAPO, none is built, loaded or given a phase)
+        and DPO's loss, which always has one."""
+        return self.rl_config.init_kl_coef > 0 or self.megatron_training.stage == DPO_STAGE
+
+    @property
+    def generates(self) -> bool:
+        """The run samples responses (vLLM, the inference part); DPO trains on given pairs and builds none."""
+        return self.megatron_training.stage != DPO_STAGE
 
     @property
     def trained_samples_per_iteration(self) -> int:
@@ -252,7 +263,8 @@ class GRPOConfig:
         again with the block the checkpoint's config.json describes (setup.check_against_checkpoint)."""
         run_checks(
             partial(check_train_layout, self), partial(check_context_parallel, self),
-            partial(check_infer_layout, self), partial(check_model_sharding, self), self._check_batch_sizes, self._check_lengths, partial(check_packing, self),
+            partial(check_infer_layout, self), partial(check_model_sharding, self), self._check_batch_sizes,
+            self._check_lengths, partial(check_packing, self),
             partial(check_recompute_layers, self), partial(check_num_layer_list, self),
         )
 

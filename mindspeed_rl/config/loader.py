@@ -23,8 +23,10 @@ from omegaconf.errors import (
 )
 
 from mindspeed_rl.errors import ConfigError, ConfigErrors, raise_together
+from mindspeed_rl.config.dpo_recipe import lift_dpo_recipe
 from mindspeed_rl.config.grpo import GRPOConfig
 from mindspeed_rl.config.no_effect import drop_no_effect_keys, lift_megatron_keys
+from mindspeed_rl.config.their_keys import their_key_errors
 from mindspeed_rl.config.lora import lift_lora_keys
 from mindspeed_rl.config.noop_layers import lift_noop_layers
 from mindspeed_rl.config.removed import removed_key_errors
@@ -47,11 +49,13 @@ def load_config(
     """
     tree = _plain_tree(cfg)
     _dapo_without_reference(tree)
-    errors = lift_megatron_keys(tree) + lift_lora_keys(tree) + lift_noop_layers(tree)
+    dpo_notices: list[str] = []  # their DPO recipe's shape (config/dpo.py): its keys without a counterpart
+    errors = (lift_dpo_recipe(tree, dpo_notices) + lift_megatron_keys(tree) + lift_lora_keys(tree)
+              + lift_noop_layers(tree) + their_key_errors(tree))
     dropped, no_effect_errors = drop_no_effect_keys(tree, strict=_strict_keys(tree))
     errors += no_effect_errors
     if notices is not None:
-        notices += dropped
+        notices += dropped + dpo_notices
     errors += removed_key_errors(tree)
     for error in errors:
         _delete_key(tree, error.key)

@@ -20,6 +20,7 @@ from mindspeed_rl.config.checks import (
     require_positive,
 )
 from mindspeed_rl.errors import ConfigError
+from mindspeed_rl.config.dpo import check_dpo_keys
 from mindspeed_rl.config.lora import check_lora
 
 # Megatron's WSD also needs an anneal length (lr_wsd_decay_iters) that this schema has no key for.
@@ -27,7 +28,8 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 # MindSpeed's context-parallel exchanges MindSpeed-RL accepts (actor_config.context_parallel_algo).
 CP_ALGORITHMS = ("megatron_cp_algo", "ulysses_cp_algo")
 OVERLONG_PROMPT_POLICIES = ("filter", "error")
-TRAINING_STAGES = ("ray_grpo", "ray_dapo", "ray_ppo")  # their entry points: cli/train_grpo.py, train_dapo.py, train_ppo.py
+# their entry points: cli/train_grpo.py, train_dapo.py, train_ppo.py, train_dpo.py
+TRAINING_STAGES = ("ray_grpo", "ray_dapo", "ray_ppo", "dpo")
 # Our fields of a dataset row; values of map_keys name where each lives in the row.
 MAP_KEYS_REQUIRED = ("prompt", "labels")
 MAP_KEYS_OPTIONAL = ("system",)
@@ -80,6 +82,16 @@ class MegatronTrainingConfig:
     # DAPO's steps are rl_config keys, PPO's a critic_config; each entry point refuses the others' recipes so a
     # recipe runs as its authors ran it.
     stage: str = "ray_grpo"
+    # DPO (stage dpo, cli/train_dpo.py; config/dpo.py, docs/dpo.md): MindSpeed-LLM's keys, which MindSpeed-RL's DPO
+    # recipe sets here. The data are chosen/rejected pairs; the reference's weights are ref_model's (null: the
+    # policy's initial ones).
+    is_pairwise_dataset: bool = False
+    dpo_loss_type: str = "sigmoid"
+    dpo_beta: float = 0.1
+    dpo_label_smoothing: float = 0.0
+    pref_ftx: float = 0.0
+    ref_model: Optional[str] = None
+    refer_model_iter: int = 1
     # RL fine-tuning keeps dropout off (Megatron's default is 0.1) so that old and new log-probs of
     # the same weights agree.
     attention_dropout: float = 0.0
@@ -131,6 +143,7 @@ class MegatronTrainingConfig:
             raise ConfigError(f"{prefix}.prompt_type", "must name a prompt template (e.g. empty, chat), got ''")
         self._check_split()
         self._check_map_keys()
+        check_dpo_keys(prefix, self)
 
     def _check_split(self) -> None:
         parts = self.split.split(",")

@@ -12,7 +12,9 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any, Optional
 
 from mindspeed_rl.errors import ConfigError
+from mindspeed_rl.config.msprobe import drop_msprobe_section
 from mindspeed_rl.config.removed import present_keys
+from mindspeed_rl.config.their_keys import megatron_argument_entries
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,11 @@ SAME, DIFFERS = "same: ", "differs: "
 def _estimator(tree: Mapping[str, Any]) -> Any:
     rl = tree.get("rl_config")
     return rl.get("adv_estimator", "group_norm") if isinstance(rl, Mapping) else "group_norm"
+
+
+def _stage(tree: Mapping[str, Any]) -> Any:
+    training = tree.get("megatron_training")
+    return training.get("stage") if isinstance(training, Mapping) else None
 
 
 _CRITIC_IN_ACTOR_CHECKPOINT = ("the critic is saved in and resumed from the actor's checkpoints: actor_config.{key} "
@@ -99,7 +106,9 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
     "rl_config.blocking": _entry("every phase is a blocking call of the integrated worker"),
     "rl_config.async_engine": _entry(
         "vLLM's engine API: MindSpeed-RL's multi-turn rollout needs its step-by-step engine; here every turn is one "
-        "batched generate of the samples still going (trainer/multi_turn.py)",
+        "batched generate of the samples still going (trainer/multi_turn.py). With partial rollout their true stops "
+        "generating once a global batch of groups is complete; here partial rollout always stops so, at the first "
+        "chunk boundary where one is (trainer/partial_rollout.py), whichever value is set",
         memory=SAME + "vLLM's KV cache is sized by generate_config either way"),
     "rl_config.gamma": _entry(
         "a discount of token returns; group_norm (GRPO), rloo and reinforce_plus_plus_baseline do not read it, in "
@@ -131,6 +140,37 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
                     "critic_update", "critic_value", "kl", "actor_image_embeds")},
     "rl_config.verifier_timeout": _entry(
         "read by nothing in MindSpeed-RL's source; this engine's per-sample limit is rl_config.verifier_timeout_seconds"),
+    # MindSpeed-RL's GAE whitens the advantages whatever this says (trainer/utils/compute_utils.py), as this engine's
+    # does (algorithms/ppo.py); group_norm, rloo and reinforce_plus_plus normalise their own way, there and here.
+    "rl_config.advantage_whiten": _entry(
+        "read by nothing in MindSpeed-RL's source: its GAE (adv_estimator gae) always whitens the advantages, as here; "
+        "the other estimators never do, there and here"),
+    "rl_config.num_samples_per_step": _entry("read by nothing in MindSpeed-RL's source"),
+    # Their actor copies it into meta_info["beta"], which no GRPO/DAPO/PPO loss of theirs reads (their KL coefficient
+    # is init_kl_coef); a DPO run (stage dpo) keeps it for its own section (config/dpo.py).
+    "rl_config.beta": _entry(
+        "copied into their actor's meta_info, which no GRPO/DAPO/PPO loss of MindSpeed-RL reads; the KL coefficient "
+        "is rl_config.init_kl_coef", applies=lambda tree, value: _stage(tree) == "dpo"),
+    "rl_config.tp_split_expert": _entry(
+        "read by nothing in MindSpeed-RL's source; experts are split over TP here by actor_config.moe_tp_extend_ep "
+        "(false: each expert split over TP)"),
+    # td (transfer dock) or tq (transfer queue): how their workers hand batches to each other.
+    "rl_config.data_strategy": _entry(_TRANSFER_DOCK, memory=_DOCK_MEMORY),
+    **{f"rl_config.transfer_queue_data_shard_{key}": _entry(_TRANSFER_DOCK, memory=_DOCK_MEMORY)
+       for key in ("num", "port_base")},
+    "rl_config.runtime_env_path": _entry(
+        "the Ray runtime-env YAML their launcher reads (environment variables of its workers); the ranks here "
+        "inherit the launching shell's environment: export them there",
+        files=SAME + "a file read at launch there; here nothing reads it and nothing is written"),
+    "rl_config.num_cpus_for_placement_group": _entry(
+        "Ray CPUs reserved per device bundle of their placement group; the ranks here are placed by Ray with "
+        "runtime.num_threads_per_rank threads each"),
+    # Their separate reference/reward workers' devices, read only without use_integrated_worker (their launcher,
+    # utils.compute_tps); integrated is the only mode here. ROLL's `reference` and `rewards` sections place roles.
+    **{f"rl_config.{role}_resource": _entry(
+        f"the {role} runs on the actor's devices in integrated mode (the only mode here), where MindSpeed-RL does not "
+        f"read {role}_resource either; ROLL's {role if role == 'reference' else 'rewards'} section places it here")
+       for role in ("reference", "reward")},
     "generate_config.torchair_graph": _entry(_NPU_KERNEL, memory=_KERNEL_MEMORY),
     "generate_config.ascend_scheduler_config_enabled": _entry(_NPU_KERNEL),
     "generate_config.num_scheduler_steps": _entry("vLLM V1 schedules one step at a time", (1,)),
@@ -147,6 +187,8 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
         "MindSpeed-LLM's switch for the sequence-wise balance loss of its own router types; the loss here is "
         "moe_router_load_balancing_type (seq_aux_loss: per sequence)", (False,)),
 }
+# Their MegatronConfig's arguments with no counterpart here (config/their_keys.py), built with the same _entry.
+NO_EFFECT_KEYS.update(megatron_argument_entries(_entry, SAME, DIFFERS))
 
 # Keys MindSpeed-RL's model blocks carry and it reads as megatron_training's (it merges the selected block
 # into the Megatron arguments): here they move there, from the selected block, unless megatron_training sets them.
@@ -170,7 +212,9 @@ def drop_no_effect_keys(tree: dict[str, Any], *, strict: bool) -> tuple[list[str
                                                f"runtime.strict_keys=false"))
             else:
                 notices.append(entry.notice(key))
-    return notices, errors
+    # MindSpeed-RL's msprobe section: one notice for the whole section while its switch is off (config/msprobe.py).
+    section_notices, section_errors = drop_msprobe_section(tree, strict=strict)
+    return notices + section_notices, errors + section_errors
 
 
 def lift_megatron_keys(tree: dict[str, Any]) -> list[ConfigError]:

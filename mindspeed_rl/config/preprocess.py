@@ -7,13 +7,15 @@ than ``seq_length`` tokens and writes the token ids to ``output_prefix`` (a dire
 """
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from mindspeed_rl.config.checks import require_choice, require_positive
 from mindspeed_rl.errors import ConfigError
+
+PAIRWISE_HANDLER = "AlpacaStylePairwiseHandler"
 
 
 @dataclass(kw_only=True)
@@ -33,6 +35,12 @@ class PreprocessConfig:
     # Prompts with more tokens (after the template) are dropped and counted, or rejected.
     seq_length: int
     overlong_prompts: str = "filter"
+    # Rows of a prompt with `chosen` and `rejected` responses, for DPO (MindSpeed-RL's orca_rlhf.yaml; their handler
+    # AlpacaStylePairwiseHandler): each pair is tokenized, those whose prompt + longer response exceed seq_length are
+    # dropped (data/preference.py).
+    is_pairwise_dataset: bool = False
+    # MindSpeed-RL's data handler: the pairwise one implies is_pairwise_dataset; their prompt handlers are ours.
+    handler_name: Optional[str] = None
 
     def __post_init__(self) -> None:
         from mindspeed_rl.registries import OVERLONG_CHOICES, check_prompt_type, resolve_map_keys
@@ -43,7 +51,12 @@ class PreprocessConfig:
         require_positive("", self, "seq_length")
         require_choice("", self, "overlong_prompts", OVERLONG_CHOICES)
         check_prompt_type(self.prompt_type, key="prompt_type")
-        resolve_map_keys(self.map_keys, key="map_keys")
+        if self.handler_name == PAIRWISE_HANDLER:
+            self.is_pairwise_dataset = True
+        elif self.handler_name is not None and "Pairwise" in self.handler_name:
+            raise ConfigError("handler_name", f"{self.handler_name!r}: the pairwise handler here is {PAIRWISE_HANDLER}")
+        if not self.is_pairwise_dataset:  # a pair's fields are checked where its rows are read (data/preference.py)
+            resolve_map_keys(self.map_keys, key="map_keys")
 
 
 def load_preprocess_config(cfg: Union[DictConfig, Mapping[str, Any]]) -> PreprocessConfig:

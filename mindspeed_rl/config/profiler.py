@@ -77,8 +77,9 @@ class IntegratedProfilerConfig:
             raise ConfigError(f"{_PREFIX}.profile_step_end",
                               f"must be > profile_step_start={self.profile_step_start} (iterations [start, end), end "
                               f"excluded), got {self.profile_step_end}")
-        if not self.profile_save_path:
-            raise ConfigError(f"{_PREFIX}.profile_save_path", "must name a directory, got ''")
+        # Their class's default is "" (their docs' ./profiler_data is what recipes write): only a profile needs it.
+        if self.profile and not self.profile_save_path:
+            raise ConfigError(f"{_PREFIX}.profile_save_path", "must name a directory when profile is true, got ''")
 
     @property
     def stages(self) -> tuple[str, ...]:

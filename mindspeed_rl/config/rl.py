@@ -197,6 +197,12 @@ class RLConfig:
     ref_dynamic_max_batch_size: Optional[int] = None
     actor_dynamic_max_batch_size: Optional[int] = None
     update_dynamic_max_batch_size: Optional[int] = None
+    # Partial rollout (MindSpeed-RL's keys and defaults; trainer/partial_rollout.py, config/partial_rollout.py): N > 1
+    # cuts each iteration's generation at sampling_config.max_tokens // N response tokens; unfinished samples keep
+    # their tokens and log-probs and resume first in the next iteration, a group trains once all its samples are done.
+    # require_max_age_all_finished: a sample at the maximum age (N - 1 iterations) is generated to its end.
+    partial_rollout_max_split: int = 1
+    require_max_age_all_finished: bool = True
     # Multi-turn tool use (MindSpeed-RL's keys and defaults; ReTool): generation and tool calls alternate in the
     # rollout (trainer/multi_turn.py), the tools of the YAML at tool_config_path, called as tool_parser_format
     # writes them, at most max_tool_calls turns per response and max_parallel_calls calls per turn; a tool's

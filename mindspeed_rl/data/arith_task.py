@@ -16,7 +16,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from mindspeed_rl.data.asset_cache import MANIFEST_FILE, ensure_generated, write_text_atomic  # noqa: F401 (MANIFEST_FILE re-exported)
+from mindspeed_rl.atomic_files import write_text_atomic
+from mindspeed_rl.data.asset_cache import MANIFEST_FILE, ensure_generated  # noqa: F401 (MANIFEST_FILE re-exported)
 from mindspeed_rl.data.tiny_model import create_checkpoint_from_asset_params
 from mindspeed_rl.data.tokenizer import train_arith_tokenizer
 

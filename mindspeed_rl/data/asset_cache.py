@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from mindspeed_rl.atomic_files import write_text_atomic
 from mindspeed_rl.checkpoint.store import fsync_path
 from mindspeed_rl.errors import ConfigError
 from mindspeed_rl.locks import exclusive_lock
@@ -104,15 +105,3 @@ def _fsync_tree(top: Path) -> None:
         for name in files:
             fsync_path(Path(directory) / name)
         fsync_path(Path(directory))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise

@@ -54,6 +54,9 @@ class VLLMEngineConfig:
     # MoE routing replay: the experts vLLM chose per token and layer come back with each sample
     # (engines/vllm_routing.py).
     return_routed_experts: bool = False
+    # EPLB's token collection (generate_config.eplb_token_collects): the directory this rank's per-expert token
+    # counts are saved to after each generate call (engines/eplb_counts.py); None collects nothing.
+    eplb_token_save_path: str | None = None
 
 
 class VLLMEngine:
@@ -76,6 +79,7 @@ class VLLMEngine:
 
             _make_cpu_shm_names_unique()
             add_cpu_variable_size_collectives()
+            _eager_logprob_ranks()
             # vLLM on CPU sizes KV by bytes, not by gpu_memory_utilization of a device.
             kwargs["kv_cache_memory_bytes"] = max(int(config.cpu_kvcache_space_gb * GIB), 1 << 20)
             kwargs.update(_cpu_mla_kwargs(config))
@@ -112,7 +116,8 @@ class VLLMEngine:
             unpack_cpu_linears(self.model)
             unpack_cpu_experts(self.model)
         self.packed_linears = PackedLinears(self.model) if config.on_cpu else None  # packed at each push's end
-        self.routing = RoutingRecorder(self.llm) if config.return_routed_experts else None
+        self.routing = _routing_recorder(self.llm, config)
+        self.expert_token_counts = _expert_token_counts(self.routing, config)
         self.weights_loaded = False
         # One storage backs every layer's KV view; freeing it by resize keeps the views bound.
         self._kv_cache = StorageGroup("kv_cache", self._kv_tensors, get_accelerator("cpu" if config.on_cpu else "auto"),
@@ -148,6 +153,8 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
         with self.routing.recording() if self.routing is not None else contextlib.nullcontext():
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.expert_token_counts is not None:
+            self.expert_token_counts.save()
         generations = []
         for prompt_index, request in enumerate(outputs):
             for sample in request.outputs:
@@ -156,18 +163,19 @@ class VLLMEngine:
                 top = [{t: lp.logprob for t, lp in step.items()} for step in sample.logprobs] if logprobs else None
                 generations.append(Generation(prompt_index=prompt_index, token_ids=ids, logprobs=lps,
                                               top_logprobs=top, text=sample.text if detokenize else None,
-                                              routed_experts=self._routes_of(sample, len(prompt_token_ids[prompt_index]))))
+                                              routed_experts=self._routes_of(sample, len(prompt_token_ids[prompt_index])),
+                                              stopped=sample.finish_reason == "stop"))  # "length": cut at max_tokens
         return self._with_every_stages_routes(generations)
 
     def _routes_of(self, sample, prompt_length: int) -> "np.ndarray | None":
-        if self.routing is None:
+        if not self.config.return_routed_experts:
             return None
         # Every position but the last sampled token's went through a forward.
         return positions_routing(sample.routed_experts, prompt_length + len(sample.token_ids) - 1,
                                  self.routing.num_layers, self.routing.topk)
 
     def _with_every_stages_routes(self, generations: list[Generation]) -> list[Generation]:
-        if self.routing is None or self.config.pipeline_parallel_size == 1:
+        if not self.config.return_routed_experts or self.config.pipeline_parallel_size == 1:
             return generations
         from vllm.distributed.parallel_state import get_pp_group
 
@@ -268,6 +276,42 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
 
+def _routing_recorder(llm, config: VLLMEngineConfig) -> RoutingRecorder | None:
+    """vLLM's routing capture, for routing replay's rows and/or EPLB's token counts; None when neither is asked."""
+    if config.eplb_token_save_path is not None and llm.llm_engine.model_config.get_num_experts() <= 0:
+        from mindspeed_rl.errors import ConfigError
+
+        raise ConfigError("generate_config.eplb_token_collects", f"counts the tokens each MoE expert receives; "
+                                                                 f"{config.model_dir} has no MoE layers")
+    if not (config.return_routed_experts or config.eplb_token_save_path is not None):
+        return None
+    return RoutingRecorder(llm, file_rows=config.return_routed_experts)
+
+
+def _expert_token_counts(routing: RoutingRecorder | None, config: VLLMEngineConfig):
+    """EPLB's per-rank counts fed by the routing capture, or None when not collecting or on a TP rank > 0 (its TP
+    peers route the same tokens; engines/eplb_counts.py)."""
+    if config.eplb_token_save_path is None:
+        return None
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    from mindspeed_rl.engines.eplb_counts import ExpertTokenCounts
+
+    # The model's MoE layers in order, from every stage's own (a MoE layer's ordinal is its map layer_id).
+    stages = [routing.layers]
+    if config.pipeline_parallel_size > 1:
+        stages = [None] * config.pipeline_parallel_size
+        torch.distributed.all_gather_object(stages, routing.layers, group=get_pp_group().cpu_group)
+    ordinal = {layer: index for index, layer in enumerate(sorted({layer for stage in stages for layer in stage}))}
+    if get_tp_group().rank_in_group != 0 or not routing.layers:  # a stage of dense layers only counts nothing
+        return None
+    counts = ExpertTokenCounts(save_dir=config.eplb_token_save_path, rank=torch.distributed.get_rank(),
+                               num_experts=routing.num_experts,
+                               moe_ordinal_of_layer={layer: ordinal[layer] for layer in routing.layers})
+    routing.on_step.append(counts.add)
+    return counts
+
+
 def _cpu_mla_kwargs(config: VLLMEngineConfig) -> dict:
     """MLA checkpoints (DeepSeek-V3) on CPU: the rotary fix and the attention backend (engines/vllm_cpu_mla.py)."""
     from mindspeed_rl.engines.vllm_cpu_mla import fix_cpu_rotary_for_3d_queries, mla_attention_config, uses_mla
@@ -294,6 +338,17 @@ def _allocate_pipeline_receive_buffers(runner) -> None:
         return
     runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
         batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+
+
+def _eager_logprob_ranks() -> None:
+    """vLLM's sampler ranks each returned log-prob with a torch.compile'd count (vllm/v1/sample/ops/logprobs.py), which
+    on CPU costs every rank process about 3 s at its first generate (dynamo, and inductor probing the C++ toolchain by
+    compiling test programs) to save one [sequences x vocab] bool mask that the sampler's own [sequences x vocab]
+    log-probs already outweigh four to one. The eager function is the same expression: the counts are equal."""
+    from vllm.v1.sample import sampler
+
+    compiled = sampler.batched_count_greater_than
+    sampler.batched_count_greater_than = getattr(compiled, "__wrapped__", compiled)
 
 
 def _make_cpu_shm_names_unique() -> None:

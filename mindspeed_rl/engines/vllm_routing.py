@@ -12,10 +12,15 @@ output processor, which joins them into the sample's `routed_experts` as it does
 A position is recorded once (the first forward that computed it): a request preempted and recomputed keeps the
 routing its tokens were sampled with. Positions vLLM never computed read -1: the last sampled token (no forward ran
 on it) and prompt blocks served from the prefix cache (config/algorithm_checks refuses prefix caching with replay).
+
+The same capture feeds EPLB's token collection (engines/eplb_counts.py): `on_step` listeners receive every forward's
+routing of this stage's MoE layers, recomputed positions included (load the experts carried); `file_rows=False` when
+only they read it (no per-request rows are kept and vLLM's output processor is left alone).
 """
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import numpy as np
 import torch
@@ -26,7 +31,7 @@ from mindspeed_rl.protocol import UNRECORDED_ROUTE as UNRECORDED
 class RoutingRecorder:
     """Installed on one in-process vLLM engine; `recording()` scopes it to a generate call."""
 
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, *, file_rows: bool = True) -> None:
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (RoutedExpertsCapturer,
                                                                                   bind_routed_experts_capturer)
@@ -39,10 +44,14 @@ class RoutingRecorder:
         # This pipeline stage's MoE layers (global decoder-layer indices); the others read UNRECORDED here.
         self.layers = sorted({module.layer_id for module in runner.model.modules() if isinstance(module, MoERunner)})
         self.num_layers, self.topk = self._capturer.shape_per_token
+        self.num_experts = config.model_config.get_num_experts()
         self._runner = runner
         self._rows: dict[str, list[np.ndarray]] = {}  # request id -> rows not yet handed to the output processor
         self._recorded: dict[str, int] = {}  # request id -> positions recorded so far
         self.active = False
+        self.file_rows = file_rows
+        # Called with each forward's [computed tokens, this stage's MoE layers, top-k] expert ids while recording.
+        self.on_step: list[Callable[[np.ndarray], None]] = []
         forward = runner._model_forward
 
         def model_forward(*args, **kwargs):
@@ -52,7 +61,8 @@ class RoutingRecorder:
             return output
 
         runner._model_forward = model_forward
-        llm.llm_engine.engine_core.engine_core.scheduler.aux_output_connector = _SchedulerSide(self)
+        if file_rows:
+            llm.llm_engine.engine_core.engine_core.scheduler.aux_output_connector = _SchedulerSide(self)
 
     @contextlib.contextmanager
     def recording(self):
@@ -68,10 +78,14 @@ class RoutingRecorder:
         num_reqs = batch.num_reqs
         starts = self._runner.query_start_loc.np[: num_reqs + 1]
         total = int(starts[-1])
-        if total == 0 or positions is None:
+        if total == 0 or positions is None or not (self.file_rows or self.on_step):
+            return
+        captured = self._capturer.device_buffer[:total].cpu().numpy()
+        for listener in self.on_step:
+            listener(captured[:, self.layers])
+        if not self.file_rows:
             return
         step = np.full((total, self.num_layers, self.topk), UNRECORDED, dtype=np.int16)
-        captured = self._capturer.device_buffer[:total].cpu().numpy()
         step[:, self.layers] = captured[:, self.layers]
         first_positions = positions[:total].cpu().numpy()[starts[:-1]]
         for index, request_id in enumerate(batch.req_ids[:num_reqs]):

@@ -72,7 +72,9 @@ def run_states(config) -> frozenset[str]:
     """The state groups a run holds, on whichever devices: the training engine's and the inference engine's always,
     the reference's with a KL term, the reward model's and the critic's where the run has them. The roles compose the
     parts declaring these (workers/roles.py) and the planner plans this table (`ResidencyPolicy.for_states`)."""
-    states = {TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, *INFERENCE_STATES}
+    states = {TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER}
+    if config.generates:  # DPO trains on given pairs: no inference engine
+        states |= INFERENCE_STATES
     if config.uses_reference:
         states.add(REF_PARAMS)
     if config.reward_model is not None:
@@ -95,6 +97,8 @@ class ResidencyPolicy:
     offload_inference: bool = True
     # False on a critic's own ranks (critic.device_mapping apart from actor_train's): nothing else is there.
     offload_critic: bool = True
+    # False where the run generates nothing (DPO): no inference states, no switch, no generate phase.
+    has_inference: bool = True
     # LoRA's shared backbone (rl_config.share_backbone): the reference log-probs run on the train params with the
     # adapters off; there are no reference params.
     reference_is_backbone: bool = False
@@ -127,6 +131,7 @@ class ResidencyPolicy:
                    has_reference=config.uses_reference and not critic_only,
                    offload_inference=not states <= INFERENCE_STATES, has_critic=bool(states & CRITIC_STATES),
                    offload_critic=not critic_only, reference_is_backbone=config.reference_is_backbone,
+                   has_inference=config.generates,
                    has_adapters=config.actor_config.uses_lora, adapter_only_switch=config.adapter_only_switch,
                    has_old_logprob_pass=not config.old_logprobs_from_update,
                    swap_optimizer=config.megatron_training.swap_optimizer)
@@ -145,8 +150,10 @@ class ResidencyPolicy:
 
     def phases(self) -> tuple[str, ...]:
         """The phases this run enters, in order (`reward` only with a reward model, `ref_logprob` only with a
-        reference, `old_logprob` only with its own pass, the critic's only with a critic)."""
+        reference, `old_logprob` only with its own pass, the critic's only with a critic, the switch and generate only
+        where the run generates)."""
         return tuple(p for p in PHASES if (p != REWARD or self.has_reward_model)
+                     and (p not in (SWITCH, GENERATE) or self.has_inference)
                      and (p != REF_LOGPROB or self.has_reference)
                      and (p != OLD_LOGPROB or self.has_old_logprob_pass)
                      and (p not in (CRITIC_VALUES, CRITIC_UPDATE) or self.has_critic))
@@ -165,7 +172,8 @@ class ResidencyPolicy:
             {TRAIN_OPTIMIZER} if self.swap_optimizer else set()) | (
             {ADAPTER_PARAMS} if not self.has_adapters else set()) | (
             {REWARD_PARAMS} if not self.has_reward_model else set()) | (
-            CRITIC_STATES if not self.has_critic else set())
+            CRITIC_STATES if not self.has_critic else set()) | (
+            INFERENCE_STATES if not self.has_inference else set())
         return (needs | self.pinned) - absent
 
     def first_switch(self) -> frozenset[str]:

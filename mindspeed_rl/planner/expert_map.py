@@ -1,7 +1,8 @@
 """EPLB's expert map (`generate_config.expert_map_path`), read as vllm-ascend reads it, and the bytes of the redundant
 experts it places.
 
-The file (MindSpeed-RL's cli/eplb_generate_map_ds.py writes it; vllm-ascend's ExpertLoadBalancer reads it):
+The file (MindSpeed-RL's cli/eplb_generate_map_ds.py writes it, as ours does from the counts of
+generate_config.eplb_token_collects: planner/eplb_map_builder.py; vllm-ascend's ExpertLoadBalancer reads it):
     {"moe_layer_count": L, "layer_list": [{"layer_id": l, "device_count": D,
                                            "device_list": [{"device_id": d, "device_expert": [e, ...]}, ...]}, ...]}
 one entry per MoE layer (in model order), one per expert-parallel rank (vLLM's EP = TP x DP: rank dp_rank x TP +
@@ -68,6 +69,23 @@ def read_expert_map(path: str) -> ExpertMap:
         raise ConfigError(KEY, f"{path}: every layer needs the same device count and every device the same number of "
                                f"experts (vllm-ascend stacks them into one tensor), got (devices, experts) {sorted(shapes)}")
     return ExpertMap(str(path), placement)
+
+
+def expert_map_document(placement: list[list[list[int]]]) -> dict[str, Any]:
+    """[MoE layer][EP rank] -> experts as the file MindSpeed-RL's cli/eplb_generate_map_ds.py writes."""
+    return {"moe_layer_count": len(placement),
+            "layer_list": [{"layer_id": layer, "device_count": len(ranks),
+                            "device_list": [{"device_id": rank, "device_expert": [int(e) for e in experts]}
+                                            for rank, experts in enumerate(ranks)]}
+                           for layer, ranks in enumerate(placement)]}
+
+
+def write_expert_map(path: str | Path, placement: list[list[list[int]]]) -> ExpertMap:
+    """Write the map whole (a temporary file renamed over `path`) and read it back as a run will."""
+    from mindspeed_rl.atomic_files import write_text_atomic
+
+    write_text_atomic(Path(path), json.dumps(expert_map_document(placement), indent=4) + "\n")
+    return read_expert_map(str(path))
 
 
 def _layer(entry: dict[str, Any]) -> tuple[tuple[int, ...], ...]:

@@ -11,11 +11,13 @@ from pathlib import Path
 
 from mindspeed_rl.accelerator.host_memory import return_free_heap
 from mindspeed_rl.checkpoint.lora_export import lora_record
-from mindspeed_rl.checkpoint.trainer_state import Contents, save_run_checkpoint, saved_rollout_ahead
+from mindspeed_rl.checkpoint.trainer_state import (Contents, save_run_checkpoint, saved_carried_samples,
+                                                   saved_rollout_ahead)
+from mindspeed_rl.config.partial_rollout import max_token_age
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler
 from mindspeed_rl.data.rewards import RuleRewards
-from mindspeed_rl.protocol import RolloutBatch
+from mindspeed_rl.protocol import RolloutBatch, checked_token_ages
 from mindspeed_rl.trainer import setup
 from mindspeed_rl.trainer.advantage_step import AdvantageStep
 from mindspeed_rl.trainer.critic_step import CriticAdvantageStep
@@ -27,7 +29,7 @@ from mindspeed_rl.trainer.phase_progress import ProgressReportingGroup, console_
 from mindspeed_rl.trainer.prepared_run import PreparedRun
 from mindspeed_rl.trainer.rollout import forward_logprobs
 from mindspeed_rl.trainer.rollout_correction_step import correct_rollout
-from mindspeed_rl.trainer.rollout_strategy import rollout_strategy
+from mindspeed_rl.trainer.rollout_strategy import rollout_strategy, strategy_carries
 from mindspeed_rl.trainer.rollouts import Rollouts
 from mindspeed_rl.trainer.scoring import Scoring
 from mindspeed_rl.trainer.sinks import MetricsSinks
@@ -68,7 +70,7 @@ def train(config: GRPOConfig, actor_group: ActorGroup, run: PreparedRun, run_dir
             if config.uses_reference:  # the KL term's only input
                 batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor_group, "compute_ref_log_prob", batch)
                 metrics |= ref_metrics
-            metrics |= old_logprobs(config, actor_group, batch)
+            metrics |= old_logprobs(config, actor_group, batch, policy_version=iteration - 1)
             metrics |= measurement.replay_routes(batch)
             metrics |= correct_rollout(batch, config.rl_config)  # before the advantages: they skip rejected tokens
             metrics |= advantages.estimate(batch, rewards)
@@ -89,9 +91,12 @@ def train(config: GRPOConfig, actor_group: ActorGroup, run: PreparedRun, run_dir
     return record.finish(actor_group, run.model_dir)
 
 
-def old_logprobs(config: GRPOConfig, actor_group: ActorGroup, batch: RolloutBatch) -> dict:
-    """The separate old-log-prob pass, where the update's own first forward does not give them."""
-    if config.old_logprobs_from_update:
+def old_logprobs(config: GRPOConfig, actor_group: ActorGroup, batch: RolloutBatch, *, policy_version: int) -> dict:
+    """The separate old-log-prob pass, where the update's own first forward does not give them: that shortcut holds
+    for an exactly on-policy batch only, every trained token sampled by the policy of `policy_version` (a partial
+    rollout's resumed tokens are older). Every trained token's age is checked against the declared bound first."""
+    ages = checked_token_ages(batch, policy_version, bound=max_token_age(config))
+    if config.old_logprobs_from_update and not ages.any():
         return {}
     batch.columns["old_logprobs"], metrics = forward_logprobs(actor_group, "compute_log_prob", batch)
     return metrics
@@ -102,7 +107,8 @@ def _rollout_steps(config: GRPOConfig, actor_group: ActorGroup, run: PreparedRun
     refills, and the evaluation, which rolls out and scores the same way."""
     strategy = rollout_strategy(config, run.tokenizer)
     resumed_ahead = saved_rollout_ahead(run.resume) if config.rollout_staleness else None
-    rollouts = Rollouts(actor_group, run.dataset, run.sampler, config, strategy, resumed_ahead=resumed_ahead)
+    rollouts = Rollouts(actor_group, run.dataset, run.sampler, config, strategy, resumed_ahead=resumed_ahead,
+                        resumed_carried=saved_carried_samples(run.resume) if strategy_carries(strategy) else None)
     scoring = Scoring(config, run.tokenizer, actor_group, reward_group)
     return rollouts, ScoredRollouts(rollouts, scoring, config), Evaluation(config, scoring, run.eval_dataset, strategy)
 
@@ -184,7 +190,7 @@ def save_checkpoint(config: GRPOConfig, actor_group: ActorGroup, iteration: int,
                                sampler=rollouts.resume_sampler, kl_coef=kl_coef, seed=config.megatron_training.seed,
                                hf_dir=hf_dir, keep_last_n=config.actor_config.keep_last_n,
                                records=lora_record(config, hf_dir), contents=checkpoint_contents(config),
-                               rollout_ahead=rollouts.finish_ahead())
+                               rollout_ahead=rollouts.finish_ahead(), carried_samples=rollouts.carried_state)
     progress.last_checkpoint, progress.saved_by_this_run = str(path), True
     print(f"[checkpoint] saved {path}", flush=True)
 

@@ -23,6 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from mindspeed_rl.config import ConfigError, error_lines, load_config
+from mindspeed_rl.config.dpo import DPO_STAGE
 from mindspeed_rl.config.no_effect import no_effect_notice
 from mindspeed_rl.config.overrides import hydra_argv
 from mindspeed_rl.config.tolerated import warning_lines
@@ -31,7 +32,8 @@ from mindspeed_rl.interrupts import RunInterrupted, stop_signals
 from mindspeed_rl.trainer.stopping import RunStopped
 
 CONFIG_ERROR_EXIT_CODE = 2
-ENTRY_POINTS = {"ray_grpo": "cli/train_grpo.py", "ray_dapo": "cli/train_dapo.py", "ray_ppo": "cli/train_ppo.py"}
+ENTRY_POINTS = {"ray_grpo": "cli/train_grpo.py", "ray_dapo": "cli/train_dapo.py", "ray_ppo": "cli/train_ppo.py",
+                "dpo": "cli/train_dpo.py"}
 # Absolute: Hydra resolves a relative config path against the task function's module.
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 # Hydra names the job after the task function's module; the job names the run's log, <run dir>/train_grpo.log, as
@@ -93,7 +95,12 @@ def _run(cfg: DictConfig, stage: str) -> None:
     # rank lives in this process (workers/local_group.py). A user's own value wins.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     # Imported late so that config errors and --cfg/--help do not pay for importing torch, vLLM, Megatron.
+    # Paths and data files are checked before any worker starts; those errors are config errors too.
+    if stage == DPO_STAGE:  # no rollout: its own loop (trainer/dpo_run.py)
+        from mindspeed_rl.trainer.dpo_run import run_dpo
+
+        run_dpo(config, run_dir=run_dir)
+        return
     from mindspeed_rl.trainer import run_grpo
 
-    # Paths and data files are checked before any worker starts; those errors are config errors too.
     run_grpo(config, run_dir=run_dir)

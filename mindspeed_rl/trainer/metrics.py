@@ -9,6 +9,7 @@ import torch
 from mindspeed_rl.algorithms.mismatch import ledger_from_gap, mismatch_ledger
 from mindspeed_rl.algorithms.rollout_correction import rollout_mismatch
 from mindspeed_rl.memory.residency import RECORDED_PHASES
+from mindspeed_rl.protocol import TOKEN_VERSIONS, token_ages
 
 # MindSpeed-RL's timing names, each made of the phases our workers time (ROLL's per-RPC timings).
 RESHARDING_TO_INFER_PARTS = ("timing/resharding_enter_infer", "timing/resharding_exit_infer")
@@ -65,6 +66,8 @@ def iteration_metrics(config, batch, phase_metrics: dict, rewards, accuracy_valu
     if "old_logprobs" in batch.columns:
         metrics |= rollout_mismatch(batch.columns["rollout_logprobs"], batch.columns["old_logprobs"], batch.loss_mask())
     metrics["actor/old_logprobs_from_update"] = float("old_logprobs" not in batch.columns)
+    if TOKEN_VERSIONS in batch.columns:  # the iteration's update trains the policy of version iteration - 1
+        metrics |= token_age_metrics(batch, policy_version=phase_metrics["iteration"] - 1)
     if config.rl_config.mismatch_ledger:
         metrics |= ledger_metrics(batch, phase_metrics)
     metrics |= phase_timings(phase_metrics)
@@ -76,6 +79,16 @@ def iteration_metrics(config, batch, phase_metrics: dict, rewards, accuracy_valu
     if "actor/grad_norm" in phase_metrics:
         metrics["grad_norm"] = phase_metrics["actor/grad_norm"]
     return metrics
+
+
+def token_age_metrics(batch, *, policy_version: int) -> dict[str, float]:
+    """`rollout/token_age_mean`, `/max`: policy versions each trained response token lags the policy being updated
+    (0 on-policy; one-step off-policy 1; partial rollout's resumed tokens up to its bound)."""
+    trained = batch.loss_mask() > 0
+    ages = token_ages(batch, policy_version)[trained].to(torch.float64)
+    if not ages.numel():
+        return {"rollout/token_age_mean": 0.0, "rollout/token_age_max": 0.0}
+    return {"rollout/token_age_mean": ages.mean().item(), "rollout/token_age_max": ages.max().item()}
 
 
 def ledger_metrics(batch, phase_metrics: dict) -> dict[str, float]:

@@ -4,8 +4,11 @@ sampling's refills) and the evaluation alike.
 
 - `PlainRollout` (trainer/rollout.py): one generate over the inference ranks; it can run ahead (one-step off-policy).
 - `ToolTurns` (trainer/multi_turn.py): turn by turn with the tools of rl_config.multi_turn_enable; never ahead.
+- `PartialRollout` (trainer/partial_rollout.py): rl_config.partial_rollout_max_split > 1, each iteration's generation
+  cut at max_tokens // N, unfinished samples carried and resumed first; it draws its own prompts (`carries_samples`),
+  keeps the carried samples as its state, and evaluates with whole samples.
 
-A new kind (partial rollouts) is a new strategy here, not a branch in the loop or the evaluation.
+A new kind is a new strategy here, not a branch in the loop or the evaluation.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Protocol
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.trainer.multi_turn import ToolTurns
+from mindspeed_rl.trainer.partial_rollout import PartialRollout
 from mindspeed_rl.trainer.rollout import PlainRollout
 from mindspeed_rl.workers.actor_group import ActorGroup
 
@@ -46,4 +50,12 @@ def rollout_strategy(config: GRPOConfig, tokenizer) -> RolloutStrategy:
     """The run's strategy; the tokenizer turns tool outputs into tokens."""
     if config.rl_config.multi_turn_enable:
         return ToolTurns(config, tokenizer)
+    if config.rl_config.partial_rollout_max_split > 1:  # config/partial_rollout.py refuses it with tool turns
+        return PartialRollout(config)
     return PlainRollout(config)
+
+
+def strategy_carries(strategy: RolloutStrategy) -> bool:
+    """Whether `strategy` carries samples between iterations (partial rollout): it draws its own prompts, and a
+    checkpoint keeps its state. A run without it drops what a partial-rollout checkpoint carried."""
+    return getattr(strategy, "carries_samples", False)

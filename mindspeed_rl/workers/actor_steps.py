@@ -71,6 +71,27 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
                              temperature=temperature, loss_fn=loss_fn, packing=packing)
 
 
+def dpo_mini_batch_step(config: GRPOConfig, engine, packing: Packing | None):
+    """DPO's optimizer step on a pair-major mini-batch share (rows 2i, 2i+1: a pair's chosen and rejected, with the
+    reference's log-probs in the `ref_logprobs` column): the loss of algorithms/dpo.py, as a mean over the DP ranks'
+    pairs. actor_config.micro_batch_size counts pairs, as MindSpeed-LLM's does."""
+    from mindspeed_rl.algorithms.dpo import dpo_loss, dpo_loss_config
+
+    loss_config = dpo_loss_config(config.megatron_training)
+
+    def step(mini_batch: RolloutBatch) -> dict[str, float]:
+        pairs = engine.over_data_parallel(len(mini_batch) / 2)
+
+        def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
+            return dpo_loss(logprobs, mb.extras["ref_logprobs"], mb.loss_mask(), loss_config, pairs_in_mini_batch=pairs)
+
+        # Temperature 1: DPO scores given responses, nothing was sampled.
+        return engine.train_step(mini_batch, micro_batch_size=2 * config.actor_config.micro_batch_size,
+                                 temperature=1.0, loss_fn=loss_fn, packing=packing)
+
+    return step
+
+
 def over_mini_batches(batch: RolloutBatch, rl, shuffler: MiniBatchShuffler, step, *, lr_key: str,
                       data_parallel_size: int) -> tuple[dict[str, float], int]:
     """`rl.epochs` passes over `batch` (this rank's share) in its shares of mini-batches of

@@ -2,6 +2,7 @@
 the reward model, the vLLM engine, their offloadable states, the residency policy and the layouts of the weight push."""
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -169,6 +170,8 @@ def build_inference_model(config: GRPOConfig, accelerator, *, model_dir: str):
         on_cpu=accelerator.is_host, enable_expert_parallel=gen.infer_expert_parallel_size > 1,
         trust_remote_code=gen.trust_remote_code, enable_prefix_caching=gen.enable_prefix_caching,
         return_routed_experts=records_routes(config, read_spec(model_dir)),
+        # EPLB's counts directory, relative to where the run starts (engines/eplb_counts.py).
+        eplb_token_save_path=os.path.abspath(gen.eplb_token_save_path) if gen.eplb_token_collects else None,
     ))
 
 

@@ -29,8 +29,9 @@ def training_parts(config) -> tuple[type, ...]:
 
 
 def actor_worker(config) -> type:
-    """The colocated actor's rank (every part on the same devices, taking turns)."""
-    return compose("", (*training_parts(config), InferencePart))
+    """The colocated actor's rank (every part on the same devices, taking turns); without the inference engine where
+    the run generates nothing (DPO: the training engine and its reference)."""
+    return compose("", (*training_parts(config), *((InferencePart,) if config.generates else ())))
 
 
 def disaggregated_workers(config) -> tuple[type, type]:

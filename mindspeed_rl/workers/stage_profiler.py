@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from mindspeed_rl.config.profiler import STAGE_RPCS, IntegratedProfilerConfig
-from mindspeed_rl.data.asset_cache import write_text_atomic
+from mindspeed_rl.atomic_files import write_text_atomic
 
 # The table's rows: enough to see where a stage's time goes without a file of every op.
 TABLE_ROWS = 40

@@ -11,8 +11,8 @@ from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, OLD_LOGPROB, SWITCH, 
 import torch
 
 from mindspeed_rl.protocol import RolloutBatch
-from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, loss_config_for, over_mini_batches, packing_for,
-                                            train_on_mini_batch)
+from mindspeed_rl.workers.actor_steps import (MiniBatchShuffler, dpo_mini_batch_step, loss_config_for,
+                                            over_mini_batches, packing_for, train_on_mini_batch)
 from mindspeed_rl.workers.dispatch import TRAIN_DP, Dispatch
 from mindspeed_rl.workers.parts import MEGATRON, SOURCE, Checkpointed, Part
 from mindspeed_rl.workers.phase_rpc import phase_rpc
@@ -82,6 +82,8 @@ class TrainingPart(Part):
                                        temperature=self.config.generate_config.sampling_config.temperature,
                                        packing=packing_for(rl, "update"))
 
+        if not self.config.generates:  # DPO: given pairs and their own loss (algorithms/dpo.py)
+            step = dpo_mini_batch_step(self.config, self.actor, packing_for(rl, "update"))
         guard = self.ledger.activation_guard(UPDATE, self.context.offloader.resident_bytes())
         with ActivationMeter(self.context.offloader.storage_keys(), on_grow=guard) as activations:
             metrics, steps = over_mini_batches(batch, rl, self.shuffler, step, lr_key="actor/lr",

@@ -1,0 +1,73 @@
+"""Checks and derived figures of partial rollout (rl_config.partial_rollout_max_split, require_max_age_all_finished:
+MindSpeed-RL's keys and defaults; the strategy is trainer/partial_rollout.py), across sections; `config` is the
+GRPOConfig (not imported here: it imports the modules that import this one).
+
+What it is not implemented with yet is refused at start in one line naming why, never found out mid-run.
+"""
+from __future__ import annotations
+
+import math
+
+from mindspeed_rl.errors import ConfigError, raise_together
+
+SPLIT_KEY = "rl_config.partial_rollout_max_split"
+
+
+def partial_rollout_on(config) -> bool:
+    return config.rl_config.partial_rollout_max_split > 1
+
+
+def chunk_tokens(config) -> int:
+    """The response tokens one iteration generates for a sample (MindSpeed-RL's max_tokens // N)."""
+    return config.generate_config.sampling_config.max_tokens // config.rl_config.partial_rollout_max_split
+
+
+def max_token_age(config) -> int:
+    """The declared bound: versions a trained token may lag the policy being updated. One-step off-policy: 1. Partial
+    rollout: N - 1 where a sample at that age is generated to its end (require_max_age_all_finished); without that,
+    the age at which its chunks alone reach max_tokens (N - 1 where N divides max_tokens). Otherwise 0."""
+    if not partial_rollout_on(config):
+        return config.rollout_staleness
+    rl = config.rl_config
+    if rl.require_max_age_all_finished:
+        return rl.partial_rollout_max_split - 1
+    return math.ceil(config.generate_config.sampling_config.max_tokens / chunk_tokens(config)) - 1
+
+
+def check_partial_rollout(config) -> None:
+    rl = config.rl_config
+    if not isinstance(rl.partial_rollout_max_split, int) or rl.partial_rollout_max_split < 1:
+        raise ConfigError(SPLIT_KEY, f"must be an integer >= 1 (1: off), got {rl.partial_rollout_max_split!r}")
+    if not isinstance(rl.require_max_age_all_finished, bool):
+        raise ConfigError("rl_config.require_max_age_all_finished",
+                          f"must be true or false, got {rl.require_max_age_all_finished!r}")
+    if not partial_rollout_on(config):
+        return
+    max_tokens = config.generate_config.sampling_config.max_tokens
+    if rl.partial_rollout_max_split > max_tokens:
+        raise ConfigError(SPLIT_KEY, f"is {rl.partial_rollout_max_split}: each cut generates max_tokens // N tokens, "
+                                     f"at least one (generate_config.sampling_config.max_tokens={max_tokens})")
+    raise_together([ConfigError(key, f"is not implemented with {SPLIT_KEY} > 1 yet: {why}")
+                    for key, why in _refused(config)])
+
+
+def _refused(config) -> list[tuple[str, str]]:
+    """(key, why) of every combination partial rollout does not support yet."""
+    rl, refused = config.rl_config, []
+    if config.disaggregated or config.rollout_staleness:
+        refused.append(("rl_config.use_integrated_worker" if config.disaggregated else "async_generation_ratio",
+                        "carried samples resume in the colocated pool only (disaggregated inference and one-step "
+                        "off-policy keep no carried samples)"))
+    if rl.multi_turn_enable:
+        refused.append(("rl_config.multi_turn_enable", "a sample cut inside a tool turn has no resume point"))
+    if config.actor_config.uses_lora:
+        refused.append(("actor_config.lora_target_modules", "the adapter-only push with carried samples is untested"))
+    if rl.routing_replay:
+        refused.append(("rl_config.routing_replay", "a resumed sample's prefix is re-prefilled under newer weights, "
+                                                    "so vLLM records the new routes, not those it sampled with"))
+    if rl.mismatch_ledger:
+        refused.append(("rl_config.mismatch_ledger", "its staleness bucket does not split resumed tokens by age"))
+    if config.reward_model is not None:
+        refused.append((f"rewards.{config.reward_model[0]}.model_path", "the reward model with carried groups is "
+                                                                        "untested"))
+    return refused

@@ -1,0 +1,58 @@
+"""Partial rollout through the CLI (issue 53's command, shrunk): the GRPO demo with
+`rl_config.partial_rollout_max_split=4` (max_tokens 4: one-token cuts) cuts samples, resumes them first in the next
+iteration, keeps every trained token within N - 1 = 3 policy versions, and a run resumed from its iteration-2
+checkpoint (carried samples and sampler restored) writes the records of the uninterrupted run. Split 1 (off):
+tests/test_train_grpo_e2e.py::test_two_iterations_write_metrics asserts token age 0 in every record.
+
+Runs where: two CLI runs of the one-rank demo in a subprocess (no Ray), about a minute.
+"""
+import json
+
+import pytest
+
+from cli_runner import run_cli
+
+VOLATILE_PREFIXES = ("timing/", "memory/", "offload/")
+VOLATILE_SUFFIXES = ("_tps", "seconds")
+PARTIAL = ("rl_config.partial_rollout_max_split=4", "megatron_training.global_batch_size=8",
+           "rl_config.mini_batch_size=8", "rl_config.n_samples_per_prompt=8", "megatron_training.train_iters=4",
+           "megatron_training.save_interval=2")
+
+
+def _records(path, *, stable=False) -> list[dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    if stable:  # wall-clock and memory figures differ between any two runs
+        records = [{k: v for k, v in r.items() if not k.startswith(VOLATILE_PREFIXES)
+                    and not k.endswith(VOLATILE_SUFFIXES)} for r in records]
+    return records
+
+
+@pytest.fixture(scope="module")
+def partial_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("partial")
+    done = run_cli(root, "grpo_tiny_cpu", *PARTIAL, f"actor_config.save={root / 'save'}",
+                   f"synthetic_data.data_dir={root / 'assets'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
+
+
+def test_cut_samples_resume_first_and_no_trained_token_is_older_than_n_minus_1(partial_run):
+    records = _records(partial_run / "run" / "metrics.jsonl")
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    assert any(r["rollout/resumed_samples"] > 0 for r in records)
+    assert all(r["rollout/token_age_max"] <= 3 for r in records)
+    # tokens sampled by older weights are off-policy: the old-log-prob pass ran for every batch holding one
+    for r in records:
+        assert r["actor/old_logprobs_from_update"] == float(r["rollout/token_age_max"] == 0)
+    assert records[-1]["rollout/carried_groups"] == 0  # the last iteration draws no new prompts
+    assert (partial_run / "save" / "iter_0000002" / "carried_samples.json").is_file()
+
+
+def test_a_run_resumed_with_samples_in_flight_writes_the_uninterrupted_runs_records(partial_run, tmp_path):
+    done = run_cli(tmp_path, "grpo_tiny_cpu", *PARTIAL, f"actor_config.load={partial_run / 'save' / 'iter_0000002'}",
+                   "actor_config.finetune=false", f"synthetic_data.data_dir={partial_run / 'assets'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = _records(tmp_path / "run" / "metrics.jsonl", stable=True)
+    uninterrupted = _records(partial_run / "run" / "metrics.jsonl", stable=True)[2:]
+    assert resumed == uninterrupted
+    assert any(r["rollout/resumed_samples"] > 0 for r in resumed)
