@@ -42,6 +42,12 @@ test-quick: venv
 test-multinode: venv
 	$(PY) -m pytest -q -m multinode tests/test_two_nodes_e2e.py
 
+# Runs that fail and end with one line: a killed, hung or stopped rank, a full disk, two runs on one run directory
+# (tests/test_failures_e2e.py, test_disk_errors_e2e.py, test_concurrent_runs_e2e.py); .ci/run runs them too.
+.PHONY: test-failures
+test-failures: venv
+	$(PY) -m pytest -q -m failures tests/test_failures_e2e.py tests/test_disk_errors_e2e.py tests/test_concurrent_runs_e2e.py
+
 # Runs that lose a rank (a kill, a killed save, a killed rollout ahead) and restart themselves from their checkpoint,
 # against uninterrupted runs (runtime.max_restarts); .ci/run runs them too.
 .PHONY: test-restarts
@@ -54,11 +60,17 @@ test-restarts: venv
 test-capacity: venv
 	$(PY) -m pytest -q -m capacity tests/test_capacity_e2e.py
 
-# MindSpeed-RL's 16 recipes shrunk by overrides (tests/recipe_smoke.py): each trains 2 iterations, saves, and resumes
+# MindSpeed-RL's 17 recipe files shrunk by overrides (tests/recipe_smoke.py): each trains 2 iterations, saves, and resumes
 # exactly; .ci/run runs them too.
 .PHONY: test-recipes
 test-recipes: venv
 	$(PY) -m pytest -q -m recipes tests/test_recipes_smoke_e2e.py
+
+# Every run a user can write runs or is refused at start: the all-pairs matrix of run-level settings through the CLI
+# (tests/run_combinations.py), 2 iterations each; .ci/run runs it too.
+.PHONY: test-run-combinations
+test-run-combinations: venv
+	$(PY) -m pytest -q -m run_combinations tests/test_run_combinations_e2e.py
 
 # The checks that need a GPU (benchmarks/gpu_check.py): offload vs a raw pinned copy, the Megatron engine, the
 # bit-exact offload tests and the ledger on CUDA. On a CUDA machine with this package's dependencies installed

@@ -118,6 +118,15 @@ def _emit(args, plan, report_args: dict, searched: tuple[list[str], dict] | None
     print(f"\nJSON written to {args.json}")
 
 
+def _print_carried_samples(config, args) -> None:
+    """Partial rollout's carried samples at most (host bytes, the re-prefill), below the table."""
+    from mindspeed_rl.config.partial_rollout import carried_bound
+
+    carried = carried_bound(config)
+    if carried is not None and args.json is None:
+        print(carried.line())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
     from mindspeed_rl.config import ConfigError, default_config_name, error_lines, load_config
@@ -170,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         report_args = dict(model_name=config.actor_config.model, source=source.source, switch=switch,
                            suggestions=suggestions, h2d_bytes_per_second=h2d, link_bytes_per_second=link)
         _emit(args, plan, report_args, _search(cfg, arch, plan, args, device_memory) if args.search else None)
+        _print_carried_samples(config, args)
     except ConfigError as error:
         print("\n".join(error_lines(error)), file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE

@@ -31,3 +31,33 @@ def all_pairs(factors: dict[str, list]) -> list[dict]:
         uncovered -= pairs_of(ordered, names)
         cases.append(ordered)
     return cases
+
+
+def all_pairs_where(factors: dict[str, list], valid) -> list[tuple[dict, bool]]:
+    """Pairwise cases under constraints that `valid(case)` decides (e.g. the config's own checks): (case, valid).
+    Each case starts from an uncovered pair and fills the other factors with the value covering the most new pairs
+    among those that keep the case valid (the factors not yet filled at their first value, the neutral one); where
+    none does, with the neutral value. A valid case covers all its pairs; a case that cannot be made valid covers its
+    starting pair only: it is that pair's refusal, every other value neutral, so the refusal is the pair's."""
+    names = list(factors)
+    neutral = {name: values[0] for name, values in factors.items()}
+    uncovered = {((a, x), (b, y)) for a, b in combinations(names, 2) for x in factors[a] for y in factors[b]}
+    cases: list[tuple[dict, bool]] = []
+    while uncovered:
+        (a, x), (b, y) = min(uncovered, key=lambda pair: (names.index(pair[0][0]), names.index(pair[1][0]),
+                                                         factors[pair[0][0]].index(pair[0][1]),
+                                                         factors[pair[1][0]].index(pair[1][1])))
+        case = {a: x, b: y}
+        for name in names:
+            if name in case:
+                continue
+            gain = lambda value: sum(  # noqa: E731
+                ((other, case[other]), (name, value)) in uncovered or ((name, value), (other, case[other])) in uncovered
+                for other in case)
+            ranked = sorted(factors[name], key=lambda value: -gain(value))  # stable: ties keep the listed order
+            case[name] = next((value for value in ranked if valid({**neutral, **case, name: value})), neutral[name])
+        ordered = {name: case[name] for name in names}
+        holds = valid(ordered)
+        uncovered -= pairs_of(ordered, names) if holds else {((a, x), (b, y))}
+        cases.append((ordered, holds))
+    return cases

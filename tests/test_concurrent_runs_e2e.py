@@ -5,7 +5,8 @@
   interleave their metrics): whichever of A and C locks first runs, the other is refused at start naming it,
   and the run directory holds each iteration once.
 
-Runs where: three CLI subprocesses at the same time (each rank in its CLI's process); ~1 min on 2 cores.
+Runs where (`make test-failures`, which .ci/run calls): three CLI subprocesses at the same time (each rank in its
+CLI's process); ~1 min on 2 cores.
 """
 import json
 import re
@@ -14,6 +15,8 @@ import time
 import pytest
 
 from run_watch import launch
+
+pytestmark = pytest.mark.failures  # `make test-failures`, beside `make test`'s 25-minute budget
 
 DATA_LINE = re.compile(r"\[data\] \d+ prompts from (\S+)")
 

@@ -6,12 +6,17 @@ it (the fault injection's `full_disk`: RLIMIT_FSIZE, SIGXFSZ ignored; the kernel
 EFBIG, as a full disk refuses one, ENOSPC), and metrics.jsonl is a link to /dev/full, which refuses every write
 with ENOSPC.
 
-Runs where: CLI subprocesses, one rank in the CLI's own process; ~1 min on 2 cores.
+Runs where (`make test-failures`, which .ci/run calls): CLI subprocesses, one rank in the CLI's own process; ~1 min on
+2 cores.
 """
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.failures  # `make test-failures`, beside `make test`'s 25-minute budget
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -236,3 +236,14 @@ def test_groups_a_checkpoint_carried_past_this_runs_bound_are_dropped_not_traine
     _, batch, _ = narrow.rollout(LengthGroup(lengths), sampler, records, 4)
     checked_token_ages(batch, policy_version=3, bound=1)
     assert "dropped" in capsys.readouterr().out
+
+
+def test_the_plan_bounds_the_carried_samples_by_one_global_batch_of_groups():
+    from mindspeed_rl.config.partial_rollout import CARRIED_BYTES_PER_TOKEN, carried_bound
+
+    # 16 prompts x 16 samples, max_tokens 4 cut in chunks of 1: at most 16 groups carried, 3 tokens each so far
+    bound = carried_bound(load("grpo_tiny_cpu", "rl_config.partial_rollout_max_split=4"))
+    assert (bound.samples, bound.response_tokens, bound.reprefill_tokens) == (256, 256 * 3, 256 * (8 + 3))
+    assert bound.host_bytes == 256 * 3 * CARRIED_BYTES_PER_TOKEN == 256 * 3 * 13
+    assert "at most 256 samples carried" in bound.line()
+    assert carried_bound(load("grpo_tiny_cpu")) is None

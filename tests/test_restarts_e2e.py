@@ -11,10 +11,13 @@
   update, which no checkpoint holds), so iterations 3-4 equal the uninterrupted run's, staleness included.
 - Multi-turn tool use (the ReTool demo, one rank): a rank killed in iteration 3's update; iterations 3-4, their tool
   calls included, equal the uninterrupted run's.
+- Partial rollout (the demo at partial_rollout_max_split=4, one rank): a rank killed in iteration 3's update, with
+  samples carried out of iteration 2; the restart from iter_0000002 takes them from its carried_samples.json, so
+  iterations 3-4 (resumed samples, token ages) equal the uninterrupted run's.
 - max_restarts exhausted ends as a run without restarts does (exit 1, the failure line); a failure that repeats
   at the same point after a restart stops at once, saying so.
 
-Runs where: subprocesses (Ray, 1-2 rank processes each); ~6 min on 2 cores: `make test-restarts` (.ci/run runs
+Runs where: subprocesses (Ray, 1-2 rank processes each); ~7 min on 2 cores: `make test-restarts` (.ci/run runs
 it after `make test`).
 """
 import json
@@ -144,6 +147,25 @@ def test_multi_turn_tool_use_restarts_into_the_uninterrupted_run(tmp_path_factor
         assert _finished(run) == 0, run.stderr_text()[-3000:]
     expected = _records(root / "uninterrupted" / "run")
     assert all(r["tool_call_num/mean"] > 0 for r in expected[2:]), expected  # the code interpreter ran
+    assert _records(root / "restarted" / "run") == expected
+    assert _restarts(root / "restarted" / "run") == [0, 0, 1, 1]
+
+
+PARTIAL = ("rl_config.partial_rollout_max_split=4", "megatron_training.global_batch_size=8",
+           "rl_config.mini_batch_size=8", "rl_config.n_samples_per_prompt=8", "megatron_training.train_iters=4",
+           "megatron_training.save_interval=2", "runtime.local_single_rank=false")
+
+
+def test_samples_carried_in_a_partial_rollout_survive_a_restart(tmp_path_factory):
+    root = tmp_path_factory.mktemp("restarts_partial")
+    for name, faults in (("uninterrupted", None), ("restarted", "update:0:3:kill:x1")):
+        (root / name).mkdir()
+        run = _run(root / name, "grpo_tiny_cpu", *PARTIAL, f"synthetic_data.data_dir={root / 'assets'}",
+                   faults=faults, max_restarts=1 if faults else 0)
+        assert _finished(run) == 0, run.stderr_text()[-3000:]
+    assert (root / "restarted" / "save" / "iter_0000002" / "carried_samples.json").is_file()
+    expected = _records(root / "uninterrupted" / "run")
+    assert any(r["rollout/resumed_samples"] > 0 for r in expected[2:]), expected  # carried across the restart
     assert _records(root / "restarted" / "run") == expected
     assert _restarts(root / "restarted" / "run") == [0, 0, 1, 1]
 

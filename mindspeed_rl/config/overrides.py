@@ -16,10 +16,17 @@ _CONFIG_DIR_FLAGS = ("--config-dir", "-cd")
 _SEARCHPATH_KEY = "hydra.searchpath"
 
 
+# ROLL's top-level keys (config/grpo.py's root scalars): set or added like a section's, though they have no dot.
+ROOT_SCALARS = ("async_generation_ratio", "num_gpus_per_node")
+
+
 def as_upsert(override: str) -> str:
-    """``a.b=v`` -> ``++a.b=v``; Hydra's own keys, group choices (no dot) and prefixed overrides are kept."""
+    """``a.b=v`` -> ``++a.b=v``; Hydra's own keys, group choices (no dot, but ROOT_SCALARS) and prefixed overrides
+    are kept."""
     key, equals, _ = override.partition("=")
-    if not equals or override.startswith(("+", "~", "-")) or "." not in key or key.startswith("hydra."):
+    if not equals or override.startswith(("+", "~", "-")) or key.startswith("hydra."):
+        return override
+    if "." not in key and key not in ROOT_SCALARS:
         return override
     return f"++{override}"
 

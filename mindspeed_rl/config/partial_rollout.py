@@ -7,10 +7,15 @@ What it is not implemented with yet is refused at start in one line naming why, 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from mindspeed_rl.errors import ConfigError, raise_together
 
 SPLIT_KEY = "rl_config.partial_rollout_max_split"
+POOL_BATCHES = 2  # global batches of prompt groups in flight (MindSpeed-RL: td_max_len = 2 x global_batch_size)
+# The driver keeps a carried sample's response as three packed arrays (trainer/partial_rollout.CarriedSample): per
+# token an int32 id, an fp32 log-prob and an int32 version, 12 B, and an array's over-allocation of at most 1/16.
+CARRIED_BYTES_PER_TOKEN = 13
 
 
 def partial_rollout_on(config) -> bool:
@@ -32,6 +37,35 @@ def max_token_age(config) -> int:
     if rl.require_max_age_all_finished:
         return rl.partial_rollout_max_split - 1
     return math.ceil(config.generate_config.sampling_config.max_tokens / chunk_tokens(config)) - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class CarriedBound:
+    """The most partial rollout carries from one iteration into the next: a pool of POOL_BATCHES global batches of
+    groups trains one, so at most one global batch of groups is carried, each unfinished sample holding at most
+    max_tokens - max_tokens // N response tokens (its next chunk would reach max_tokens)."""
+    samples: int
+    response_tokens: int
+    host_bytes: int  # in the driver (carried_samples.json holds the same lists as JSON)
+    reprefill_tokens: int  # prompt + response prefix the next iteration's vLLM prefills again, at most
+
+    def line(self) -> str:
+        from mindspeed_rl.sizes import format_bytes
+
+        return (f"[plan] partial rollout: at most {self.samples} samples carried into the next iteration "
+                f"({self.response_tokens} response tokens, {format_bytes(self.host_bytes)} of the driver's host "
+                f"memory); their resume re-prefills at most {self.reprefill_tokens} prompt + prefix tokens")
+
+
+def carried_bound(config) -> CarriedBound | None:
+    """The planner's figure for the carried samples (None: partial rollout off)."""
+    if not partial_rollout_on(config):
+        return None
+    samples = (POOL_BATCHES - 1) * config.megatron_training.global_batch_size * config.rl_config.n_samples_per_prompt
+    prefix = config.generate_config.sampling_config.max_tokens - chunk_tokens(config)
+    return CarriedBound(samples=samples, response_tokens=samples * prefix,
+                        host_bytes=samples * prefix * CARRIED_BYTES_PER_TOKEN,
+                        reprefill_tokens=samples * (config.rl_config.max_prompt_length + prefix))
 
 
 def check_partial_rollout(config) -> None:

@@ -75,11 +75,7 @@ class VLLMEngine:
                       "cannot hold this engine's CPU patches); the tokens are the same", flush=True)
             enforce_eager = True
         if config.on_cpu:
-            from mindspeed_rl.engines.vllm_cpu_moe import add_cpu_variable_size_collectives
-
-            _make_cpu_shm_names_unique()
-            add_cpu_variable_size_collectives()
-            _eager_logprob_ranks()
+            _prepare_cpu_process()
             # vLLM on CPU sizes KV by bytes, not by gpu_memory_utilization of a device.
             kwargs["kv_cache_memory_bytes"] = max(int(config.cpu_kvcache_space_gb * GIB), 1 << 20)
             kwargs.update(_cpu_mla_kwargs(config))
@@ -338,6 +334,16 @@ def _allocate_pipeline_receive_buffers(runner) -> None:
         return
     runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
         batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+
+
+def _prepare_cpu_process() -> None:
+    """vLLM-cpu's process-wide fixes, before its engine starts: unique shared-memory names, variable-size collectives
+    for expert parallelism, the sampler's eager rank count."""
+    from mindspeed_rl.engines.vllm_cpu_moe import add_cpu_variable_size_collectives
+
+    _make_cpu_shm_names_unique()
+    add_cpu_variable_size_collectives()
+    _eager_logprob_ranks()
 
 
 def _eager_logprob_ranks() -> None:

@@ -360,6 +360,7 @@ def memory_prediction(config: GRPOConfig, hf_config: dict, device: str | None = 
     """The planner's MemoryPlan of this run (cli/plan.py), printed as one line per phase; None (said in one
     line) when the planner cannot size the model."""
     from mindspeed_rl.accelerator import detect_device
+    from mindspeed_rl.config.partial_rollout import carried_bound
     from mindspeed_rl.planner.from_config import predict_run
     from mindspeed_rl.sizes import format_bytes
 
@@ -378,6 +379,9 @@ def memory_prediction(config: GRPOConfig, hf_config: dict, device: str | None = 
             print(f"[plan] {phase}: {format_bytes(totals[phase][1])} per device predicted{where} ({parts})", flush=True)
         if config.runtime.device_memory_limit_bytes is not None:
             print(capacity_verdict(plan, config.runtime.device_memory_limit_bytes), flush=True)
+        carried = carried_bound(config)
+        if carried is not None:
+            print(carried.line(), flush=True)
     return plan
 
 
