@@ -38,10 +38,12 @@ SCRIPTS = {"grpo": "cli/train_grpo.py", "dapo": "cli/train_dapo.py", "ppo": "cli
            "ppo_own_critic": "cli/train_ppo.py"}
 # Small and short: the demo's tiny Qwen2, 2 iterations of 4 prompts x 4 samples.
 SHRINK = ("megatron_training.train_iters=2", "megatron_training.global_batch_size=4", "rl_config.mini_batch_size=4",
-          "rl_config.n_samples_per_prompt=4", "runtime.progress_seconds=0")
-DAPO = ("megatron_training.stage=ray_dapo", "rl_config.filter_groups_enable=true", "rl_config.filter_groups_metric=acc",
-        "rl_config.filter_groups_max_batches=2", "rl_config.filter_groups_train_batch_size=4",
-        "rl_config.clip_ratio_high=0.28")
+          "rl_config.n_samples_per_prompt=4", "actor_config.micro_batch_size=4", "runtime.progress_seconds=0")
+# Dynamic sampling keeps prompts whose samples' rewards differ (the untrained demo's exact accuracy rarely does), as many
+# rollouts as it takes, 2 prompts an update.
+DAPO = ("megatron_training.stage=ray_dapo", "rl_config.filter_groups_enable=true",
+        "rl_config.filter_groups_metric=reward", "rl_config.filter_groups_max_batches=-1",
+        "rl_config.filter_groups_train_batch_size=2", "rl_config.mini_batch_size=2", "rl_config.clip_ratio_high=0.28")
 LAYOUTS = {"one": (), "tp2": ("actor_config.tensor_model_parallel_size=2",),
            "pp2": ("actor_config.pipeline_model_parallel_size=2",),
            "cp2": ("actor_config.context_parallel_size=2", "generate_config.infer_tensor_parallel_size=2")}
