@@ -38,7 +38,9 @@ SCRIPTS = {"grpo": "cli/train_grpo.py", "dapo": "cli/train_dapo.py", "ppo": "cli
            "ppo_own_critic": "cli/train_ppo.py"}
 # Small and short: the demo's tiny Qwen2, 2 iterations of 4 prompts x 4 samples.
 SHRINK = ("megatron_training.train_iters=2", "megatron_training.global_batch_size=4", "rl_config.mini_batch_size=4",
-          "rl_config.n_samples_per_prompt=4", "actor_config.micro_batch_size=4", "runtime.progress_seconds=0")
+          "rl_config.n_samples_per_prompt=4", "actor_config.micro_batch_size=4", "runtime.progress_seconds=0",
+          # a PPO case with a critic of its own at TP2 beside disaggregated inference has 5 rank processes: 2 cores here
+          "runtime.max_ranks_per_cpu_core=3")
 # Dynamic sampling keeps prompts whose samples' rewards differ (the untrained demo's exact accuracy rarely does), as many
 # rollouts as it takes, 2 prompts an update.
 DAPO = ("megatron_training.stage=ray_dapo", "rl_config.filter_groups_enable=true",
