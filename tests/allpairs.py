@@ -11,14 +11,19 @@ def pairs_of(case: dict, names: list[str]) -> set[tuple]:
     return {((a, case[a]), (b, case[b])) for a, b in combinations(names, 2)}
 
 
+def _first_uncovered(uncovered: set, factors: dict[str, list]) -> tuple:
+    """The uncovered pair that comes first in the factors' and their values' listed order (cases never change)."""
+    names = list(factors)
+    return min(uncovered, key=lambda pair: (names.index(pair[0][0]), names.index(pair[1][0]),
+                                            factors[pair[0][0]].index(pair[0][1]), factors[pair[1][0]].index(pair[1][1])))
+
+
 def all_pairs(factors: dict[str, list]) -> list[dict]:
     names = list(factors)
     uncovered = {((a, x), (b, y)) for a, b in combinations(names, 2) for x in factors[a] for y in factors[b]}
     cases: list[dict] = []
     while uncovered:
-        (a, x), (b, y) = min(uncovered, key=lambda pair: (names.index(pair[0][0]), names.index(pair[1][0]),
-                                                         factors[pair[0][0]].index(pair[0][1]),
-                                                         factors[pair[1][0]].index(pair[1][1])))
+        (a, x), (b, y) = _first_uncovered(uncovered, factors)
         case = {a: x, b: y}
         for name in names:
             if name in case:
@@ -44,9 +49,7 @@ def all_pairs_where(factors: dict[str, list], valid) -> list[tuple[dict, bool]]:
     uncovered = {((a, x), (b, y)) for a, b in combinations(names, 2) for x in factors[a] for y in factors[b]}
     cases: list[tuple[dict, bool]] = []
     while uncovered:
-        (a, x), (b, y) = min(uncovered, key=lambda pair: (names.index(pair[0][0]), names.index(pair[1][0]),
-                                                         factors[pair[0][0]].index(pair[0][1]),
-                                                         factors[pair[1][0]].index(pair[1][1])))
+        (a, x), (b, y) = _first_uncovered(uncovered, factors)
         case = {a: x, b: y}
         for name in names:
             if name in case:

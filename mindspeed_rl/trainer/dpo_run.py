@@ -12,12 +12,11 @@ from mindspeed_rl.checkpoint.store import discard_unfinished_saves, is_checkpoin
 from mindspeed_rl.checkpoint.trainer_state import check_optimizer_split, find_resume_point, verify_same_model
 from mindspeed_rl.config import ConfigError, GRPOConfig
 from mindspeed_rl.data.preference import PreferenceDataset, ensure_arith_pairs, load_preference_dataset
-from mindspeed_rl.interrupts import RunInterrupted
 from mindspeed_rl.trainer import setup
 from mindspeed_rl.trainer.dpo_trainer import make_pair_sampler, train_dpo
 from mindspeed_rl.trainer.prepared_run import PreparedRun
-from mindspeed_rl.trainer.stopping import DISK_ERRNOS, WORKER_FAILURE_EXIT_CODE, RunProgress, RunStopped
-from mindspeed_rl.workers.supervision import WorkerFailure
+from mindspeed_rl.trainer.run import stopped_on_failure
+from mindspeed_rl.trainer.stopping import RunProgress
 
 REF_MODEL_KEY = "megatron_training.ref_model"
 
@@ -26,22 +25,10 @@ def run_dpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
     """The whole run; ends with this run's records, or raises RunStopped (interrupted, a worker failed) after every
     worker is gone; ConfigError for bad input, before any worker starts."""
     progress = RunProgress(save_root=config.actor_config.save)
-    with contextlib.ExitStack() as stack:
-        if not interrupts.is_installed():
-            stack.enter_context(interrupts.stop_signals())
-        try:
-            with contextlib.ExitStack() as held:  # the run and save directories, held to the end
-                run = prepare_dpo_run(config, run_dir, held)
-                progress.first_iteration = run.resume.iteration + 1 if run.resume else 1
-                return _start_and_train(config, run, run_dir, progress)
-        except RunInterrupted as interrupt:
-            raise RunStopped(128 + interrupt.signum, progress.interrupted_line(interrupt.signum)) from None
-        except WorkerFailure as failure:
-            raise RunStopped(WORKER_FAILURE_EXIT_CODE, progress.worker_failure_line(failure)) from None
-        except OSError as error:
-            if error.errno not in DISK_ERRNOS:
-                raise
-            raise RunStopped(WORKER_FAILURE_EXIT_CODE, progress.disk_failure_line(error)) from None
+    with stopped_on_failure(progress), contextlib.ExitStack() as held:  # the run and save directories, to the end
+        run = prepare_dpo_run(config, run_dir, held)
+        progress.first_iteration = run.resume.iteration + 1 if run.resume else 1
+        return _start_and_train(config, run, run_dir, progress)
 
 
 def _start_and_train(config: GRPOConfig, run: PreparedRun, run_dir: Path, progress: RunProgress) -> list[dict]:

@@ -29,11 +29,19 @@ def run_grpo(config: GRPOConfig, *, run_dir: Path) -> list[dict]:
     """The whole run. Ends with the history, or raises RunStopped (interrupted, a worker failed)
     after every worker is gone; ConfigError for bad input, before any worker starts."""
     progress = RunProgress(save_root=config.actor_config.save)
+    with stopped_on_failure(progress):
+        return _run(config, run_dir, progress)
+
+
+@contextlib.contextmanager
+def stopped_on_failure(progress: RunProgress):
+    """A run's body (every entry point's): stop signals installed where the CLI has not, and an interrupt, a worker
+    failure or a disk error turned into RunStopped with its one line, after every worker is gone."""
     with contextlib.ExitStack() as stack:
         if not interrupts.is_installed():  # the CLI installs them first; a library caller gets them here
             stack.enter_context(interrupts.stop_signals())
         try:
-            return _run(config, run_dir, progress)
+            yield
         except RunInterrupted as interrupt:
             raise RunStopped(128 + interrupt.signum, progress.interrupted_line(interrupt.signum)) from None
         except WorkerFailure as failure:
