@@ -23,6 +23,8 @@ TRUNCATE_SIDES = ("left", "right", "middle")
 OVERLONG_CHOICES = ("filter", "error")
 # rewards.<name>.model_path naming the generated tiny reward model (data/tiny_reward_model.py).
 SYNTHETIC_REWARD_MODEL = "synthetic"
+# distillation.teacher_models.<name>.model_path naming the demo's teacher (trainer/teacher.py).
+SYNTHETIC_TEACHER = "synthetic"
 
 # -- prompt templates (data/templates.py renders them) ------------------------------------------------------------
 TEMPLATES_FILE = Path(__file__).resolve().parents[1] / "configs" / "prompt_templates.yaml"

@@ -10,7 +10,7 @@ test_moe_run_e2e, test_multi_turn_e2e):
 - parallel: the training layout on one device, or TP2 / PP2 / CP2 on two;
 - one-step off-policy (async_generation_ratio 1), the mismatch ledger, rollout correction (token IS or token_k1
   rejection), LoRA, packing, partial rollout (split 2), the swap optimizer, evaluation, a reward model, a device
-  capacity (runtime.device_memory_limit, generous).
+  capacity (runtime.device_memory_limit, generous), on-policy distillation (a teacher part, k3).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from functools import lru_cache
 from allpairs import all_pairs_where
 from cli_runner import REPO
 
+STUDENT_CHECKPOINT = "STUDENT_CHECKPOINT"
 FACTORS: dict[str, list] = {
     "algorithm": ["grpo", "dapo", "ppo", "ppo_own_critic"],
     "parallel": ["one", "tp2", "pp2", "cp2"],
@@ -33,6 +34,7 @@ FACTORS: dict[str, list] = {
     "evaluation": [False, True],
     "reward_model": [False, True],
     "capacity": [False, True],
+    "distillation": [False, True],
 }
 SCRIPTS = {"grpo": "cli/train_grpo.py", "dapo": "cli/train_dapo.py", "ppo": "cli/train_ppo.py",
            "ppo_own_critic": "cli/train_ppo.py"}
@@ -65,6 +67,12 @@ OPTIONS = {
     "evaluation": ("rl_config.eval_interval=2",),
     "reward_model": ("rewards.rm.model_path=synthetic", "rewards.rm.weight=0.5"),
     "capacity": ("runtime.device_memory_limit=4GiB",),
+    # on-policy distillation, the teacher being the student's own start (the case's generated checkpoint: the test
+    # puts its path in place of STUDENT_CHECKPOINT)
+    "distillation": ("distillation.enabled=true",
+                     f"distillation.teacher_models.teacher_model.model_path={STUDENT_CHECKPOINT}",
+                     "distillation.distillation_loss.loss_mode=k3",
+                     "distillation.distillation_loss.use_policy_gradient=false"),
 }
 CORRECTIONS = {"none": (), "is": ("rl_config.rollout_correction.rollout_is=token",
                                   "rl_config.rollout_correction.rollout_is_threshold=2.0"),

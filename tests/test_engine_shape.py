@@ -211,7 +211,7 @@ def test_the_residency_table_in_the_architecture_page_is_the_engines():
     from mindspeed_rl.memory.residency import IDLE, PHASES, SWITCH, ResidencyPolicy
 
     header, body = _page_table("## The residency table as the engine runs it")
-    policy = ResidencyPolicy.offloading(has_reward_model=True, has_critic=True)
+    policy = ResidencyPolicy.offloading(has_reward_model=True, has_teacher=True, has_critic=True)
     assert [row[0] for row in body] == list(PHASES)
     for row in body:
         phase, marks, after = row[0], row[1:-1], row[-1]

@@ -1,6 +1,7 @@
 """Every run a user can write either runs or is refused at start (issue 54): the all-pairs cases of
 tests/run_combinations.py (algorithm x placement x layout x one-step off-policy x the mismatch ledger x rollout
-correction x LoRA x packing x partial rollout x the swap optimizer x evaluation x a reward model x a device capacity),
+correction x LoRA x packing x partial rollout x the swap optimizer x evaluation x a reward model x a device capacity x
+on-policy distillation),
 each through its CLI for 2 iterations: it finishes with both records, or exits 2 with `config error: <key>: <why>`
 lines and nothing started, never a traceback. docs/testing.md lists the cases and their verdicts.
 
@@ -12,7 +13,7 @@ import json
 import pytest
 
 from cli_runner import run_cli
-from run_combinations import cases, command
+from run_combinations import STUDENT_CHECKPOINT, cases, command
 from two_nodes import one_node
 
 pytestmark = pytest.mark.run_combinations
@@ -40,12 +41,24 @@ def _label(case: dict) -> str:
                     if value not in (False, "none"))
 
 
+def _student_checkpoint(config_name: str, assets) -> str:
+    """The case's generated demo checkpoint, made here first (the run then finds it made)."""
+    from test_config import load
+
+    from mindspeed_rl.trainer import setup
+
+    return setup.resolve_assets(load(config_name, f"synthetic_data.data_dir={assets}"))[0]
+
+
 def test_the_run_finishes_or_is_refused_at_start(tmp_path, ray_address, case, refusal):
     """`refusal`: the config error lines the config's checks give in-process, None where it loads; the CLI must agree:
     exit 2 with exactly those lines and nothing started, or both iterations recorded."""
     script, name, overrides = command(case)
+    assets = tmp_path / "assets"
+    overrides = [o.replace(STUDENT_CHECKPOINT, _student_checkpoint(name, assets)) if STUDENT_CHECKPOINT in o else o
+                 for o in overrides]
     done = run_cli(tmp_path, name, *overrides, f"runtime.ray_address={ray_address}",
-                   f"synthetic_data.data_dir={tmp_path / 'assets'}", script=script, timeout=420)
+                   f"synthetic_data.data_dir={assets}", script=script, timeout=420)
     output = done.stdout[-3000:] + done.stderr[-3000:]
     assert "Traceback" not in done.stderr, output
     metrics = tmp_path / "run" / "metrics.jsonl"

@@ -26,6 +26,7 @@ from mindspeed_rl.config.algorithm_checks import (check_dynamic_sampling, check_
 from mindspeed_rl.config.critic import (check_critic, critic_has_own_devices, critic_role_sections, critic_world_size,
                                         own_critic_ranks)
 from mindspeed_rl.config.context_parallel import check_context_parallel
+from mindspeed_rl.config.distillation import DistillationConfig, check_distillation_run, distillation_on
 from mindspeed_rl.config.dpo import DPO_STAGE, check_dpo_run
 from mindspeed_rl.config.layout_checks import check_infer_layout, check_model_sharding, check_train_layout
 from mindspeed_rl.config.lora import check_lora_run
@@ -77,6 +78,13 @@ class GRPOConfig:
     # one-step off-policy, disaggregated only: the rollout of iteration k+1 runs on the inference devices
     # while iteration k updates on the training devices, so it samples from weights one update old.
     async_generation_ratio: float = 0
+    # verl's on-policy distillation section (config/distillation.py): a teacher scores the student's samples.
+    distillation: Optional[DistillationConfig] = None
+
+    @property
+    def distills(self) -> bool:
+        """distillation.enabled: a teacher part and its teacher_logprob phase (workers/parts/teacher.py)."""
+        return distillation_on(self)
 
     @property
     def profiling(self) -> bool:
@@ -167,6 +175,7 @@ class GRPOConfig:
             partial(check_critic, self), partial(check_lora_run, self), partial(check_multi_turn, self),
             partial(check_generate_data_parallel_size, self),
             partial(check_dpo_run, self), partial(check_partial_rollout, self),
+            partial(check_distillation_run, self),
         )
 
     @property

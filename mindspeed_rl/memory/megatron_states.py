@@ -5,7 +5,8 @@ from typing import Iterator
 
 import torch
 
-from mindspeed_rl.memory.residency import ADAPTER_PARAMS, REF_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS
+from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, REF_PARAMS, TEACHER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER,
+                                           TRAIN_PARAMS)
 
 
 def param_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
@@ -73,3 +74,8 @@ def register_megatron_states(offloader, actor, reference=None, *, keep_grads: bo
 def register_reference_states(offloader, reference) -> None:
     """The reference model's params: its one state group."""
     offloader.register(REF_PARAMS, lambda: param_tensors(reference.module))
+
+
+def register_teacher_states(offloader, teacher) -> None:
+    """On-policy distillation's teacher params: its one state group."""
+    offloader.register(TEACHER_PARAMS, lambda: param_tensors(teacher.module))

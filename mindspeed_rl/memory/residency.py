@@ -21,11 +21,12 @@ TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER = "train_params", "train_grads", "opt
 ADAPTER_PARAMS = "adapter_params"
 REF_PARAMS = "reference_params"
 REWARD_PARAMS = "reward_params"  # a reward model's params (rewards.<name>.model_path), colocated
+TEACHER_PARAMS = "teacher_params"  # on-policy distillation's teacher (distillation.teacher_models), colocated
 # PPO's critic (engines/critic.py): its own params, grads and Adam states, moved like the actor's.
 CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER = "critic_params", "critic_grads", "critic_optimizer_states"
 INFER_WEIGHTS, KV_CACHE = "inference_weights", "kv_cache"
-STATE_GROUPS = (TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS, CRITIC_PARAMS,
-                CRITIC_GRADS, CRITIC_OPTIMIZER, INFER_WEIGHTS, KV_CACHE)
+STATE_GROUPS = (TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS, TEACHER_PARAMS,
+                CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER, INFER_WEIGHTS, KV_CACHE)
 CRITIC_STATES = frozenset({CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER})
 INFERENCE_STATES = frozenset({INFER_WEIGHTS, KV_CACHE})
 # Host-only: the push's copy of this rank's inference weights, kept to restore them before each push (LoRA's backbone,
@@ -34,12 +35,15 @@ INFER_WEIGHTS_HOST = "inference_weights_host"
 
 IDLE, SWITCH, GENERATE, REWARD = "idle", "switch", "generate", "reward"
 REF_LOGPROB, OLD_LOGPROB, UPDATE = "ref_logprob", "old_logprob", "update"
+TEACHER_LOGPROB = "teacher_logprob"
 CRITIC_VALUES, CRITIC_UPDATE = "critic_values", "critic_update"
 # Every phase, in the order an iteration enters them: `idle` is between calls (after initialize, after
 # an iteration); `switch` is the weight push, entered on the way into `generate`; `reward` scores the
 # responses with the reward model (a run without one never enters it); the critic's phases only with a
-# critic (PPO): its values of the rollout before the update, its own update after the actor's.
-PHASES = (IDLE, SWITCH, GENERATE, REWARD, REF_LOGPROB, OLD_LOGPROB, CRITIC_VALUES, UPDATE, CRITIC_UPDATE)
+# critic (PPO): its values of the rollout before the update, its own update after the actor's; `teacher_logprob` only
+# with on-policy distillation's teacher.
+PHASES = (IDLE, SWITCH, GENERATE, REWARD, REF_LOGPROB, TEACHER_LOGPROB, OLD_LOGPROB, CRITIC_VALUES, UPDATE,
+          CRITIC_UPDATE)
 # The phases that run a model; the ledger records each while it runs (`memory/<phase>/...`).
 RECORDED_PHASES = tuple(phase for phase in PHASES if phase not in (IDLE, SWITCH))
 
@@ -48,6 +52,7 @@ _NEEDS = {
     GENERATE: frozenset({INFER_WEIGHTS, KV_CACHE}),
     REWARD: frozenset({REWARD_PARAMS}),
     REF_LOGPROB: frozenset({REF_PARAMS}),
+    TEACHER_LOGPROB: frozenset({TEACHER_PARAMS}),
     OLD_LOGPROB: frozenset({TRAIN_PARAMS, ADAPTER_PARAMS}),
     UPDATE: frozenset({TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER}),
     CRITIC_VALUES: frozenset({CRITIC_PARAMS}),
@@ -79,6 +84,8 @@ def run_states(config) -> frozenset[str]:
         states.add(REF_PARAMS)
     if config.reward_model is not None:
         states.add(REWARD_PARAMS)
+    if config.distills:
+        states.add(TEACHER_PARAMS)
     if config.critic_config is not None:
         states |= CRITIC_STATES
     return frozenset(states)
@@ -92,6 +99,7 @@ class ResidencyPolicy:
     offload_train_optimizer: bool
     has_reference: bool = True
     has_reward_model: bool = False
+    has_teacher: bool = False  # on-policy distillation's teacher (workers/parts/teacher.py)
     has_critic: bool = False
     # False on the inference ranks of a disaggregated actor: their devices hold nothing else.
     offload_inference: bool = True
@@ -128,6 +136,7 @@ class ResidencyPolicy:
         critic_only = bool(states) and states <= CRITIC_STATES
         return cls(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
                    offload_train_optimizer=gen.offload_train_optimizer, has_reward_model=REWARD_PARAMS in states,
+                   has_teacher=TEACHER_PARAMS in states,
                    has_reference=config.uses_reference and not critic_only,
                    offload_inference=not states <= INFERENCE_STATES, has_critic=bool(states & CRITIC_STATES),
                    offload_critic=not critic_only, reference_is_backbone=config.reference_is_backbone,
@@ -155,6 +164,7 @@ class ResidencyPolicy:
         return tuple(p for p in PHASES if (p != REWARD or self.has_reward_model)
                      and (p not in (SWITCH, GENERATE) or self.has_inference)
                      and (p != REF_LOGPROB or self.has_reference)
+                     and (p != TEACHER_LOGPROB or self.has_teacher)
                      and (p != OLD_LOGPROB or self.has_old_logprob_pass)
                      and (p not in (CRITIC_VALUES, CRITIC_UPDATE) or self.has_critic))
 
@@ -172,6 +182,7 @@ class ResidencyPolicy:
             {TRAIN_OPTIMIZER} if self.swap_optimizer else set()) | (
             {ADAPTER_PARAMS} if not self.has_adapters else set()) | (
             {REWARD_PARAMS} if not self.has_reward_model else set()) | (
+            {TEACHER_PARAMS} if not self.has_teacher else set()) | (
             CRITIC_STATES if not self.has_critic else set()) | (
             INFERENCE_STATES if not self.has_inference else set())
         return (needs | self.pinned) - absent

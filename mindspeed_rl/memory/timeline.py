@@ -16,10 +16,10 @@ from pathlib import Path
 
 from mindspeed_rl.memory.ledger import CATEGORIES, PHASES
 
-COLORS = {  # one hue family per role: train (blues), inference (oranges), reference (green), reward (purple)
+COLORS = {  # one hue per role: train (blues), inference (oranges), reference (green), reward (purple), teacher (gold)
     "train_params": "#1f4e79", "train_grads": "#5b9bd5", "optimizer_states": "#9dc3e6",
     "inference_weights": "#c55a11", "kv_cache": "#f4b183", "reference_params": "#548235",
-    "reward_params": "#7030a0",
+    "reward_params": "#7030a0", "teacher_params": "#bf9000",
     "activations": "#a5a5a5",
 }
 

@@ -84,6 +84,17 @@ def reward_architecture(config: GRPOConfig) -> Architecture | None:
     return architecture(ModelSource(_read_json(path, key), f"{path} ({key})"), key)
 
 
+def teacher_architecture(config: GRPOConfig) -> Architecture | None:
+    """The teacher's architecture from its config.json where it is on this machine; None (plan it as the actor's)
+    without distillation or before the demo's teacher is made."""
+    if not config.distills:
+        return None
+    path = Path(config.distillation.teacher.model_path) / "config.json"
+    if not path.is_file():
+        return None
+    return _architecture_at(path, f"distillation.teacher_models.{config.distillation.teacher_name}.model_path")
+
+
 def _architecture_at(path: Path, key: str) -> Architecture:
     return architecture(ModelSource(_read_json(path, key), f"{path} ({key})"), key)
 
@@ -112,7 +123,8 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
         seq_length=seq_length or longest_sample_tokens(config),
         response_length=config.response_length_limit,
         policy=ResidencyPolicy.for_states(config, run_states(config)),
-        **lora_inputs(config), reward_arch=reward_architecture(config), **critic_inputs(config, _architecture_at),
+        **lora_inputs(config), reward_arch=reward_architecture(config),
+        teacher_arch=teacher_architecture(config), **critic_inputs(config, _architecture_at),
         kv=KVCacheSpec(on_cpu=cpu, cpu_bytes=int(gen.cpu_kvcache_space_gb * GIB),
                        gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
                        max_model_len=gen.max_model_len),

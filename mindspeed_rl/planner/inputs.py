@@ -62,6 +62,8 @@ class PlanInputs:
     swap_optimizer_times: int = 16  # megatron_training.swap_optimizer_times (policy.swap_optimizer)
     # The reward model's architecture (rewards.<name>.model_path) when policy.has_reward_model; None: the actor's.
     reward_arch: Architecture | None = None
+    # On-policy distillation's teacher (distillation.teacher_models) when policy.has_teacher; None: the actor's.
+    teacher_arch: Architecture | None = None
     activation_profile: str = "cpu"  # ACTIVATION_PROFILES: which kernels' activations the update keeps
     packed: bool = False  # rl_config.use_remove_padding: per-sample attention, no score matrix kept
     # rl_config.use_dynamic_bsz: an update micro-batch holds at most this many tokens (update_max_packing_token_size)

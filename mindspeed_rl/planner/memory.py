@@ -15,14 +15,15 @@ from dataclasses import dataclass, replace
 from mindspeed_rl.engines.vllm_cpu_linears import packs_linears
 from mindspeed_rl.memory.ledger import ACTIVATIONS
 from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_OPTIMIZER, CRITIC_UPDATE, IDLE, INFER_WEIGHTS, INFER_WEIGHTS_HOST,
-                                           KV_CACHE, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS, SWITCH, TRAIN_GRADS,
-                                           TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
+                                           KV_CACHE, REF_PARAMS, REWARD_PARAMS, STATE_GROUPS, SWITCH, TEACHER_PARAMS,
+                                           TRAIN_GRADS, TRAIN_OPTIMIZER, TRAIN_PARAMS, UPDATE, ResidencyPolicy)
 from mindspeed_rl.planner.activations import activation_bytes
 from mindspeed_rl.planner.critic import CRITIC_ACTIVATIONS, critic_activations, critic_states
 from mindspeed_rl.planner.expert_map import redundant_expert_numel
 from mindspeed_rl.planner.inputs import DTYPE_BYTES, PlanInputs
 from mindspeed_rl.planner.lora import actor_train_bytes, push_host_copy_bytes
-from mindspeed_rl.planner.params import reward_model_bytes, vllm_numel, vllm_packed_linear_numel, vllm_stage_layers
+from mindspeed_rl.planner.params import (reward_model_bytes, teacher_bytes, vllm_numel, vllm_packed_linear_numel,
+                                         vllm_stage_layers)
 from mindspeed_rl.planner.switch import COPIED
 from mindspeed_rl.sizes import format_bytes
 
@@ -92,6 +93,9 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
         REWARD_PARAMS: reward_model_bytes(inputs.reward_arch or inputs.arch, tp=inputs.tp, pp=inputs.pp,
                                           pp_rank=c["pp_rank"], bf16=inputs.bf16)
         if inputs.policy.has_reward_model else 0,
+        TEACHER_PARAMS: teacher_bytes(inputs.teacher_arch or inputs.arch, tp=inputs.tp, pp=inputs.pp,
+                                      pp_rank=c["pp_rank"], ep=inputs.ep, bf16=inputs.bf16)
+        if inputs.policy.has_teacher else 0,
         INFER_WEIGHTS: infer + packed, KV_CACHE: kv_cache_bytes(inputs, infer, c["infer_pp_rank"]),
         ACTIVATIONS: activation_bytes(inputs, c["pp_rank"]),
         **critic_states(inputs, c, on_this_rank=not inputs.critic_world_size),
@@ -132,7 +136,8 @@ def critic_device_bytes(inputs: PlanInputs, index: int) -> RankBytes:
     critic's states in every phase (nothing else is there to take turns with), its update's activations."""
     states = {category: 0 for category in (*STATE_GROUPS, ACTIVATIONS)}
     states |= critic_states(inputs, inputs.for_critic().rank_coordinates(index), on_this_rank=True)
-    policy = replace(inputs.policy, offload_critic=False, has_reference=False, has_reward_model=False)
+    policy = replace(inputs.policy, offload_critic=False, has_reference=False, has_reward_model=False,
+                     has_teacher=False)
     return RankBytes(inputs.world_size + index, states, policy=policy)
 
 
@@ -253,6 +258,8 @@ class MemoryPlan:
                     continue
                 if category == REWARD_PARAMS and not self.inputs.policy.has_reward_model:
                     continue  # the ledger of a run without a reward model has no such category
+                if category == TEACHER_PARAMS and not self.inputs.policy.has_teacher:
+                    continue
                 out[f"{prefix}/{phase}/{category}_predicted_bytes"] = float(value)
             out[f"{prefix}/{phase}/predicted_bytes"] = float(totals[phase][1])
         # Host bytes do not change with the phase once every state has left the device once (at initialize).

@@ -193,6 +193,12 @@ def reward_model_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, bf
     return trunk + (arch.hidden_size * e if pp_rank == pp - 1 else 0)
 
 
+def teacher_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, ep: int, bf16: bool) -> int:
+    """One rank's teacher params (workers/parts/teacher.py): a forward-only model in the actor's layout, its stage
+    `pp_rank`'s shard with the language-model head, as the reference's (no DDP buffer)."""
+    return sum(p.numel for p in _stage_params(arch, tp, pp, pp_rank, ep)) * (2 if bf16 else 4)
+
+
 @lru_cache(maxsize=1024)
 def stage_critic_bytes(arch: Architecture, *, tp: int, pp: int, pp_rank: int, dp_cp: int, bf16: bool,
                        distributed_optimizer: bool, dp_cp_rank: int) -> TrainStateBytes:

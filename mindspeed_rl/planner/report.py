@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER, CRITIC_PARAMS, INFER_WEIGHTS,
-                                           KV_CACHE, REF_PARAMS, REWARD_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER,
-                                           TRAIN_PARAMS)
+                                           KV_CACHE, REF_PARAMS, REWARD_PARAMS, TEACHER_PARAMS, TRAIN_GRADS,
+                                           TRAIN_OPTIMIZER, TRAIN_PARAMS)
 from mindspeed_rl.planner.from_config import Suggestion
 from mindspeed_rl.planner.activations import activation_terms
 from mindspeed_rl.planner.critic import critic_devices_text, critic_layout_lines
@@ -19,6 +19,7 @@ ROWS = (
     (TRAIN_OPTIMIZER, "optimizer (Adam + fp32 masters)"),
     (REF_PARAMS, "reference params"),
     (REWARD_PARAMS, "reward model params"),
+    (TEACHER_PARAMS, "teacher params"),
     (CRITIC_PARAMS, "critic params"),
     (CRITIC_GRADS, "critic grads (fp32)"),
     (CRITIC_OPTIMIZER, "critic optimizer"),
@@ -31,7 +32,7 @@ ROWS = (
 
 # The rows of parts a run may not have (LoRA's adapters, a reward model, PPO's critic) and the push's staging: shown
 # only where some phase holds bytes in them.
-OPTIONAL_ROWS = (ADAPTER_PARAMS, REWARD_PARAMS, CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER, "switch_staging")
+OPTIONAL_ROWS = (ADAPTER_PARAMS, REWARD_PARAMS, TEACHER_PARAMS, CRITIC_PARAMS, CRITIC_GRADS, CRITIC_OPTIMIZER, "switch_staging")
 
 def count_text(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"

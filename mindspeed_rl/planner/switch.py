@@ -18,11 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mindspeed_rl.memory.residency import (ADAPTER_PARAMS, CRITIC_OPTIMIZER, CRITIC_PARAMS, REF_PARAMS, REWARD_PARAMS,
-                                           TRAIN_OPTIMIZER, TRAIN_PARAMS)
+                                           TEACHER_PARAMS, TRAIN_OPTIMIZER, TRAIN_PARAMS)
 from mindspeed_rl.planner.inputs import DTYPE_BYTES, PlanInputs
 
 # Groups whose contents cross host <-> device (grads, vLLM's weights and the KV cache are dropped).
-COPIED = (TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS, CRITIC_PARAMS, CRITIC_OPTIMIZER)
+COPIED = (TRAIN_PARAMS, ADAPTER_PARAMS, TRAIN_OPTIMIZER, REF_PARAMS, REWARD_PARAMS, TEACHER_PARAMS, CRITIC_PARAMS,
+          CRITIC_OPTIMIZER)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from mindspeed_rl.protocol import RolloutBatch, checked_token_ages
 from mindspeed_rl.trainer import setup
 from mindspeed_rl.trainer.advantage_step import AdvantageStep
 from mindspeed_rl.trainer.critic_step import CriticAdvantageStep
+from mindspeed_rl.trainer.distill_step import teacher_logprobs
 from mindspeed_rl.trainer.dynamic_sampling import ScoredRollouts
 from mindspeed_rl.trainer.evaluation import Evaluation, format_eval_line
 from mindspeed_rl.trainer.metrics import format_line, iteration_metrics
@@ -70,6 +71,7 @@ def train(config: GRPOConfig, actor_group: ActorGroup, run: PreparedRun, run_dir
             if config.uses_reference:  # the KL term's only input
                 batch.columns["ref_logprobs"], ref_metrics = forward_logprobs(actor_group, "compute_ref_log_prob", batch)
                 metrics |= ref_metrics
+            metrics |= teacher_logprobs(config, actor_group, batch)  # on-policy distillation's teacher
             metrics |= old_logprobs(config, actor_group, batch, policy_version=iteration - 1)
             metrics |= measurement.replay_routes(batch)
             metrics |= correct_rollout(batch, config.rl_config)  # before the advantages: they skip rejected tokens

@@ -12,11 +12,12 @@ pay for importing torch, vLLM or Megatron.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -54,7 +55,21 @@ def launch(stage: str, default_config: str) -> None:
     except SystemExit as exit_request:
         if not started and exit_request.code not in (0, None):
             sys.exit(CONFIG_ERROR_EXIT_CODE)
+        if started and isinstance(exit_request.code, int):
+            _exit_without_teardown(exit_request.code)
         raise
+    if started:
+        _exit_without_teardown(0)
+
+
+def _exit_without_teardown(code: int) -> NoReturn:
+    """Exit once what must run at exit has run (atexit: trackers, logging, the verifier's pool), skipping the
+    interpreter's teardown: after a run it is one garbage collection over torch's, vLLM's and Megatron's heap, 2-4 s of
+    a tiny run's 20 (measured 2026-11-29), and it frees nothing the OS would not."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _task(stage: str, started: list[bool]) -> Callable[[DictConfig], None]:

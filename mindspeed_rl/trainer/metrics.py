@@ -117,7 +117,9 @@ def format_line(m: dict) -> str:
         seconds += f" stale={m['rollout/staleness']}"
     memory = " ".join(f"{p}={m[f'memory/{p}/total_bytes'] / 2**20:.0f}MiB"
                       for p in RECORDED_PHASES if f"memory/{p}/total_bytes" in m)
+    # on-policy distillation: the student's per-token KL to its teacher (algorithms/distillation.py)
+    distill = f"distill_kl={m['distill/kl_mean']:.4f} " if "distill/kl_mean" in m else ""
     return (f"[iter {m['iteration']:>4}] reward={m['reward/mean']:.3f} acc={m['reward/accuracy']:.3f} "
-            f"kl={m.get('actor/kl_loss', 0.0):.4f} lp_diff={m['rollout/logprob_max_abs_diff']:.1e} "
+            f"kl={m.get('actor/kl_loss', 0.0):.4f} {distill}lp_diff={m['rollout/logprob_max_abs_diff']:.1e} "
             f"resp_len={m['response_length/mean']:.1f} e2e_tps={m['e2e_tps']:.0f} "
             f"total={m['timing/all']:.2f}s {seconds} | device {memory}")

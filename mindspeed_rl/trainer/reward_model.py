@@ -51,19 +51,26 @@ def check_reward_model_config(config: GRPOConfig, hf_config: dict, key: str, tok
     labels = hf_config.get("num_labels", len(hf_config.get("id2label") or {}) or 2)
     if labels != 1:
         raise ConfigError(key, f"must have num_labels=1 (one scalar score), got {labels}")
+    check_shards_like_the_actor(config, hf_config, key, what="the reward model", tokenizer_size=tokenizer_size)
+
+
+def check_shards_like_the_actor(config: GRPOConfig, hf_config: dict, key: str, *, what: str,
+                                tokenizer_size: int) -> None:
+    """A model that runs in the actor's TP/PP layout (its heads over TP, its layers over PP) and scores the actor's
+    token ids (an embedding row for each). Raises ConfigError naming `key`."""
     ac = config.actor_config
     tp, pp = ac.tensor_model_parallel_size, ac.pipeline_model_parallel_size
-    for field, value, size, what in (
-            ("num_attention_heads", hf_config.get("num_attention_heads"), tp, "actor_config.tensor_model_parallel_size"),
-            ("num_key_value_heads", hf_config.get("num_key_value_heads"), tp, "actor_config.tensor_model_parallel_size"),
-            ("num_hidden_layers", hf_config.get("num_hidden_layers"), pp, "actor_config.pipeline_model_parallel_size")):
+    for field, size, sized_by in (("num_attention_heads", tp, "actor_config.tensor_model_parallel_size"),
+                                  ("num_key_value_heads", tp, "actor_config.tensor_model_parallel_size"),
+                                  ("num_hidden_layers", pp, "actor_config.pipeline_model_parallel_size")):
+        value = hf_config.get(field)
         if value is not None and value % size:
-            raise ConfigError(key, f"{field}={value} is not divisible by {what}={size}: the reward model runs in "
-                                   "the actor's layout")
+            raise ConfigError(key, f"{field}={value} is not divisible by {sized_by}={size}: {what} runs in the "
+                                   "actor's layout")
     vocab_size = hf_config.get("vocab_size", 0)
     if tokenizer_size > vocab_size:
         raise ConfigError(key, f"has vocab_size {vocab_size}, but the actor's tokenizer has {tokenizer_size} tokens: "
-                               "it scores the actor's token ids, which need an embedding row each")
+                               f"{what} scores the actor's token ids, which need an embedding row each")
 
 
 def with_model_scores(rule: RuleRewards, scores: torch.Tensor, weight: float) -> RuleRewards:

@@ -20,6 +20,7 @@ from mindspeed_rl.trainer.grpo_trainer import make_sampler, train
 from mindspeed_rl.trainer.prepared_run import PreparedRun
 from mindspeed_rl.trainer.restarts import Restarts, wait_for_cluster
 from mindspeed_rl.trainer.reward_model import resolve_reward_model
+from mindspeed_rl.trainer.teacher import resolve_teacher
 from mindspeed_rl.trainer.stopping import DISK_ERRNOS, WORKER_FAILURE_EXIT_CODE, RunProgress, RunStopped
 from mindspeed_rl.workers.actor_group import ActorGroup, merge_metrics
 from mindspeed_rl.workers.supervision import WorkerFailure
@@ -144,6 +145,7 @@ def prepare_run(config: GRPOConfig, run_dir: Path, held: contextlib.ExitStack) -
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.generate_config.trust_remote_code)
     setup.check_tokenizer_fits_model(tokenizer, hf_config, model_dir)
     resolve_reward_model(config, model_dir, len(tokenizer))  # rewards.<name>.model_path, checked before any worker
+    resolve_teacher(config, model_dir, len(tokenizer))  # distillation's teacher, made once for the demo
     # A partial, corrupt or other-model checkpoint stops here, before any worker starts.
     resume = find_resume_point(ac.load, finetune=ac.finetune, hf_config=hf_config,
                                resume_from_last_intact=config.runtime.resume_from_last_intact)

@@ -42,11 +42,12 @@ def sampling_seed(seed: int, iteration: int | tuple[int, int], stream: int) -> i
 
 
 def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossConfig, *, micro_batch_size: int,
-                        temperature: float, packing: Packing | None = None) -> dict[str, float]:
+                        temperature: float, packing: Packing | None = None, distill=None) -> dict[str, float]:
     """One GRPO optimizer step on `mini_batch`, this DP rank's share of the DP ranks' mini-batch.
 
     The loss is normalised by the whole mini-batch's count (summed over the DP ranks), the token-mean stats by its
-    tokens; the engine sums the per-rank stats over DP, so the returned stats are the mini-batch's.
+    tokens; the engine sums the per-rank stats over DP, so the returned stats are the mini-batch's. `distill`
+    (distillation.distillation_loss, where the run distills) adds the teacher's term (algorithms/distillation.py).
     """
     denominator = engine.over_data_parallel(
         count_loss_units(mini_batch.loss_mask(), loss_config.loss_agg_mode, loss_config.norm_length))
@@ -59,16 +60,38 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
             rollout_logprobs = mb.extras.get("rollout_logprobs")
             if rollout_logprobs is not None:  # the separate pass's metric, measured here
                 on_policy_stats = rollout_mismatch(rollout_logprobs, old_logprobs, mb.loss_mask(), tokens)
+        advantages = mb.extras["advantages"]
+        if distill is not None and not distill.use_task_rewards:  # verl: the task-reward loss is zeroed
+            advantages = torch.zeros_like(advantages)
         loss, stats = grpo_loss(
             logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=mb.extras.get("ref_logprobs"),
-            advantages=mb.extras["advantages"], response_mask=mb.loss_mask(), entropy=entropy,
+            advantages=advantages, response_mask=mb.loss_mask(), entropy=entropy,
             config=loss_config, loss_scale_denominator=denominator, mini_batch_tokens=tokens,
             is_weights=mb.extras.get("rollout_is_weights"),
         )
+        if distill is not None:
+            loss, stats = _with_distillation(loss, stats, distill, logprobs, old_logprobs, mb, loss_config,
+                                             denominator, tokens)
         return loss, stats | on_policy_stats
 
     return engine.train_step(mini_batch, micro_batch_size=micro_batch_size,
                              temperature=temperature, loss_fn=loss_fn, packing=packing)
+
+
+def _with_distillation(task_loss, stats: dict, distill, logprobs, old_logprobs, mb: MicroBatch,
+                       loss_config: GRPOLossConfig, denominator: float, tokens: float):
+    """verl's total: policy_loss + distillation_loss_coef x distillation loss with task rewards, the distillation
+    loss alone without (its coefficient then has no effect, as in verl)."""
+    from mindspeed_rl.algorithms.distillation import distillation_update_loss
+    from mindspeed_rl.algorithms.grpo import aggregate_loss
+
+    mask = mb.loss_mask()
+    loss, distill_stats = distillation_update_loss(
+        logprobs=logprobs, old_logprobs=old_logprobs, teacher_logprobs=mb.extras["teacher_logprobs"],
+        response_mask=mask, settings=distill, mini_batch_tokens=tokens,
+        aggregate=lambda values: aggregate_loss(values, mask, loss_config.loss_agg_mode, denominator))
+    coef = distill.distillation_loss_coef if distill.use_task_rewards else 1.0
+    return task_loss + coef * loss, stats | distill_stats
 
 
 def dpo_mini_batch_step(config: GRPOConfig, engine, packing: Packing | None):

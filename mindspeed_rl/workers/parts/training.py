@@ -75,12 +75,13 @@ class TrainingPart(Part):
 
         rl = self.config.rl_config
         loss_config = loss_config_for(self.config, kl_coef)
+        distill = self.config.distillation.distillation_loss if self.config.distills else None
 
         def step(mini_batch: RolloutBatch) -> dict[str, float]:
             return train_on_mini_batch(self.actor, mini_batch, loss_config,
                                        micro_batch_size=self.config.actor_config.micro_batch_size,
                                        temperature=self.config.generate_config.sampling_config.temperature,
-                                       packing=packing_for(rl, "update"))
+                                       packing=packing_for(rl, "update"), distill=distill)
 
         if not self.config.generates:  # DPO: given pairs and their own loss (algorithms/dpo.py)
             step = dpo_mini_batch_step(self.config, self.actor, packing_for(rl, "update"))

@@ -1,0 +1,52 @@
+"""End to end: on-policy distillation (cli/train_distill.py) with the settings recipes combine (TP2 over 2 ranks, bf16,
+the distributed optimizer, packed sequences): a teacher that is the student's own starting checkpoint scores every
+sampled token as the student does at the first update (the k1 gap is 0 there and not after it), and the planner's
+teacher bytes are the ledger's; and the demo's teacher is made once by a GRPO run of the demo. Runs where: CLI
+subprocesses (Ray, 2 rank processes); ~1.5 min on 2 cores."""
+import json
+
+from cli_runner import REPO, run_cli
+from test_config import load
+
+from mindspeed_rl.trainer import setup
+
+LOSS = "distillation.distillation_loss"
+
+
+def _student_dir() -> str:
+    """The demo's generated student checkpoint (the shared asset cache, data/tiny, made once)."""
+    config = load("grpo_tiny_cpu", f"synthetic_data.data_dir={REPO / 'data' / 'tiny'}")
+    return setup.resolve_assets(config)[0]
+
+
+def test_a_teacher_equal_to_the_student_scores_the_first_update_as_the_student(tmp_path):
+    done = run_cli(tmp_path, "grpo_tiny_cpu_tp2_infer_dp2", "megatron_training.train_iters=2", "rl_config.init_kl_coef=0",
+                   "megatron_training.bf16=true", "megatron_training.use_distributed_optimizer=true",
+                   "rl_config.use_remove_padding=true", "distillation.enabled=true",
+                   f"distillation.teacher_models.teacher_model.model_path={_student_dir()}",
+                   f"{LOSS}.loss_mode=k3", f"{LOSS}.use_policy_gradient=false", script="cli/train_distill.py",
+                   timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[init] Megatron teacher built" in done.stdout and "distill_kl=" in done.stdout
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    first, second = records
+    # The same weights in the same layout, packing and dtype: the same log-probs, token for token.
+    assert abs(first["distill/kl_mean"]) < 1e-6 and abs(first["distill/loss"]) < 1e-6, first["distill/kl_mean"]
+    assert abs(second["distill/kl_mean"]) > 1e-4  # the student has moved, its teacher has not
+    for record in records:
+        measured = record["memory/teacher_logprob/teacher_params_bytes"]
+        assert measured > 0 and measured == record["memory/teacher_logprob/teacher_params_predicted_bytes"]
+        assert record["memory/update/teacher_params_bytes"] == 0  # resident in its own phase only
+
+
+def test_the_demo_teacher_is_the_demo_policy_after_grpo_made_once(tmp_path, monkeypatch):
+    from mindspeed_rl.trainer import teacher
+
+    monkeypatch.setattr(teacher, "DEMO_TEACHER_ITERATIONS", 2)
+    config = load("distill_tiny_cpu", f"synthetic_data.data_dir={tmp_path / 'assets'}")
+    student = setup.resolve_assets(config)[0]
+    made = teacher.ensure_demo_teacher(config, student)
+    assert json.loads((made / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    runs = [json.loads(line) for line in (made / "teacher_training_metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in runs] == [1, 2]
+    assert teacher.ensure_demo_teacher(config, student) == made  # cached: not trained again
