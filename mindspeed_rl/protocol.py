@@ -11,6 +11,10 @@ LOSS_MASK = "loss_mask"
 # token; a partial rollout's resumed sample holds several (trainer/partial_rollout.py). Its age is the policy being
 # updated's version minus it (token_ages).
 TOKEN_VERSIONS = "token_versions"
+# On-policy distillation's teacher (workers/parts/teacher.py): [B, R] its log-prob of each response token; with a
+# top-k loss mode instead [B, R, 1 + 2k]: that log-prob, its k most likely tokens' log-probs, their ids (as fp32).
+TEACHER_COLUMN = "teacher_logprobs"
+TEACHER_TOPK_COLUMN = "teacher_topk"
 
 
 def _without_tool_outputs(response_mask: torch.Tensor, columns: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -90,11 +90,18 @@ class WatchedRun:
 
 
 def launch(tmp_path: Path, config_name: str, *overrides: str, env: dict[str, str] | None = None,
-           script: str = "cli/train_grpo.py") -> WatchedRun:
+           script: str = "cli/train_grpo.py", shared_ray: bool = False) -> WatchedRun:
+    """`shared_ray`: a run that needs Ray joins the session's cluster (cli_runner.shared_ray_address); its ranks are
+    then not in the run's session, so tests that look for what a run leaves behind keep their own (the default)."""
     cmd = [sys.executable, script, "--config-name", config_name, *overrides,
            f"hydra.run.dir={tmp_path / 'run'}"]
+    ray_env = {}
+    if shared_ray:
+        from cli_runner import shared_ray_address
+
+        ray_env = {"RAY_ADDRESS": shared_ray_address()}
     process = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, env={**os.environ, **(env or {})})
+                               start_new_session=True, env={**os.environ, **ray_env, **(env or {})})
     run = WatchedRun(process=process, started=time.monotonic())
     done = [threading.Event(), threading.Event()]
 

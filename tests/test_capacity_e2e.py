@@ -130,7 +130,7 @@ def test_the_plans_verdict_holds_on_a_device_that_size(tmp_path, index):
     entered = run_order(plan)
     capacity, runs_out_in = capacity_for(entered, index)
     assert (plan.first_over(capacity) or (None,))[0] == runs_out_in
-    run = launch(tmp_path, CONFIG, *overrides, f"runtime.device_memory_limit={capacity}")
+    run = launch(tmp_path, CONFIG, *overrides, f"runtime.device_memory_limit={capacity}", shared_ray=True)
     code, _ = run.finish(timeout=240)
     stderr = run.stderr_text()
     verdict = "fits" if runs_out_in is None else f"does not fit: {runs_out_in} needs"

@@ -1,7 +1,8 @@
 """End to end: on-policy distillation (cli/train_distill.py) with the settings recipes combine (TP2 over 2 ranks, bf16,
-the distributed optimizer, packed sequences): a teacher that is the student's own starting checkpoint scores every
-sampled token as the student does at the first update (the k1 gap is 0 there and not after it), and the planner's
-teacher bytes are the ledger's; and the demo's teacher is made once by a GRPO run of the demo. Runs where: CLI
+the distributed optimizer, packed sequences) and GKD's forward KL over the teacher's top k (with the tail bucket): a
+teacher that is the student's own starting checkpoint scores every sampled token, and its top k, as the student does
+at the first update (the k1 gap and the loss are 0 there and not after it), and the planner's teacher bytes are the
+ledger's; and the demo's teacher is made once by a GRPO run of the demo. Runs where: CLI
 subprocesses (Ray, 2 rank processes); ~1.5 min on 2 cores."""
 import json
 
@@ -20,19 +21,24 @@ def _student_dir() -> str:
 
 
 def test_a_teacher_equal_to_the_student_scores_the_first_update_as_the_student(tmp_path):
+    # One optimizer step per iteration: iteration 1's update forward is the student's start, its teacher's weights.
     done = run_cli(tmp_path, "grpo_tiny_cpu_tp2_infer_dp2", "megatron_training.train_iters=2", "rl_config.init_kl_coef=0",
+                   "rl_config.mini_batch_size=16",
                    "megatron_training.bf16=true", "megatron_training.use_distributed_optimizer=true",
                    "rl_config.use_remove_padding=true", "distillation.enabled=true",
                    f"distillation.teacher_models.teacher_model.model_path={_student_dir()}",
-                   f"{LOSS}.loss_mode=k3", f"{LOSS}.use_policy_gradient=false", script="cli/train_distill.py",
-                   timeout=600)
+                   f"{LOSS}.loss_mode=forward_kl_topk_tail", f"{LOSS}.topk=4", f"{LOSS}.use_policy_gradient=false",
+                   script="cli/train_distill.py", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[init] Megatron teacher built" in done.stdout and "distill_kl=" in done.stdout
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     first, second = records
-    # The same weights in the same layout, packing and dtype: the same log-probs, token for token.
-    assert abs(first["distill/kl_mean"]) < 1e-6 and abs(first["distill/loss"]) < 1e-6, first["distill/kl_mean"]
-    assert abs(second["distill/kl_mean"]) > 1e-4  # the student has moved, its teacher has not
+    # The same weights in the same layout, packing and dtype: the same log-probs, token for token, and over the
+    # teacher's top 4 (taken from its two vocabulary shards) the student's are the teacher's: no KL, the same mass.
+    assert abs(first["distill/kl_mean"]) < 1e-6 and abs(first["distill/loss"]) < 1e-6, first
+    assert 0 < first["distill/teacher_mass"] <= 1
+    assert abs(first["distill/teacher_mass"] - first["distill/student_mass"]) < 1e-6  # two fp32 paths to one value
+    assert abs(second["distill/kl_mean"]) > 1e-4 and second["distill/loss"] > 1e-6  # the student moved, its teacher not
     for record in records:
         measured = record["memory/teacher_logprob/teacher_params_bytes"]
         assert measured > 0 and measured == record["memory/teacher_logprob/teacher_params_predicted_bytes"]

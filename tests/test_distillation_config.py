@@ -51,6 +51,15 @@ def test_distillation_is_refused_with_a_dpo_run():
     assert "config error" not in message and "megatron_training.stage: is dpo: distillation scores" in message, message
 
 
-def test_the_top_k_losses_are_refused_until_the_teacher_returns_its_top_k():
-    message = config_error(DEMO, f"{LOSS}.loss_mode=forward_kl_topk", f"{LOSS}.use_policy_gradient=false")
-    assert message.startswith(f"{LOSS}.loss_mode:") and "top-k" in message, message
+def test_the_top_k_losses_load_and_are_refused_under_context_parallelism():
+    config = load(DEMO, f"{LOSS}.loss_mode=forward_kl_topk", f"{LOSS}.use_policy_gradient=false", f"+{LOSS}.topk=4")
+    assert config.distillation.distillation_loss.uses_topk
+    message = config_error(DEMO, f"{LOSS}.loss_mode=forward_kl_topk_tail", f"{LOSS}.use_policy_gradient=false",
+                           "actor_config.context_parallel_size=2", "rl_config.actor_resource.num_npus=2")
+    assert message.startswith(f"{LOSS}.loss_mode:") and "context parallelism" in message, message
+
+
+def test_the_tail_mode_refuses_a_log_prob_clamp():
+    message = config_error(DEMO, f"{LOSS}.loss_mode=forward_kl_topk_tail", f"{LOSS}.use_policy_gradient=false",
+                           f"+{LOSS}.log_prob_min_clamp=-20")
+    assert message.startswith(f"{LOSS}.log_prob_min_clamp:") and "must be null" in message, message

@@ -17,10 +17,9 @@ from mindspeed_rl.config.their_keys import MULTIMODAL_DEFAULTS, MULTIMODAL_MESSA
 from tests.test_config import TINY, compose_cfg, run_cli
 
 CLASS_FILES = Path(__file__).resolve().parent / "data" / "mindspeed_rl_config_cls"
-# Their defaults this engine refuses on purpose, each with its reason in config/no_effect.py: false is their
-# MegatronConfig default, while every recipe of theirs that packs or uses RoPE sets true.
-REFUSED_DEFAULTS = {"megatron_training.no_pad_to_seq_lengths", "megatron_training.reset_attention_mask",
-                    "megatron_training.use_rotary_position_embeddings"}
+# Their default this engine refuses on purpose, with its reason in config/no_effect.py: false (learned absolute
+# positions) is their MegatronConfig default, while every model of theirs and here uses RoPE.
+REFUSED_DEFAULTS = {"megatron_training.use_rotary_position_embeddings"}
 _UNSET = object()
 
 
@@ -213,3 +212,15 @@ def test_cli_says_every_error_of_these_keys_at_once_and_exits_2(tmp_path: Path) 
     assert all(line.startswith("config error: ") for line in lines), lines
     assert {line.split(":", 2)[1].strip() for line in lines} == {
         "rl_config.is_multimodal", "msprobe_config.msprobe", "generate_config.tokenizer_name_or_path"}
+
+
+def test_packing_needs_their_two_megatron_flags_true_as_their_validate_config_does() -> None:
+    from mindspeed_rl.config.their_keys import packing_flag_errors
+
+    tree = {"rl_config": {"use_remove_padding": True},
+            "actor_config": {"pipeline_model_parallel_size": 2},
+            "megatron_training": {"reset_attention_mask": False, "no_pad_to_seq_lengths": False}}
+    assert [error.key for error in packing_flag_errors(tree)] == ["megatron_training.reset_attention_mask",
+                                                                  "megatron_training.no_pad_to_seq_lengths"]
+    tree["rl_config"]["use_remove_padding"] = False  # nothing packed: either value computes the same
+    assert packing_flag_errors(tree) == []

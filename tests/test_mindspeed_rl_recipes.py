@@ -168,7 +168,6 @@ def load_tiny(*overrides: str, notices: list[str] | None = None) -> GRPOConfig:
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("megatron_training.reset_attention_mask=false", "megatron_training.reset_attention_mask: only True works here"),
     ("rl_config.use_kl_in_reward=true", "rl_config.use_kl_in_reward: only False works here"),
 ])
 def test_a_knob_value_that_would_change_the_result_is_an_error(override: str, expected: str) -> None:

@@ -39,6 +39,7 @@ def test_with_every_flag_on_each_phase_holds_only_what_it_needs():
         "ref_logprob": {REF_PARAMS},
         "old_logprob": {TRAIN_PARAMS},
         "update": {TRAIN_PARAMS, TRAIN_GRADS, TRAIN_OPTIMIZER},
+        "teacher_logprob": frozenset(),  # no distillation teacher: never entered
         "critic_values": frozenset(),  # no critic (GRPO): never entered
         "critic_update": frozenset(),
     }
@@ -124,7 +125,7 @@ def test_the_iteration_and_the_phase_lists_come_from_the_one_table():
     assert [name for name, _ in with_reward.iteration()][:5] == [SWITCH, GENERATE, IDLE, REWARD, IDLE]
     assert ResidencyPolicy.offloading().recorded_phases() == (GENERATE, REF_LOGPROB, OLD_LOGPROB, UPDATE)
     assert with_reward.recorded_phases() == (GENERATE, REWARD, REF_LOGPROB, OLD_LOGPROB, UPDATE)
-    every_role = ResidencyPolicy.offloading(has_reward_model=True, has_critic=True)
+    every_role = ResidencyPolicy.offloading(has_reward_model=True, has_teacher=True, has_critic=True)
     assert every_role.recorded_phases() == LEDGER_PHASES
 
 

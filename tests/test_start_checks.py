@@ -267,3 +267,23 @@ def test_a_ray_address_where_no_head_answers_is_a_config_error_in_seconds():
     with pytest.raises(ConfigError, match=rf"runtime.ray_address: no Ray head answers at 127.0.0.1:{port}"):
         _check_reachable(f"127.0.0.1:{port}")
     assert time.monotonic() - started < 10
+
+
+def test_rays_own_ray_address_variable_names_the_cluster_when_runtime_ray_address_is_null(monkeypatch, demo):
+    """Ray's RAY_ADDRESS (what `ray.init()` reads) is honoured where runtime.ray_address is null, and an address where
+    no head answers is said naming it, in seconds, before Ray is asked to start anything."""
+    import socket
+
+    import ray
+
+    from mindspeed_rl.trainer.setup import start_ray
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    config = tiny_config(*demo)
+    assert config.runtime.ray_address is None and not ray.is_initialized()
+    with pytest.raises(ConfigError, match=rf"^RAY_ADDRESS \(environment\): no Ray head answers at 127.0.0.1:{port}"):
+        start_ray(config, "cpu", 1)
+    assert not ray.is_initialized()

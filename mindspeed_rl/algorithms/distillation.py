@@ -152,8 +152,9 @@ def distillation_metrics(
 
 
 def distillation_update_loss(*, logprobs: Tensor, old_logprobs: Tensor, teacher_logprobs: Tensor,
-                             response_mask: Tensor, settings, aggregate, mini_batch_tokens: float
-                             ) -> tuple[Tensor, dict[str, float]]:
+                             response_mask: Tensor, settings, aggregate, mini_batch_tokens: float,
+                             student_topk_logprobs: Optional[Tensor] = None,
+                             teacher_topk_logprobs: Optional[Tensor] = None) -> tuple[Tensor, dict[str, float]]:
     """The update's distillation term of one micro-batch (`settings`: config/distillation.DistillationLossConfig),
     aggregated like the task loss (`aggregate`: the mini-batch's denominator), and its stats as the micro-batch's
     shares of mini-batch token means (they sum over micro-batches and DP ranks, as the task loss's stats do).
@@ -170,12 +171,15 @@ def distillation_update_loss(*, logprobs: Tensor, old_logprobs: Tensor, teacher_
         pg_tokens = ppo_clip_policy_loss(logprobs, old_logprobs, -token_losses.detach(), response_mask,
                                          settings.clip_ratio_low, settings.clip_ratio_high)[0]
         loss = aggregate(pg_tokens)
-    else:
-        token_losses, _ = distillation_token_losses(loss_mode=settings.loss_mode, student_logprobs=logprobs,
-                                                    teacher_logprobs=teacher_logprobs,
-                                                    loss_max_clamp=settings.loss_max_clamp)
+    else:  # the estimator, or the forward KL over the teacher's top k (the student's log-probs at those ids)
+        token_losses, diagnostics = distillation_token_losses(
+            loss_mode=settings.loss_mode, student_logprobs=logprobs, teacher_logprobs=teacher_logprobs,
+            student_topk_logprobs=student_topk_logprobs, teacher_topk_logprobs=teacher_topk_logprobs,
+            log_prob_min_clamp=settings.log_prob_min_clamp, tail_mass_eps=settings.tail_mass_eps,
+            loss_max_clamp=settings.loss_max_clamp)
         loss = aggregate(token_losses)
     valid = response_mask.bool()
+    diagnostics = diagnostics if not settings.use_policy_gradient else {}
     # k1 on the sampled tokens: the unbiased per-token estimate of KL(student || teacher) at the student's states.
     gap = torch.where(valid, logprobs.detach() - teacher_logprobs, torch.zeros_like(logprobs))
     stats = {"distill/loss": loss.item(),
@@ -183,4 +187,7 @@ def distillation_update_loss(*, logprobs: Tensor, old_logprobs: Tensor, teacher_
              "distill/logprob_gap_abs_mean": (gap.abs().sum() / mini_batch_tokens).item(),
              "distill/token_loss_mean": (torch.where(valid, token_losses.detach(), torch.zeros_like(logprobs)).sum()
                                          / mini_batch_tokens).item()}
+    # the top-k modes' teacher and student masses on the teacher's top k (verl's distillation/*_mass)
+    stats |= {f"distill/{name}": (torch.where(valid, values, torch.zeros_like(values)).sum() / mini_batch_tokens).item()
+              for name, values in diagnostics.items() if name.endswith("mass")}
     return loss, stats

@@ -21,8 +21,6 @@ from mindspeed_rl.errors import ConfigError, run_checks
 ESTIMATOR_LOSS_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 TOPK_LOSS_MODES = ("forward_kl_topk", "forward_kl_topk_tail")
 LOSS_MODES = ESTIMATOR_LOSS_MODES + TOPK_LOSS_MODES
-# The teacher's top-k log-probs and the student's at those ids (vocabulary-parallel) are not built yet.
-TOPK_LOSSES_BUILT = False
 PREFIX = "distillation"
 LOSS_PREFIX = "distillation.distillation_loss"
 
@@ -79,10 +77,6 @@ class DistillationLossConfig:
             raise ConfigError(f"{LOSS_PREFIX}.loss_mode", f"{self.loss_mode} with use_policy_gradient=true: a policy "
                                                           "gradient acts through the sampled token only, the top-k "
                                                           "signal would be lost (verl warns; refused here)")
-        if self.loss_mode in TOPK_LOSS_MODES and not self.use_policy_gradient and TOPK_LOSSES_BUILT is False:
-            raise ConfigError(f"{LOSS_PREFIX}.loss_mode", f"{self.loss_mode} (GKD over the teacher's top-k) is not "
-                                                          "supported yet: the teacher part returns the sampled tokens' "
-                                                          "log-probs only; use k3 (or k1 with use_policy_gradient)")
         if self.loss_mode == "forward_kl_topk_tail" and self.log_prob_min_clamp is not None:
             raise ConfigError(f"{LOSS_PREFIX}.log_prob_min_clamp", "must be null with forward_kl_topk_tail: a clamp "
                                                                    "changes the top-k mass the tail bucket is made of")
@@ -135,12 +129,16 @@ def check_distillation_run(config) -> None:
     """What a distillation run cannot serve yet, refused in one line each."""
     if not distillation_on(config):
         return
-    rl = config.rl_config
+    rl, loss = config.rl_config, config.distillation.distillation_loss
     run_checks(
         lambda: _refuse(config.megatron_training.stage == "dpo", "megatron_training.stage",
                         "is dpo: distillation scores the student's own samples, DPO generates none"),
         lambda: _refuse(rl.multi_turn_enable, "rl_config.multi_turn_enable",
                         "tool turns with distillation are not supported yet: the teacher would score tool output"),
+        lambda: _refuse(loss.uses_topk and config.actor_config.context_parallel_size > 1,
+                        f"{LOSS_PREFIX}.loss_mode", f"{loss.loss_mode} with context parallelism "
+                        f"(actor_config.context_parallel_size={config.actor_config.context_parallel_size}) is not "
+                        "supported yet: the top k of a position is taken where its rank holds it; use k3 or k1"),
     )
 
 

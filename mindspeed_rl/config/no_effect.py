@@ -87,9 +87,14 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
         "an NPU memory optimisation; the values computed are the same",
         memory=DIFFERS + "MindSpeed keeps the fp32 masters and the bf16 params in one buffer (2 bytes per parameter "
                          "less); here both are kept, and the planner counts both"),
-    "megatron_training.no_pad_to_seq_lengths": _entry("sequences are never padded to seq_length here", (True,)),
+    "megatron_training.no_pad_to_seq_lengths": _entry(
+        "sequences are never padded to seq_length here (false, their default, at PP > 1 with "
+        "rl_config.use_remove_padding: an error, as theirs)",
+        memory=DIFFERS + "false pads their micro-batches to seq_length; here a micro-batch is as wide as its longest "
+                         "sample (the planner's width)"),
     "megatron_training.reset_attention_mask": _entry(
-        "packed samples never attend to each other here (rl_config.use_remove_padding)", (True,)),
+        "packed samples never attend to each other here (rl_config.use_remove_padding, which with false is an error, "
+        "as theirs); without packing a row holds one sample, nothing to reset"),
     "megatron_training.shape_order": _entry(_NPU_KERNEL, memory=_KERNEL_MEMORY),
     "megatron_training.moe_alltoall_overlap_comm": _entry(_MOE_KERNEL, memory=_KERNEL_MEMORY),
     "megatron_training.use_rotary_position_embeddings": _entry("every model here uses RoPE (rotary_base)", (True,)),

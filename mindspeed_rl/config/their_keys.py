@@ -211,6 +211,27 @@ def check_generate_data_parallel_size(config) -> None:
 
 
 def their_key_errors(tree: dict[str, Any]) -> list[ConfigError]:
-    """Before the schema: the multimodal keys (removed; one error when any is set) and generate_config's tokenizer
-    (removed when it agrees with megatron_training's)."""
-    return multimodal_errors(tree) + lift_generate_tokenizer(tree)
+    """Before the schema: the multimodal keys (removed; one error when any is set), generate_config's tokenizer
+    (removed when it agrees with megatron_training's), and packing's requirements on two MegatronConfig flags."""
+    return multimodal_errors(tree) + lift_generate_tokenizer(tree) + packing_flag_errors(tree)
+
+
+def packing_flag_errors(tree: dict[str, Any]) -> list[ConfigError]:
+    """MindSpeed-RL's validate_config: rl_config.use_remove_padding needs reset_attention_mask true, and at PP > 1
+    no_pad_to_seq_lengths true. Without packing either value computes the same (config/no_effect.py)."""
+    rl = tree.get("rl_config")
+    if not (isinstance(rl, dict) and rl.get("use_remove_padding") is True):
+        return []
+    merged = {key: value for section in MEGATRON_SECTIONS if isinstance(tree.get(section), dict)
+              for key, value in tree[section].items()}
+    errors = []
+    for section in MEGATRON_SECTIONS:
+        values = tree.get(section) if isinstance(tree.get(section), dict) else {}
+        if values.get("reset_attention_mask") is False:
+            errors.append(ConfigError(f"{section}.reset_attention_mask", "must be true with rl_config.use_remove_padding "
+                                                                         "(as MindSpeed-RL's validate_config requires)"))
+        if values.get("no_pad_to_seq_lengths") is False and (merged.get("pipeline_model_parallel_size") or 1) > 1:
+            errors.append(ConfigError(f"{section}.no_pad_to_seq_lengths", "must be true with rl_config."
+                                                                          "use_remove_padding at PP > 1 (as "
+                                                                          "MindSpeed-RL's validate_config requires)"))
+    return errors

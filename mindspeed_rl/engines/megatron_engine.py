@@ -19,7 +19,7 @@ import torch.distributed as dist
 from mindspeed_rl.accelerator import Accelerator
 from mindspeed_rl.engines.optimizer_settings import (  # noqa: F401 (LR_DECAY_STYLES, LRSchedule: API)
     LR_DECAY_STYLES, LRSchedule, OptimizerSettings)
-from mindspeed_rl.engines.vocab_parallel import response_logprobs_from_logits
+from mindspeed_rl.engines.vocab_parallel import response_logprobs_from_logits, response_topk_from_logits
 from mindspeed_rl.models.megatron_build import (  # noqa: F401 (build_gpt_model, load_hf_into_megatron: API)
     build_gpt_model, layout_buffers, load_hf_into_megatron)
 from mindspeed_rl.models.context_parallel import cut_padding, model_inputs
@@ -27,7 +27,7 @@ from mindspeed_rl.models.lora import MergedWeights, saved_state, with_adapters
 from mindspeed_rl.models.qwen2 import ModelOptions, Qwen2Spec
 from mindspeed_rl.engines.routing_replay import RoutingReplay, routes_of_this_rank
 from mindspeed_rl.models.scored_head import scored_rows_only
-from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
+from mindspeed_rl.protocol import TEACHER_TOPK_COLUMN, MicroBatch, Packing, RolloutBatch
 
 if TYPE_CHECKING:
     from mindspeed_rl.models.lora import LoRASettings
@@ -206,17 +206,31 @@ class MegatronEngine:
         with self._logits_of_scored_rows():
             return self._forward_response_rows(batch, micro_batch_size, packing, logprobs)
 
+    @torch.no_grad()
+    def compute_topk_logprobs(self, batch: RolloutBatch, *, k: int, micro_batch_size: int, temperature: float,
+                              packing: Packing | None = None) -> torch.Tensor:
+        """[num_samples, response_width, 1 + 2k] on every rank: each response token's log-prob, the k most likely
+        tokens' log-probs and their ids there (vocab_parallel.response_topk_from_logits; a distillation teacher)."""
+
+        def topk(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            return response_topk_from_logits(logits, mb, k, temperature, self.logprob_chunk_tokens,
+                                             parallel=self.parallel, rows_selected=True)
+
+        with self._logits_of_scored_rows():
+            return self._forward_response_rows(batch, micro_batch_size, packing, topk, per_token=1 + 2 * k)
+
     def _scored_logprobs(self, logits: torch.Tensor, mb: MicroBatch, temperature: float, *, with_entropy: bool,
-                         grad_into_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropy) of the response rows the output layer scored (`_logits_of_scored_rows`)."""
+                         grad_into_logits: bool = False, topk_ids: torch.Tensor | None = None):
+        """Log-probs (and entropy) of the response rows the output layer scored (`_logits_of_scored_rows`); with
+        `topk_ids` also those of the given ids at each response position (a third value)."""
         return response_logprobs_from_logits(logits, mb, temperature, with_entropy=with_entropy,
                                              parallel=self.parallel,
                                              chunk_tokens=self.logprob_chunk_tokens, rows_selected=True,
                                              chunk_bytes=self.accelerator.chunk_bytes_in_cache,
-                                             grad_into_logits=grad_into_logits)
+                                             grad_into_logits=grad_into_logits, topk_ids=topk_ids)
 
     def _forward_response_rows(self, batch: RolloutBatch, micro_batch_size: int, packing: Packing | None,
-                               per_micro_batch: Callable) -> torch.Tensor:
+                               per_micro_batch: Callable, per_token: int | None = None) -> torch.Tensor:
         """Forward only: per_micro_batch(mb, model output) -> [b, response_width] on the last stage, assembled in
         the batch's sample order and broadcast to every rank (the actor's log-probs, the critic's values)."""
 
@@ -227,7 +241,8 @@ class MegatronEngine:
         micro_batches = self._micro_batches(batch, micro_batch_size, packing)
         with self.accelerator.megatron_context():
             outputs = self._run_schedule(micro_batches, collect, forward_only=True, collect_non_loss_data=True)
-        return self._from_last_stage(_in_batch_order(outputs, micro_batches), batch.response_logprobs_shape)
+        shape = (*batch.response_logprobs_shape, *((per_token,) if per_token else ()))
+        return self._from_last_stage(_in_batch_order(outputs, micro_batches), shape)
 
     def train_step(self, batch: RolloutBatch, *, micro_batch_size: int, temperature: float,
                    loss_fn: Callable, packing: Packing | None = None) -> dict[str, float]:
@@ -240,9 +255,16 @@ class MegatronEngine:
         """
 
         def loss_from_output(mb: MicroBatch, logits: torch.Tensor):
-            # The head's output is read once: its gradient may take its storage.
-            return loss_fn(*self._scored_logprobs(logits, mb, temperature, with_entropy=True, grad_into_logits=True),
-                           mb)
+            # The head's output is read once: its gradient may take its storage. A distillation teacher's top-k ids
+            # (the batch's TEACHER_TOPK_COLUMN) are scored by the same pass: the loss gets their log-probs too.
+            teacher = mb.extras.get(TEACHER_TOPK_COLUMN)
+            if teacher is None:
+                return loss_fn(*self._scored_logprobs(logits, mb, temperature, with_entropy=True,
+                                                      grad_into_logits=True), mb)
+            k = (teacher.shape[-1] - 1) // 2
+            logprobs, entropy, student_topk = self._scored_logprobs(
+                logits, mb, temperature, with_entropy=True, grad_into_logits=True, topk_ids=teacher[..., 1 + k:].long())
+            return loss_fn(logprobs, entropy, mb, student_topk_logprobs=student_topk)
 
         with self._logits_of_scored_rows():
             return self._optimizer_step(batch, micro_batch_size, packing, loss_from_output)

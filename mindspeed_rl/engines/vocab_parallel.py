@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool,
                                   chunk_tokens: int, *, parallel: RankGroups, rows_selected: bool = False,
-                                  chunk_bytes: int | None = None,
-                                  grad_into_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                  chunk_bytes: int | None = None, grad_into_logits: bool = False,
+                                  topk_ids: torch.Tensor | None = None):
     """Log-prob of every response token (and optionally the entropy there), [b, response_width] fp32, 0 where
     `mb.response_mask` is 0.
 
@@ -38,35 +38,79 @@ def response_logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperat
     order ([1, n, vocab/tp]: models/scored_head.py). The vocabulary stays sharded over `parallel`'s TP group (this
     rank's place in the training layout, from the caller; under CP its positions are summed over the CP group) and
     the fp32 work is chunked (`vocab_parallel_logprobs`: chunk_tokens, chunk_bytes, grad_into_logits).
-    """
-    from mindspeed_rl.models.context_parallel import everywhere, scored_rows
 
-    vocab_local = logits.shape[-1]
-    # Under CP this rank's positions; every entry then comes from one rank.
-    rows, targets, held = scored_rows(mb, parallel=parallel)
-    group = parallel.tp_group if parallel.tp > 1 else None
-    scored = logits.reshape(-1, vocab_local) if rows_selected else logits.reshape(-1, vocab_local)[rows]
+    `topk_ids` [b, response_width, k] (a teacher's top-k of each position, on-policy distillation): the log-probs of
+    those ids too, from the same logsumexp, as a third value [b, response_width, k] (no CP: refused at start).
+    """
+    from mindspeed_rl.models.context_parallel import everywhere
+
+    scored, targets, held = _scored(logits, mb, parallel, rows_selected)
+    selected = mb.response_mask.bool()
+    if topk_ids is not None:
+        targets = torch.cat([targets.unsqueeze(1), topk_ids.to(targets.device)[selected]], dim=1)
     token_logprobs, token_entropy = vocab_parallel_logprobs(scored, targets, temperature=temperature,
-                                                            chunk_tokens=chunk_tokens, group=group,
+                                                            chunk_tokens=chunk_tokens, group=_tp_group(parallel),
                                                             with_entropy=with_entropy, chunk_bytes=chunk_bytes,
                                                             grad_into_logits=grad_into_logits)
     token_logprobs, token_entropy = (everywhere(token_logprobs, held, parallel=parallel),
                                      everywhere(token_entropy, held, parallel=parallel))
+    place = _placer(mb, logits.device)
+    if topk_ids is None:
+        return place(token_logprobs), (place(token_entropy) if with_entropy else None)
+    return (place(token_logprobs[:, 0]), (place(token_entropy) if with_entropy else None),
+            place(token_logprobs[:, 1:]))
+
+
+def response_topk_from_logits(logits: torch.Tensor, mb: MicroBatch, k: int, temperature: float, chunk_tokens: int,
+                              *, parallel: RankGroups, rows_selected: bool = False) -> torch.Tensor:
+    """[b, response_width, 1 + 2k] fp32 of a teacher's forward (on-policy distillation): the log-prob of each response
+    token, then the k most likely tokens' log-probs, then their ids (exact in fp32 below 2^24), 0 where
+    `mb.response_mask` is 0. One tensor, so that it travels as the log-probs do (pipeline stages, the driver)."""
+    scored, targets, held = _scored(logits, mb, parallel, rows_selected)
+    if held is not None:
+        raise ValueError("a teacher's top-k under context parallelism is not supported (refused at start)")
+    group = _tp_group(parallel)
+    token_logprobs, _ = vocab_parallel_logprobs(scored, targets, temperature=temperature, chunk_tokens=chunk_tokens,
+                                                group=group, with_entropy=False)
+    top_logprobs, top_ids = vocab_parallel_topk(scored, k, temperature=temperature, chunk_tokens=chunk_tokens,
+                                                group=group)
+    return _placer(mb, logits.device)(torch.cat([token_logprobs.unsqueeze(1), top_logprobs, top_ids.float()], dim=1))
+
+
+def _scored(logits: torch.Tensor, mb: MicroBatch, parallel: RankGroups, rows_selected: bool):
+    """(the rows of `logits` that score response tokens [n, V/t], their targets [n], which this rank holds under CP)."""
+    from mindspeed_rl.models.context_parallel import scored_rows
+
+    vocab_local = logits.shape[-1]
+    # Under CP this rank's positions; every entry then comes from one rank.
+    rows, targets, held = scored_rows(mb, parallel=parallel)
+    scored = logits.reshape(-1, vocab_local) if rows_selected else logits.reshape(-1, vocab_local)[rows]
+    return scored, targets, held
+
+
+def _tp_group(parallel: RankGroups):
+    return parallel.tp_group if parallel.tp > 1 else None
+
+
+def _placer(mb: MicroBatch, device):
+    """values [n, ...] in response-token order -> [b, response_width, ...], 0 elsewhere."""
     selected = mb.response_mask.bool()
 
     def place(values: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(mb.response_mask.shape, dtype=torch.float32, device=logits.device)
-        return out.masked_scatter(selected, values)
+        out = torch.zeros((*mb.response_mask.shape, *values.shape[1:]), dtype=torch.float32, device=device)
+        out[selected] = values.to(torch.float32)
+        return out
 
-    return place(token_logprobs), (place(token_entropy) if with_entropy else None)
+    return place
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float, chunk_tokens: int,
                             group=None, with_entropy: bool, chunk_bytes: int | None = None,
                             grad_into_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target) and (optionally) the entropy of each row of `logits` [N, V/t], both fp32 [N].
+    """log p(target) and (optionally) the entropy of each row of `logits` [N, V/t], both fp32 [N]; with `targets`
+    [N, k], k targets a row, log p [N, k] (one logsumexp a row serves them all).
 
-    `targets` [N] are global vocabulary ids; rank r of `group` holds columns [r V/t, (r+1) V/t). `group`
+    `targets` are global vocabulary ids; rank r of `group` holds columns [r V/t, (r+1) V/t). `group`
     None: the logits hold the whole vocabulary (no communication). A chunk has at most `chunk_tokens` rows and,
     with `chunk_bytes` (Accelerator.chunk_bytes_in_cache), no more rows than fit that many bytes in fp32, so
     that the passes over a chunk read it from cache. `grad_into_logits`: the backward writes the gradient over the
@@ -76,9 +120,41 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temp
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if chunk_bytes is not None:
         chunk_tokens = max(1, min(chunk_tokens, chunk_bytes // (4 * logits.shape[-1])))
-    logprobs, entropy = _VocabParallelLogProbs.apply(logits, targets, float(temperature), int(chunk_tokens), group,
-                                                     bool(with_entropy), bool(grad_into_logits))
-    return logprobs, (entropy if with_entropy else None)
+    per_row = targets.dim() == 2  # [N, k]: k targets per row (the sampled token and a teacher's top-k)
+    logprobs, entropy = _VocabParallelLogProbs.apply(logits, targets if per_row else targets.unsqueeze(1),
+                                                     float(temperature), int(chunk_tokens), group, bool(with_entropy),
+                                                     bool(grad_into_logits))
+    return (logprobs if per_row else logprobs.squeeze(1)), (entropy if with_entropy else None)
+
+
+@torch.no_grad()
+def vocab_parallel_topk(logits: torch.Tensor, k: int, *, temperature: float, chunk_tokens: int,
+                        group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row of `logits` [N, V/t] over the whole vocabulary: (log p [N, k] fp32, global
+    ids [N, k]), most likely first. Each rank takes the top k of its shard; the ranks' k candidates (k x t a row, not
+    V) are gathered and the top k of those kept, beside the row's logsumexp (one all-reduce). Chunked like
+    `vocab_parallel_logprobs`: about 8 x chunk_tokens x V/t bytes at a time."""
+    rows, vocab_local = logits.shape
+    world = dist.get_world_size(group) if group is not None else 1
+    vocab_start = _vocab_start(logits, group)
+    values = torch.empty(rows, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(rows, k, dtype=torch.long, device=logits.device)
+    for begin in range(0, rows, chunk_tokens):
+        end = min(begin + chunk_tokens, rows)
+        z = logits[begin:end].float() / temperature
+        max_z = _all_reduce(z.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        lse = _all_reduce((z - max_z.unsqueeze(1)).exp().sum(dim=-1), group).log() + max_z
+        local_values, local_ids = torch.topk(z, min(k, vocab_local), dim=-1)
+        candidates = torch.cat([local_values, (local_ids + vocab_start).float()], dim=1)  # ids < 2^24: exact in fp32
+        if world > 1:
+            gathered = [torch.empty_like(candidates) for _ in range(world)]
+            dist.all_gather(gathered, candidates, group=group)
+            candidates = torch.cat([g.view(end - begin, 2, -1) for g in gathered], dim=2).view(end - begin, -1)
+        width = candidates.shape[1] // 2
+        top_values, top_at = torch.topk(candidates[:, :width], k, dim=-1)
+        values[begin:end] = top_values - lse.unsqueeze(1)
+        ids[begin:end] = candidates[:, width:].gather(1, top_at).long()
+    return values, ids
 
 
 def _vocab_start(logits: torch.Tensor, group) -> int:
@@ -114,7 +190,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         rows, vocab_local = logits.shape
         vocab_start = _vocab_start(logits, group)
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        logprobs = torch.empty_like(lse)
+        logprobs = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)  # [rows, targets per row]
         entropy = torch.zeros_like(lse)
         # The chunks' fp32 work goes to buffers made once: a fresh [rows, V/t] per chunk is, on a host, fresh pages
         # faulted in on every chunk, and the passes over it leave the cache (benchmarks/bench_logprob_chunks.py).
@@ -129,14 +205,16 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             if temperature != 1.0:
                 z.div_(temperature)
             local, held = _local_target(targets[begin:end], vocab_start, vocab_local)
-            target_z = torch.where(held, z.gather(1, local.unsqueeze(1)).squeeze(1), 0.0)
+            target_z = torch.where(held, z.gather(1, local), 0.0)  # [rows, targets per row]
             torch.exp(z, out=exp_z)  # in place when the entropy does not need z again
-            sums = torch.stack([target_z, exp_z.sum(dim=-1),
-                                torch.linalg.vecdot(exp_z, z) if with_entropy else torch.zeros_like(target_z)])
-            target_z, sum_exp, sum_exp_z = _all_reduce(sums, group)
+            sums = torch.cat([target_z, exp_z.sum(dim=-1, keepdim=True),
+                              torch.linalg.vecdot(exp_z, z).unsqueeze(1) if with_entropy
+                              else torch.zeros_like(target_z[:, :1])], dim=1)
+            sums = _all_reduce(sums, group)
+            target_z, sum_exp, sum_exp_z = sums[:, :-2], sums[:, -2], sums[:, -1]
             log_sum_exp = sum_exp.log()
             lse[begin:end] = max_logit / temperature + log_sum_exp
-            logprobs[begin:end] = target_z - log_sum_exp
+            logprobs[begin:end] = target_z - log_sum_exp.unsqueeze(1)
             if with_entropy:  # H = lse - sum p z, in the shifted z: log sum_exp - sum_exp_z / sum_exp
                 entropy[begin:end] = log_sum_exp - sum_exp_z / sum_exp
         ctx.save_for_backward(logits, targets, lse, entropy)
@@ -158,7 +236,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             end = min(begin + chunk_tokens, rows)
             g_z = grad[begin:end] if in_place else work[:end - begin]
             _log_p_into(g_z, logits[begin:end], lse[begin:end], temperature)
-            g_logprob = grad_logprobs[begin:end].unsqueeze(1)
+            # Each target's log p has the same softmax term: -p_v times the sum of the row's target gradients.
+            g_logprob = grad_logprobs[begin:end].sum(dim=1, keepdim=True)
             if entropy_grad:
                 # d/dz of g_lp log p_t + g_H H = g_lp (1[t] - p) - g_H p (log p + H)
                 log_p = log_p_buffer[:end - begin]
@@ -169,7 +248,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             else:
                 g_z.exp_().mul_(-g_logprob)
             local, held = _local_target(targets[begin:end], vocab_start, vocab_local)
-            g_z.scatter_add_(1, local.unsqueeze(1), torch.where(held, grad_logprobs[begin:end], 0.0).unsqueeze(1))
+            g_z.scatter_add_(1, local, torch.where(held, grad_logprobs[begin:end], 0.0))
             if temperature != 1.0:
                 g_z.div_(temperature)
             if not in_place:

@@ -90,18 +90,19 @@ def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
     table, totals = plan.table(), plan.totals()
     width = max(len(label) for _, label in ROWS) + 2
     phases = plan.table_phases
-    header = "".join(f"{p:>14}" for p in phases)
+    column = max(14, *(len(p) + 1 for p in phases))  # teacher_logprob is wider than a byte figure
+    header = "".join(f"{p:>{column}}" for p in phases)
     lines += ["", f"bytes per device (each row: its largest rank; total: the largest rank's sum)",
               f"{'':<{width}}{header}"]
     for key, label in ROWS:
         values = [table[p].get(key, 0) for p in phases]
         if key in OPTIONAL_ROWS and not any(values):
             if key == REWARD_PARAMS:
-                lines.append(f"{label:<{width}}" + "".join(f"{'-':>14}" for _ in phases))
+                lines.append(f"{label:<{width}}" + "".join(f"{'-':>{column}}" for _ in phases))
             continue
-        lines.append(f"{label:<{width}}" + "".join(f"{format_bytes(v):>14}" for v in values))
-    lines.append(f"{'total':<{width}}" + "".join(f"{format_bytes(totals[p][1]):>14}" for p in phases))
-    lines.append(f"{'  on rank':<{width}}" + "".join(f"{totals[p][0]:>14}" for p in phases))
+        lines.append(f"{label:<{width}}" + "".join(f"{format_bytes(v):>{column}}" for v in values))
+    lines.append(f"{'total':<{width}}" + "".join(f"{format_bytes(totals[p][1]):>{column}}" for p in phases))
+    lines.append(f"{'  on rank':<{width}}" + "".join(f"{totals[p][0]:>{column}}" for p in phases))
     phase, rank, peak = plan.peak()
     lines += ["", f"peak: {phase} on rank {rank}: {format_bytes(peak)} ({peak} bytes)"]
     if i.device_memory is None:
@@ -136,6 +137,8 @@ def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
 
 
 def _switch_text(plan: MemoryPlan, switch: SwitchPlan | None, link: float) -> str:
+    if not plan.inputs.policy.has_inference:
+        return "switch train -> infer: none (the run generates nothing: DPO)"
     if switch is None:
         return ("switch train -> infer: not computed (the resharding plan has layouts for Qwen2 dense and "
                 "Qwen3-MoE only)")

@@ -304,14 +304,17 @@ def start_ray(config: GRPOConfig, device: str, threads_per_rank: int, *, attempt
     # for its own): one stayed for the whole demo, 122 MiB and ~1 CPU-s of start-up (docs/overhead.md, 6).
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     common = dict(log_to_driver=True, configure_logging=False, runtime_env={"env_vars": {"PYTHONWARNINGS": "ignore"}})
-    if config.runtime.ray_address:
-        # A cluster started with `ray start --head` / `ray start --address=HEAD:6379` on each node.
-        _check_reachable(config.runtime.ray_address)
+    # A cluster started with `ray start --head` / `ray start --address=HEAD:6379` on each node: runtime.ray_address,
+    # else Ray's own RAY_ADDRESS variable, which `ray.init()` reads as Ray's tools do (a run that needs no Ray, one
+    # rank in this process, does not join it).
+    address, key = (config.runtime.ray_address, "runtime.ray_address") if config.runtime.ray_address else (
+        os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS (environment)")
+    if address:
+        _check_reachable(address, key=key)
         try:
-            ray.init(address=config.runtime.ray_address, **common)
+            ray.init(address=address, **common)
         except (ConnectionError, RuntimeError) as error:
-            raise ConfigError("runtime.ray_address", f"cannot join the Ray cluster at "
-                                                     f"{config.runtime.ray_address}: {str(error).splitlines()[0]}") from None
+            raise ConfigError(key, f"cannot join the Ray cluster at {address}: {str(error).splitlines()[0]}") from None
         return
     for attempt in range(1, attempts + 1):
         try:
@@ -326,7 +329,7 @@ def start_ray(config: GRPOConfig, device: str, threads_per_rank: int, *, attempt
             print(f"[ray] start failed ({error}); retrying", flush=True)
 
 
-def _check_reachable(address: str, timeout_seconds: float = 10.0) -> None:
+def _check_reachable(address: str, timeout_seconds: float = 10.0, *, key: str = "runtime.ray_address") -> None:
     """Ray retries an unreachable head for minutes; a wrong address is said in seconds instead."""
     import socket
 
@@ -337,8 +340,8 @@ def _check_reachable(address: str, timeout_seconds: float = 10.0) -> None:
         with socket.create_connection((host, int(port)), timeout=timeout_seconds):
             return
     except (OSError, ValueError) as error:
-        raise ConfigError("runtime.ray_address", f"no Ray head answers at {address} ({error}); start one with "
-                                                 "`ray start --head` and give its address (or auto)") from None
+        raise ConfigError(key, f"no Ray head answers at {address} ({error}); start one with `ray start --head` and "
+                               "give its address (or auto)") from None
 
 
 def threads_per_rank(config: GRPOConfig) -> int:

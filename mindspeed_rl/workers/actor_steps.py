@@ -7,7 +7,7 @@ import torch
 from mindspeed_rl.algorithms.grpo import GRPOLossConfig, count_loss_units, grpo_loss
 from mindspeed_rl.algorithms.rollout_correction import rollout_mismatch
 from mindspeed_rl.config import GRPOConfig
-from mindspeed_rl.protocol import MicroBatch, Packing, RolloutBatch
+from mindspeed_rl.protocol import TEACHER_COLUMN, TEACHER_TOPK_COLUMN, MicroBatch, Packing, RolloutBatch
 
 
 class MiniBatchShuffler:
@@ -53,7 +53,8 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
         count_loss_units(mini_batch.loss_mask(), loss_config.loss_agg_mode, loss_config.norm_length))
     tokens = engine.over_data_parallel(float(mini_batch.loss_mask().sum()))
 
-    def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
+    def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch,
+                student_topk_logprobs: torch.Tensor | None = None):
         old_logprobs, on_policy_stats = mb.extras.get("old_logprobs"), {}
         if old_logprobs is None:  # on-policy (GRPOConfig.old_logprobs_from_update): this forward's own values
             old_logprobs = logprobs.detach()
@@ -71,7 +72,7 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
         )
         if distill is not None:
             loss, stats = _with_distillation(loss, stats, distill, logprobs, old_logprobs, mb, loss_config,
-                                             denominator, tokens)
+                                             denominator, tokens, student_topk_logprobs)
         return loss, stats | on_policy_stats
 
     return engine.train_step(mini_batch, micro_batch_size=micro_batch_size,
@@ -79,16 +80,18 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
 
 
 def _with_distillation(task_loss, stats: dict, distill, logprobs, old_logprobs, mb: MicroBatch,
-                       loss_config: GRPOLossConfig, denominator: float, tokens: float):
+                       loss_config: GRPOLossConfig, denominator: float, tokens: float, student_topk_logprobs=None):
     """verl's total: policy_loss + distillation_loss_coef x distillation loss with task rewards, the distillation
     loss alone without (its coefficient then has no effect, as in verl)."""
     from mindspeed_rl.algorithms.distillation import distillation_update_loss
     from mindspeed_rl.algorithms.grpo import aggregate_loss
 
     mask = mb.loss_mask()
+    teacher_topk = mb.extras.get(TEACHER_TOPK_COLUMN)  # [b, R, 1 + 2k]: the log-probs of its top k are 1 .. k
     loss, distill_stats = distillation_update_loss(
-        logprobs=logprobs, old_logprobs=old_logprobs, teacher_logprobs=mb.extras["teacher_logprobs"],
-        response_mask=mask, settings=distill, mini_batch_tokens=tokens,
+        logprobs=logprobs, old_logprobs=old_logprobs, teacher_logprobs=mb.extras[TEACHER_COLUMN],
+        response_mask=mask, settings=distill, mini_batch_tokens=tokens, student_topk_logprobs=student_topk_logprobs,
+        teacher_topk_logprobs=None if teacher_topk is None else teacher_topk[..., 1:1 + distill.topk],
         aggregate=lambda values: aggregate_loss(values, mask, loss_config.loss_agg_mode, denominator))
     coef = distill.distillation_loss_coef if distill.use_task_rewards else 1.0
     return task_loss + coef * loss, stats | distill_stats
@@ -105,7 +108,8 @@ def dpo_mini_batch_step(config: GRPOConfig, engine, packing: Packing | None):
     def step(mini_batch: RolloutBatch) -> dict[str, float]:
         pairs = engine.over_data_parallel(len(mini_batch) / 2)
 
-        def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
+        def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch,
+                student_topk_logprobs: torch.Tensor | None = None):
             return dpo_loss(logprobs, mb.extras["ref_logprobs"], mb.loss_mask(), loss_config, pairs_in_mini_batch=pairs)
 
         # Temperature 1: DPO scores given responses, nothing was sampled.

@@ -40,10 +40,12 @@ class TeacherPart(Part):
 
     @phase_rpc(TEACHER_LOGPROB, progress="teacher log-probs", dispatch=Dispatch(TRAIN_DP, "batch"))
     def compute_teacher_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """The teacher's log-prob of every response token of this rank's share (at temperature 1)."""
+        """The teacher's log-prob of every response token of this rank's share (at temperature 1); with a top-k loss
+        mode also its k most likely tokens' log-probs and ids there (protocol.TEACHER_TOPK_COLUMN's layout)."""
         in_phase = self.ledger.record(TEACHER_LOGPROB)
-        rl = self.config.rl_config
-        size = rl.ref_forward_micro_batch_size or self.config.actor_config.micro_batch_size
-        logprobs = self.teacher.compute_logprobs(batch, micro_batch_size=size, temperature=TEACHER_TEMPERATURE,
-                                                 packing=packing_for(rl, "ref"))
-        return logprobs, in_phase.metrics()
+        rl, loss = self.config.rl_config, self.config.distillation.distillation_loss
+        forward = dict(micro_batch_size=rl.ref_forward_micro_batch_size or self.config.actor_config.micro_batch_size,
+                       temperature=TEACHER_TEMPERATURE, packing=packing_for(rl, "ref"))
+        if loss.uses_topk:  # [n, R, 1 + 2k]: also its k most likely tokens at each position (vocabulary-parallel)
+            return self.teacher.compute_topk_logprobs(batch, k=loss.topk, **forward), in_phase.metrics()
+        return self.teacher.compute_logprobs(batch, **forward), in_phase.metrics()
