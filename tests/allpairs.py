@@ -63,4 +63,17 @@ def all_pairs_where(factors: dict[str, list], valid) -> list[tuple[dict, bool]]:
         holds = valid(ordered)
         uncovered -= pairs_of(ordered, names) if holds else {((a, x), (b, y))}
         cases.append((ordered, holds))
-    return cases
+    return _without_redundant(cases, names)
+
+
+def _without_redundant(cases: list[tuple[dict, bool]], names: list[str]) -> list[tuple[dict, bool]]:
+    """Drop, first one first, each valid case whose pairs the other valid cases all cover (cases made late for the
+    last uncovered pairs can cover an early case's): every pair stays covered, in fewer runs."""
+    kept = list(cases)
+    while True:
+        covers = [pairs_of(case, names) if holds else set() for case, holds in kept]
+        redundant = next((i for i, (_, holds) in enumerate(kept) if holds and covers[i] <= set().union(
+            *(covers[j] for j in range(len(kept)) if j != i))), None)
+        if redundant is None:
+            return kept
+        del kept[redundant]

@@ -27,11 +27,18 @@ def shared_ray_address() -> str:
     """The test session's one-node Ray cluster, started on first use and ended when the session's process exits."""
     if not _SHARED_RAY:
         import atexit
+        import shutil
         import tempfile
 
         from two_nodes import one_node
 
-        cluster = one_node(Path(tempfile.mkdtemp(prefix="msrl-shared-ray-")), num_cpus=8)
+        work_dir = Path(tempfile.mkdtemp(prefix="msrl-shared-ray-"))
+        cluster = one_node(work_dir, num_cpus=8)
         _SHARED_RAY.append(cluster.__enter__())
-        atexit.register(cluster.__exit__, None, None, None)
+
+        def end() -> None:
+            cluster.__exit__(None, None, None)
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+        atexit.register(end)
     return _SHARED_RAY[0]

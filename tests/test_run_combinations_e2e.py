@@ -5,7 +5,8 @@ on-policy distillation),
 each through its CLI for 2 iterations: it finishes with both records, or exits 2 with `config error: <key>: <why>`
 lines and nothing started, never a traceback. docs/testing.md lists the cases and their verdicts.
 
-Runs where: one CLI run per case (1-6 rank processes joining one Ray cluster the module starts, real Megatron + vLLM);
+Runs where: one CLI run per case (1-6 rank processes; those that need Ray join one cluster the module starts, through
+Ray's RAY_ADDRESS; real Megatron + vLLM);
 `make test-run-combinations`, which .ci/run calls.
 """
 import json
@@ -57,8 +58,9 @@ def test_the_run_finishes_or_is_refused_at_start(tmp_path, ray_address, case, re
     assets = tmp_path / "assets"
     overrides = [o.replace(STUDENT_CHECKPOINT, _student_checkpoint(name, assets)) if STUDENT_CHECKPOINT in o else o
                  for o in overrides]
-    done = run_cli(tmp_path, name, *overrides, f"runtime.ray_address={ray_address}",
-                   f"synthetic_data.data_dir={assets}", script=script, timeout=420)
+    # Ray's RAY_ADDRESS, not runtime.ray_address: a one-rank case then runs in the CLI's process, as a user's does.
+    done = run_cli(tmp_path, name, *overrides, f"synthetic_data.data_dir={assets}", script=script, timeout=420,
+                   env={"RAY_ADDRESS": ray_address})
     output = done.stdout[-3000:] + done.stderr[-3000:]
     assert "Traceback" not in done.stderr, output
     metrics = tmp_path / "run" / "metrics.jsonl"

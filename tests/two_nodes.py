@@ -127,10 +127,18 @@ def _free_subnet() -> int:
     return next(n for n in [os.getpid() % 200 + 1, *range(1, 255)] if f"10.77.{n}." not in used)
 
 
+# Ports Ray's components take by default whatever else is asked (the dashboard agent's HTTP port, the dashboard, the
+# client server, GCS): a port picked for the head must not be one of them (a run once drew 52365).
+_RAY_DEFAULT_PORTS = frozenset({52365, 8265, 10001, 6379, 44217, 44227})
+
+
 def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in _RAY_DEFAULT_PORTS:
+            return port
 
 
 def _ray_env() -> dict[str, str]:
