@@ -37,6 +37,8 @@ def test_a_run_without_distillation_has_no_teacher_phase():
     ((f"{LOSS}.use_policy_gradient=false",), f"{LOSS}.loss_mode", "k1 needs use_policy_gradient=true"),
     ((f"{LOSS}.loss_mode=forward_kl_topk",), f"{LOSS}.loss_mode", "with use_policy_gradient=true"),
     ((f"{LOSS}.loss_mode=k5",), f"{LOSS}.loss_mode", "must be one of"),
+    (("+distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=2",),
+     "distillation.teacher_models.teacher_model.inference", "in the actor's layout"),
     (("+distillation.nnodes=1",), "distillation.nnodes", "not in a pool of its own"),
     (("+distillation.teacher_models.second.model_path=x",), "distillation.teacher_models", "exactly one teacher"),
 ])

@@ -28,8 +28,9 @@ LOSS_PREFIX = "distillation.distillation_loss"
 @dataclass(kw_only=True)
 class TeacherModelConfig:
     """distillation.teacher_models.<name>: the teacher's HF checkpoint (the student's tokenizer). `key` routes
-    samples among several teachers (verl); `num_replicas` and `inference` size verl's teacher servers, which a teacher
-    on the actor's ranks does not have (accepted at their defaults: a claim of no effect, docs/distillation.md)."""
+    samples among several teachers (verl; one teacher here, which takes every sample); `num_replicas` and `inference`
+    size verl's teacher servers, which a teacher on the actor's ranks does not have: accepted at their defaults (0 or 1
+    replica, no inference settings), refused otherwise."""
 
     model_path: str
     key: Optional[str] = None
@@ -105,6 +106,11 @@ class DistillationConfig:
             raise ConfigError(f"{PREFIX}.teacher_models", f"must hold exactly one teacher here (several teachers "
                                                           f"routed by teacher_key are not supported yet), got "
                                                           f"{len(self.teacher_models)}")
+        teacher, where = self.teacher, f"{PREFIX}.teacher_models.{self.teacher_name}"
+        if teacher.inference or teacher.num_replicas > 1:  # a layout asked for would silently be another
+            raise ConfigError(f"{where}.inference" if teacher.inference else f"{where}.num_replicas",
+                              "the teacher runs as one part on the actor's training ranks, in the actor's layout: "
+                              "teacher servers of their own (inference, num_replicas > 1) are not supported yet")
 
     def _check_pool(self) -> None:
         if self.nnodes:
