@@ -170,7 +170,7 @@ def distillation_update_loss(*, logprobs: Tensor, old_logprobs: Tensor, teacher_
 
         pg_tokens = ppo_clip_policy_loss(logprobs, old_logprobs, -token_losses.detach(), response_mask,
                                          settings.clip_ratio_low, settings.clip_ratio_high)[0]
-        loss = aggregate(pg_tokens)
+        loss, diagnostics = aggregate(pg_tokens), {}  # the sampled token's reward only: no top-k masses
     else:  # the estimator, or the forward KL over the teacher's top k (the student's log-probs at those ids)
         token_losses, diagnostics = distillation_token_losses(
             loss_mode=settings.loss_mode, student_logprobs=logprobs, teacher_logprobs=teacher_logprobs,
@@ -179,7 +179,6 @@ def distillation_update_loss(*, logprobs: Tensor, old_logprobs: Tensor, teacher_
             loss_max_clamp=settings.loss_max_clamp)
         loss = aggregate(token_losses)
     valid = response_mask.bool()
-    diagnostics = diagnostics if not settings.use_policy_gradient else {}
     # k1 on the sampled tokens: the unbiased per-token estimate of KL(student || teacher) at the student's states.
     gap = torch.where(valid, logprobs.detach() - teacher_logprobs, torch.zeros_like(logprobs))
     stats = {"distill/loss": loss.item(),
