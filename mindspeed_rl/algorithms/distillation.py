@@ -14,7 +14,7 @@ Two families of per-token losses, selected by verl's ``loss_mode`` names:
   inequality never above the full-vocabulary forward KL).
 
 Shapes: per-token tensors are ``[samples, response_tokens]``, top-k tensors ``[samples, response_tokens, k]``;
-padding is the caller's: losses are computed everywhere and only :func:`distillation_metrics` masks.
+padding is the caller's: losses are computed everywhere and :func:`distillation_update_loss` masks them.
 """
 
 from __future__ import annotations
@@ -32,23 +32,19 @@ if not set(ESTIMATOR_LOSS_MODES) <= set(KL_PENALTY_KINDS):
     raise ImportError(f"grpo.kl_penalty no longer accepts all of {ESTIMATOR_LOSS_MODES}")
 
 
-def pg_opd_token_rewards(student_logprobs: Tensor, teacher_logprobs: Tensor, loss_mode: str = "k1") -> Tensor:
-    """verl's PG OPD reward per token: ``-estimator(student, teacher)``, detached (for k1: ``teacher - student``).
+def pg_opd_token_rewards(student_logprobs: Tensor, teacher_logprobs: Tensor, loss_mode: str = "k1", *,
+                         loss_max_clamp: Optional[float] = None) -> Tensor:
+    """verl's PG OPD reward per token: ``-estimator(student, teacher)`` (after ``loss_max_clamp``), detached (for k1:
+    ``teacher - student``).
 
-    Values at padded positions are meaningless (log-probs of padding); the caller zeroes them with its
-    response mask before they enter returns or advantages.
+    Values at padded positions are meaningless (log-probs of padding); the caller's response mask keeps them out of
+    the loss.
     """
     if loss_mode not in ESTIMATOR_LOSS_MODES:
         raise ValueError(f"PG OPD needs a single-sample estimator loss_mode {ESTIMATOR_LOSS_MODES}, got {loss_mode!r}")
-    return -kl_penalty(student_logprobs.detach(), teacher_logprobs.detach(), loss_mode)
-
-
-def teacher_topk_from_logits(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """(top-k log-probs, their token ids) of ``log_softmax(logits)`` over the last (vocabulary) dimension."""
-    # bf16/fp16 logits are promoted: the top-k log-probs feed exp() and a k-term sum in the loss.
-    log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-    values, ids = torch.topk(log_probs, k, dim=-1)
-    return values, ids
+    losses, _ = distillation_token_losses(loss_mode=loss_mode, student_logprobs=student_logprobs.detach(),
+                                          teacher_logprobs=teacher_logprobs.detach(), loss_max_clamp=loss_max_clamp)
+    return -losses
 
 
 def distillation_token_losses(
@@ -129,28 +125,6 @@ def _forward_kl_topk_tail(student: Tensor, teacher: Tensor, tail_mass_eps: float
     return topk_loss + tail_loss, diagnostics
 
 
-def distillation_metrics(
-    token_losses: Tensor, diagnostics: dict[str, Tensor], response_mask: Tensor
-) -> dict[str, float]:
-    """verl's distillation metrics under the ``distill/`` prefix, over the tokens ``response_mask`` keeps:
-    ``loss`` (token mean), ``abs_loss``, ``loss_min``, ``loss_max`` and the masked mean of each diagnostic.
-
-    Unlike verl, ``loss_min``/``loss_max`` are of the losses passed in (after ``loss_max_clamp``).
-    """
-    mask = response_mask.bool()
-    losses = token_losses.detach()
-    kept = losses[mask]
-    metrics = {
-        "distill/loss": masked_mean(losses, mask).item(),
-        "distill/abs_loss": masked_mean(losses.abs(), mask).item(),
-        "distill/loss_min": kept.min().item() if kept.numel() else 0.0,
-        "distill/loss_max": kept.max().item() if kept.numel() else 0.0,
-    }
-    for name, values in diagnostics.items():
-        metrics[f"distill/{name}"] = masked_mean(values.detach(), mask).item()
-    return metrics
-
-
 def distillation_update_loss(*, logprobs: Tensor, old_logprobs: Tensor, teacher_logprobs: Tensor,
                              response_mask: Tensor, settings, aggregate, mini_batch_tokens: float,
                              student_topk_logprobs: Optional[Tensor] = None,
@@ -163,12 +137,12 @@ def distillation_update_loss(*, logprobs: Tensor, old_logprobs: Tensor, teacher_
     (verl's use_policy_gradient): the negative estimator, detached, is each token's advantage in a vanilla PPO-clip
     loss with distillation_loss's own clip ratios."""
     if settings.use_policy_gradient:
-        token_losses, _ = distillation_token_losses(loss_mode=settings.loss_mode, student_logprobs=logprobs.detach(),
-                                                    teacher_logprobs=teacher_logprobs,
-                                                    loss_max_clamp=settings.loss_max_clamp)
         from mindspeed_rl.algorithms.grpo import ppo_clip_policy_loss
 
-        pg_tokens = ppo_clip_policy_loss(logprobs, old_logprobs, -token_losses.detach(), response_mask,
+        rewards = pg_opd_token_rewards(logprobs, teacher_logprobs, settings.loss_mode,
+                                       loss_max_clamp=settings.loss_max_clamp)
+        token_losses = -rewards
+        pg_tokens = ppo_clip_policy_loss(logprobs, old_logprobs, rewards, response_mask,
                                          settings.clip_ratio_low, settings.clip_ratio_high)[0]
         loss, diagnostics = aggregate(pg_tokens), {}  # the sampled token's reward only: no top-k masses
     else:  # the estimator, or the forward KL over the teacher's top k (the student's log-probs at those ids)
