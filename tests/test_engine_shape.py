@@ -129,7 +129,7 @@ def test_only_the_sharding_manager_moves_device_states():
 
 def test_every_rank_group_implements_the_actor_group_protocol():
     from mindspeed_rl.workers.actor_group import ActorGroup
-    from mindspeed_rl.workers.critic_group import ActorWithOwnCritic
+    from mindspeed_rl.workers.own_groups import ActorWithOwnGroups
     from mindspeed_rl.workers.disaggregated import DisaggregatedActor
     from mindspeed_rl.workers.group import RayActorGroup
     from mindspeed_rl.workers.local_group import LocalActorGroup
@@ -137,7 +137,7 @@ def test_every_rank_group_implements_the_actor_group_protocol():
     methods = [name for name, member in vars(ActorGroup).items() if callable(member) and not name.startswith("_")]
     assert set(methods) >= {"initialize", "call", "start_generate", "finish_generate", "start_score", "finish_score",
                             "offload_states", "reload_states", "shutdown", "kill"}
-    for group in (LocalActorGroup, RayActorGroup, DisaggregatedActor, ActorWithOwnCritic):
+    for group in (LocalActorGroup, RayActorGroup, DisaggregatedActor, ActorWithOwnGroups):
         for name in methods:
             expected = inspect.signature(getattr(ActorGroup, name))
             got = inspect.signature(getattr(group, name))

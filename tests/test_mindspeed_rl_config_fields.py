@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from mindspeed_rl.config import ConfigError, load_config
 from mindspeed_rl.config.no_effect import NO_EFFECT_KEYS
 from mindspeed_rl.config.their_keys import MULTIMODAL_DEFAULTS, MULTIMODAL_MESSAGE
-from tests.test_config import TINY, compose_cfg, run_cli
+from tests.test_config import TINY, compose_cfg, config_error, run_cli
 
 CLASS_FILES = Path(__file__).resolve().parent / "data" / "mindspeed_rl_config_cls"
 # Their default this engine refuses on purpose, with its reason in config/no_effect.py: false (learned absolute
@@ -186,10 +186,30 @@ def test_generate_data_parallel_size_must_match_the_inference_layout() -> None:
         "(infer_tensor_parallel_size 1 x infer_pipeline_parallel_size 1)), got 2; or leave it null (derived)"]
 
 
-def test_msprobe_is_checked_and_refused_when_on() -> None:
+def test_msprobe_on_loads_with_its_dump_path_made_absolute() -> None:
+    overrides = dict.fromkeys(REFUSED_DEFAULTS, True)
+    config = load_config(OmegaConf.create(every_field_tree({**overrides, "msprobe_config.msprobe": True,
+                                                            "msprobe_config.dump_path": "rel/dump"})))
+    assert config.msprobe_config.msprobe and config.msprobe_config.dump_path == str(Path("rel/dump").resolve())
+
+
+def test_msprobe_on_without_the_package_is_one_error_saying_how_to_install_it(monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "msprobe" else real(name, *a))
     overrides = dict.fromkeys(REFUSED_DEFAULTS, True)
     errors = load_errors(every_field_tree({**overrides, "msprobe_config.msprobe": True}))
-    assert _keys(errors) == {"msprobe_config.msprobe"} and "not supported" in errors[0].message
+    assert _keys(errors) == {"msprobe_config.msprobe"} and "pip install mindstudio-probe" in errors[0].message
+
+
+def test_msprobe_on_with_a_disaggregated_actor_is_refused_as_theirs_collects_colocated_only() -> None:
+    message = config_error("grpo_tiny_cpu_disaggregated", "+msprobe_config.msprobe=true")
+    assert message.startswith("msprobe_config.msprobe: true with a disaggregated actor"), message
+
+
+def test_msprobe_keys_are_checked_whether_on_or_off() -> None:
+    overrides = dict.fromkeys(REFUSED_DEFAULTS, True)
     errors = load_errors(every_field_tree({**overrides, "msprobe_config.step_start": 3,
                                            "msprobe_config.dump_pth": "x", "msprobe_config.key_data_dump": 1}))
     assert [str(error) for error in errors][:2] == [
@@ -197,21 +217,23 @@ def test_msprobe_is_checked_and_refused_when_on() -> None:
         "msprobe_config.dump_pth: unknown key (valid keys of msprobe_config: msprobe, dump_path, key_data_dump, "
         "configurations_dump, actor_train_dump, actor_infer_dump, token_range_start, token_range_end, reference_dump, "
         "critic_train_dump, step_start, step_end)"]
-    errors = load_errors(every_field_tree({**overrides, "msprobe_config.step_start": 3}))
-    assert [str(error) for error in errors] == ["msprobe_config.step_end: must be >= step_start=3, got 0"]
+    for switch in (False, True):
+        errors = load_errors(every_field_tree({**overrides, "msprobe_config.step_start": 3,
+                                               "msprobe_config.msprobe": switch}))
+        assert [str(error) for error in errors] == ["msprobe_config.step_end: must be >= step_start=3, got 0"]
     errors = load_errors(every_field_tree({**overrides, "runtime.strict_keys": True}))
     assert "msprobe_config" in _keys(errors)
 
 
 def test_cli_says_every_error_of_these_keys_at_once_and_exits_2(tmp_path: Path) -> None:
     # (generate_config.data_parallel_size is a check across sections, made once every section is valid.)
-    result = run_cli(tmp_path, "--config-name", TINY, "+rl_config.is_multimodal=true", "+msprobe_config.msprobe=true",
+    result = run_cli(tmp_path, "--config-name", TINY, "+rl_config.is_multimodal=true", "+msprobe_config.step_start=1",
                      "+generate_config.tokenizer_name_or_path=./other")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert all(line.startswith("config error: ") for line in lines), lines
     assert {line.split(":", 2)[1].strip() for line in lines} == {
-        "rl_config.is_multimodal", "msprobe_config.msprobe", "generate_config.tokenizer_name_or_path"}
+        "rl_config.is_multimodal", "msprobe_config.step_end", "generate_config.tokenizer_name_or_path"}
 
 
 def test_packing_needs_their_two_megatron_flags_true_as_their_validate_config_does() -> None:

@@ -159,7 +159,7 @@ def test_the_forwarder_calls_the_part_alone_when_profiling_is_off():
         return "done"
 
     forward = _forwarder("training", "update", update)
-    rank = SimpleNamespace(profiler=None, parts={"training": SimpleNamespace(update=update)})
+    rank = SimpleNamespace(stage_hooks=(), parts={"training": SimpleNamespace(update=update)})
     assert forward(rank, "batch", kl_coef=0.1) == "done" and calls == [("batch", 0.1)]
 
 

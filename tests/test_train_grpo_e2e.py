@@ -16,6 +16,7 @@ from wandb_reader import history_rows
 from tracker_readers import mlflow_scalars, swanlab_scalars
 from planner_checks import assert_host_prediction_matches_ledger, assert_prediction_matches_ledger
 from profiler_checks import assert_profiled_iteration_two, profiling_overrides
+from msprobe_checks import assert_msprobe_dumps, msprobe_overrides
 
 
 def test_two_iterations_write_metrics(tmp_path):
@@ -31,9 +32,11 @@ def test_two_iterations_write_metrics(tmp_path):
                    "rl_config.swanlab_exp_name=two",
                    "rl_config.use_mlflow=true", "rl_config.mlflow_project=e2e", "rl_config.mlflow_exp_name=two",
                    *profiling_overrides(tmp_path / "prof"),  # MindSpeed-RL's profiler on this run too
+                   *msprobe_overrides(tmp_path / "msprobe"),  # and their msprobe dumps
                    env={"RAY_TMPDIR": str(ray_tmp), "WANDB_MODE": "offline"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert_profiled_iteration_two(tmp_path / "prof", done.stdout)
+    assert_msprobe_dumps(tmp_path / "msprobe", train_iters=2)
     assert "[init] one rank: running it in this process (no Ray; runtime.local_single_rank=false uses Ray)" \
         in done.stdout.splitlines()
     assert not ray_tmp.exists(), sorted(str(p) for p in ray_tmp.rglob("*"))[:5]

@@ -89,11 +89,11 @@ def critic_role_sections(config) -> dict:
 
 
 def _critic_on_following_devices(plan) -> bool:
-    """The critic on devices of its own: those after every other role's (ranks start in that order); a critic on
-    other devices than those or actor_train's is refused."""
+    """The critic on devices of its own: those after every other role's but a teacher's of its own (ranks start in
+    that order); a critic on other devices than those or actor_train's is refused."""
     critic, train = plan.role("critic"), plan.role("actor_train")
     if not set(critic.devices) & set(train.devices):
-        taken = max(d for role in plan.roles if role.key != "critic" for d in role.devices) + 1
+        taken = max(d for role in plan.roles if role.key not in ("critic", "teacher") for d in role.devices) + 1
         following = tuple(range(taken, taken + len(critic.devices)))
         if critic.devices != following:
             raise ConfigError(critic.source, f"a critic on devices of its own takes those after the other roles', "

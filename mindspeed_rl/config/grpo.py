@@ -13,6 +13,7 @@ from mindspeed_rl.config.resources import (
     ActorInferResources,
     ActorTrainResources,
     CriticResources,
+    TeacherResources,
     DISAGGREGATED,
     ReferenceResources,
     ResourcePlan,
@@ -26,10 +27,12 @@ from mindspeed_rl.config.algorithm_checks import (check_dynamic_sampling, check_
 from mindspeed_rl.config.critic import (check_critic, critic_has_own_devices, critic_role_sections, critic_world_size,
                                         own_critic_ranks)
 from mindspeed_rl.config.context_parallel import check_context_parallel
-from mindspeed_rl.config.distillation import DistillationConfig, check_distillation_run, distillation_on
+from mindspeed_rl.config.distillation import (DistillationConfig, check_distillation_run, distillation_on,
+                                              own_teacher_ranks, teacher_role_sections)
 from mindspeed_rl.config.dpo import DPO_STAGE, check_dpo_run
 from mindspeed_rl.config.layout_checks import check_infer_layout, check_model_sharding, check_train_layout
 from mindspeed_rl.config.lora import check_lora_run
+from mindspeed_rl.config.msprobe import MsprobeConfig, check_msprobe_run
 from mindspeed_rl.config.multi_turn import check_multi_turn
 from mindspeed_rl.config.partial_rollout import check_partial_rollout
 from mindspeed_rl.config.profiler import ProfilerConfig
@@ -66,6 +69,8 @@ class GRPOConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     # MindSpeed-RL's profiler section (config/profiler.py): torch.profiler traces per stage, rank and iteration.
     profiler_config: Optional[ProfilerConfig] = None
+    # Their msprobe section with msprobe true (config/msprobe.py; false: dropped before the schema, no effect).
+    msprobe_config: Optional[MsprobeConfig] = None
     # ROLL's resource sections (config/resources.py), all optional: left out, every role runs on the
     # actor's rl_config.actor_resource.num_npus devices, as in MindSpeed-RL's integrated worker.
     num_gpus_per_node: Optional[int] = None
@@ -73,6 +78,7 @@ class GRPOConfig:
     actor_infer: Optional[ActorInferResources] = None
     reference: Optional[ReferenceResources] = None
     critic: Optional[CriticResources] = None  # ROLL's critic role (PPO); left out: the actor's devices
+    teacher: Optional[TeacherResources] = None  # ROLL's teacher role (distillation); left out: the actor's devices
     rewards: dict[str, RewardResources] = field(default_factory=dict)
     # ROLL's top-level key. 0: synchronous (a rollout uses the weights of the update just before it). 1:
     # one-step off-policy, disaggregated only: the rollout of iteration k+1 runs on the inference devices
@@ -107,7 +113,7 @@ class GRPOConfig:
             use_integrated_worker=self.rl_config.use_integrated_worker,
             infer_tensor_parallel_size=generate.infer_tensor_parallel_size,
             infer_pipeline_parallel_size=generate.infer_pipeline_parallel_size,
-            more_roles=critic_role_sections(self),
+            more_roles=critic_role_sections(self) | teacher_role_sections(self),
         )
 
     @cached_property
@@ -145,7 +151,8 @@ class GRPOConfig:
     def num_rank_processes(self) -> int:
         """Device ranks the run starts: the shared ones, or the training ranks plus the inference ranks; plus the
         critic's where it has devices of its own."""
-        return self.world_size + (self.infer_world_size if self.disaggregated else 0) + own_critic_ranks(self)
+        return (self.world_size + (self.infer_world_size if self.disaggregated else 0) + own_critic_ranks(self)
+                + own_teacher_ranks(self))
 
     @property
     def infer_data_parallel_size(self) -> int:
@@ -175,7 +182,7 @@ class GRPOConfig:
             partial(check_critic, self), partial(check_lora_run, self), partial(check_multi_turn, self),
             partial(check_generate_data_parallel_size, self),
             partial(check_dpo_run, self), partial(check_partial_rollout, self),
-            partial(check_distillation_run, self),
+            partial(check_distillation_run, self), partial(check_msprobe_run, self),
         )
 
     @property

@@ -1,17 +1,22 @@
-"""`msprobe_config`: MindSpeed-RL's precision-debugging section (their config_cls/mindstudio_config.py MsprobeConfig):
-MindStudio's msprobe dumps key data (the actor's, the reference's and the critic's inputs and outputs per stage and
-step, tensor statistics through msprobe's PrecisionDebugger) and the run's configurations under `dump_path`.
+"""`msprobe_config`: MindSpeed-RL's precision-debugging section (their config_cls/mindstudio_config.py MsprobeConfig,
+docs/zh/features/msprobe.md): MindStudio's msprobe dumps the configurations, each update's key data and the stages'
+module statistics under `dump_path`.
 
-Here, audited as a no-effect claim while `msprobe: false`, their default: MindSpeed-RL then returns from
-MsProbe.config_init before reading any other key (mindspeed_rl/utils/utils.py), so no key of the section computes a
-value, holds a byte of memory or writes a file, there or here. The section is checked key by key (names, types,
-ranges, so that a typo is caught), then dropped before the schema and listed once in the start line's no-effect list,
-as config/no_effect.py's keys are (`runtime.strict_keys: true` makes it an error). `msprobe: true` is one config
-error: this engine has no msprobe hooks in its workers (neither MindStudio's dump nor a statistics dump of its own),
-and accepting the switch would promise dumps that never appear. For where a step's time and memory go,
-`profiler_config.integrated` works (config/profiler.py).
+`msprobe: true` works as theirs (workers/stage_probe.py; msprobe is the `mindstudio-probe` package, which `make venv`
+installs): `configurations_dump` writes <dump_path>/configurations.json at start,
+`key_data_dump` each update micro-batch's six loss tensors, and the stage switches msprobe's statistics of every
+module's inputs and outputs for debugger steps [step_start, step_end]. As in theirs, colocated (integrated) runs only:
+a disaggregated actor is refused.
+
+`msprobe: false` (their default) is a no-effect claim: MindSpeed-RL then returns from MsProbe.config_init before reading
+any other key (mindspeed_rl/utils/utils.py), so no key of the section computes a value, holds a byte of memory or
+writes a file, there or here. The section is then checked key by key (names, types, ranges, so that a typo is caught),
+dropped before the schema and listed once in the start line's no-effect list, as config/no_effect.py's keys are
+(`runtime.strict_keys: true` makes it an error).
 """
 
+import importlib.util
+import os
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -49,11 +54,11 @@ class MsprobeConfig:
                                                             f"got {self.token_range_end}")
         if self.step_end < self.step_start:
             raise ConfigError(f"{_PREFIX}.step_end", f"must be >= step_start={self.step_start}, got {self.step_end}")
-        if self.msprobe:
-            raise ConfigError(f"{_PREFIX}.msprobe",
-                              "true is not supported: this engine has no msprobe hooks (MindStudio's key-data and "
-                              "configuration dumps); set it false (then the section has no effect, as in "
-                              "MindSpeed-RL); profiler_config.integrated profiles the stages")
+        if self.msprobe and importlib.util.find_spec("msprobe") is None:
+            raise ConfigError(f"{_PREFIX}.msprobe", "true needs MindStudio's msprobe (pip install mindstudio-probe, "
+                                                    "which `make venv` installs)")
+        # The ranks run elsewhere (Ray's working directory): a relative path is the driver's.
+        self.dump_path = os.path.abspath(self.dump_path)
 
 
 SECTION_NOTICE = (f"{_PREFIX} (msprobe is false: MindStudio's precision dumps are off, and MindSpeed-RL then reads no "
@@ -61,7 +66,8 @@ SECTION_NOTICE = (f"{_PREFIX} (msprobe is false: MindStudio's precision dumps ar
 
 
 def drop_msprobe_section(tree: dict[str, Any], *, strict: bool) -> tuple[list[str], list[ConfigError]]:
-    """Check `msprobe_config` and remove it from the tree: its notice (msprobe false), or its errors."""
+    """Check `msprobe_config`: with msprobe true left for the schema (GRPOConfig.msprobe_config); else removed from
+    the tree with its notice; or its errors."""
     section = tree.pop(_PREFIX, None)
     if section is None:
         return [], []
@@ -75,6 +81,9 @@ def drop_msprobe_section(tree: dict[str, Any], *, strict: bool) -> tuple[list[st
             errors.append(error)
     if errors:
         return [], errors
+    if section.get("msprobe"):
+        tree[_PREFIX] = section
+        return [], []
     if strict:
         return [], [ConfigError(_PREFIX, "no effect on this engine (msprobe is false); remove it or set "
                                          "runtime.strict_keys=false")]
@@ -93,3 +102,12 @@ def _key_errors(section: dict[str, Any]) -> list[ConfigError]:
         elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             errors.append(ConfigError(f"{_PREFIX}.{key}", f"expected {expected.__name__}, got {value!r}"))
     return errors
+
+
+def check_msprobe_run(config) -> None:
+    """msprobe on with a disaggregated actor: refused, as MindSpeed-RL collects in colocated (integrated) mode only."""
+    settings = config.msprobe_config
+    if settings is not None and settings.msprobe and config.disaggregated:
+        raise ConfigError(f"{_PREFIX}.msprobe", "true with a disaggregated actor (actor_train and actor_infer on "
+                                                "devices of their own): msprobe collects in colocated (integrated) "
+                                                "runs only, as in MindSpeed-RL")

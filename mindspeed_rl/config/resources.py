@@ -179,6 +179,15 @@ class CriticResources(RoleResourceConfig):
 
 
 @dataclass(kw_only=True)
+class TeacherResources(RoleResourceConfig):
+    """`teacher` (ROLL's role; on-policy distillation): the teacher's forward ranks: actor_train's (taking turns,
+    in the actor's layout) or devices of its own after every other role's (a group of its own, in its own layout)."""
+
+    SECTION_KEY: ClassVar[str] = "teacher"
+    GPUS_PER_WORKER: ClassVar[Optional[int]] = 1
+
+
+@dataclass(kw_only=True)
 class RewardResources:
     """`rewards.<name>`: a reward role. Either CPU workers running the rule verifiers of
     `rl_config.verifier_function` (weights `rl_config.verifier_weight`), `world_size` Ray actors; or, with

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from mindspeed_rl.config.critic import critic_roles_on_training_devices
+from mindspeed_rl.config.distillation import teacher_roles_on_training_devices
 from mindspeed_rl.config.device_mapping import format_devices
 from mindspeed_rl.config.resources import DISAGGREGATED, INFER_ROLE, ResourcePlan, RewardResources
 from mindspeed_rl.errors import ConfigError
@@ -31,7 +32,7 @@ def check_supported(plan: ResourcePlan, rewards: Mapping[str, RewardResources]) 
                               f"got {format_devices(infer.devices)}: disaggregated ranks are started training ranks "
                               "first, then inference ranks, on the devices Ray gives them")
     shared_roles = (("reference",) if plan.mode == DISAGGREGATED else ("actor_infer", "reference"))
-    shared_roles += critic_roles_on_training_devices(plan)
+    shared_roles += critic_roles_on_training_devices(plan) + teacher_roles_on_training_devices(plan)
     for key in shared_roles:
         role = plan.role(key)
         if role.devices != train.devices:

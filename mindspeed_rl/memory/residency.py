@@ -105,6 +105,8 @@ class ResidencyPolicy:
     offload_inference: bool = True
     # False on a critic's own ranks (critic.device_mapping apart from actor_train's): nothing else is there.
     offload_critic: bool = True
+    # False on a teacher's own ranks (teacher.device_mapping apart from actor_train's): nothing else is there.
+    offload_teacher: bool = True
     # False where the run generates nothing (DPO): no inference states, no switch, no generate phase.
     has_inference: bool = True
     # LoRA's shared backbone (rl_config.share_backbone): the reference log-probs run on the train params with the
@@ -130,16 +132,18 @@ class ResidencyPolicy:
     def for_states(cls, config, states: frozenset[str]) -> "ResidencyPolicy":
         """The table of a rank whose parts declare `states` (workers/parts/: the union of their STATES), from the
         run's GRPOConfig; the planner asks it with the states of every part of the run. The inference states stay
-        where nothing else shares their devices (a disaggregated inference rank), the critic's where they are alone
-        (a critic on devices of its own)."""
+        where nothing else shares their devices (a disaggregated inference rank), the critic's and the teacher's where
+        they are alone (on devices of their own)."""
         gen = config.generate_config
         critic_only = bool(states) and states <= CRITIC_STATES
+        teacher_only = states == {TEACHER_PARAMS}
         return cls(offload_train_param=gen.offload_train_param, offload_train_grad=gen.offload_train_grad,
                    offload_train_optimizer=gen.offload_train_optimizer, has_reward_model=REWARD_PARAMS in states,
                    has_teacher=TEACHER_PARAMS in states,
-                   has_reference=config.uses_reference and not critic_only,
+                   has_reference=config.uses_reference and not (critic_only or teacher_only),
                    offload_inference=not states <= INFERENCE_STATES, has_critic=bool(states & CRITIC_STATES),
-                   offload_critic=not critic_only, reference_is_backbone=config.reference_is_backbone,
+                   offload_critic=not critic_only, offload_teacher=not teacher_only,
+                   reference_is_backbone=config.reference_is_backbone,
                    has_inference=config.generates,
                    has_adapters=config.actor_config.uses_lora, adapter_only_switch=config.adapter_only_switch,
                    has_old_logprob_pass=not config.old_logprobs_from_update,
@@ -155,7 +159,8 @@ class ResidencyPolicy:
                  (TRAIN_OPTIMIZER, self.offload_train_optimizer), (INFER_WEIGHTS, self.offload_inference),
                  (KV_CACHE, self.offload_inference))
         return frozenset(state for state, offload in flags if not offload) | (
-            frozenset() if self.offload_critic else CRITIC_STATES)
+            frozenset() if self.offload_critic else CRITIC_STATES) | (
+            frozenset() if self.offload_teacher else frozenset({TEACHER_PARAMS}))
 
     def phases(self) -> tuple[str, ...]:
         """The phases this run enters, in order (`reward` only with a reward model, `ref_logprob` only with a

@@ -95,6 +95,16 @@ def teacher_architecture(config: GRPOConfig) -> Architecture | None:
     return _architecture_at(path, f"distillation.teacher_models.{config.distillation.teacher_name}.model_path")
 
 
+def teacher_inputs(config: GRPOConfig) -> dict:
+    """PlanInputs' teacher fields: its architecture, and its devices and layout where it has devices of its own."""
+    from mindspeed_rl.config.distillation import own_teacher_ranks, teacher_layout
+
+    world = own_teacher_ranks(config)
+    layout = teacher_layout(config).train
+    return dict(teacher_arch=teacher_architecture(config), teacher_world_size=world,
+                teacher_tp=layout.tp if world else 1, teacher_pp=layout.pp if world else 1)
+
+
 def _architecture_at(path: Path, key: str) -> Architecture:
     return architecture(ModelSource(_read_json(path, key), f"{path} ({key})"), key)
 
@@ -124,7 +134,7 @@ def plan_inputs(config: GRPOConfig, arch: Architecture, *, device_memory: int | 
         response_length=config.response_length_limit,
         policy=ResidencyPolicy.for_states(config, run_states(config)),
         **lora_inputs(config), reward_arch=reward_architecture(config),
-        teacher_arch=teacher_architecture(config), **critic_inputs(config, _architecture_at),
+        **teacher_inputs(config), **critic_inputs(config, _architecture_at),
         kv=KVCacheSpec(on_cpu=cpu, cpu_bytes=int(gen.cpu_kvcache_space_gb * GIB),
                        gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
                        max_model_len=gen.max_model_len),

@@ -64,6 +64,11 @@ class PlanInputs:
     reward_arch: Architecture | None = None
     # On-policy distillation's teacher (distillation.teacher_models) when policy.has_teacher; None: the actor's.
     teacher_arch: Architecture | None = None
+    # A teacher on devices of its own (teacher.device_mapping apart from actor_train's): its devices and its own TP x
+    # PP there; 0 devices: it shares the training ranks, in the actor's layout.
+    teacher_world_size: int = 0
+    teacher_tp: int = 1
+    teacher_pp: int = 1
     activation_profile: str = "cpu"  # ACTIVATION_PROFILES: which kernels' activations the update keeps
     packed: bool = False  # rl_config.use_remove_padding: per-sample attention, no score matrix kept
     # rl_config.use_dynamic_bsz: an update micro-batch holds at most this many tokens (update_max_packing_token_size)

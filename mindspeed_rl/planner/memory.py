@@ -95,7 +95,7 @@ def rank_bytes(inputs: PlanInputs, rank: int, *, switch_staging: int = 0) -> Ran
         if inputs.policy.has_reward_model else 0,
         TEACHER_PARAMS: teacher_bytes(inputs.teacher_arch or inputs.arch, tp=inputs.tp, pp=inputs.pp,
                                       pp_rank=c["pp_rank"], ep=inputs.ep, bf16=inputs.bf16)
-        if inputs.policy.has_teacher else 0,
+        if inputs.policy.has_teacher and not inputs.teacher_world_size else 0,
         INFER_WEIGHTS: infer + packed, KV_CACHE: kv_cache_bytes(inputs, infer, c["infer_pp_rank"]),
         ACTIVATIONS: activation_bytes(inputs, c["pp_rank"]),
         **critic_states(inputs, c, on_this_rank=not inputs.critic_world_size),
@@ -139,6 +139,20 @@ def critic_device_bytes(inputs: PlanInputs, index: int) -> RankBytes:
     policy = replace(inputs.policy, offload_critic=False, has_reference=False, has_reward_model=False,
                      has_teacher=False)
     return RankBytes(inputs.world_size + index, states, policy=policy)
+
+
+def teacher_device_bytes(inputs: PlanInputs, index: int) -> RankBytes:
+    """Device `index` of the teacher's own devices, after every other (numbered on from the critic's own): its params
+    in its own TP x PP, in every phase (nothing else is there to take turns with)."""
+    from mindspeed_rl.parallel.layout import TrainLayout
+
+    pp_rank = TrainLayout(tp=inputs.teacher_tp, pp=inputs.teacher_pp).of(index, inputs.teacher_world_size).pp_rank
+    states = {category: 0 for category in (*STATE_GROUPS, ACTIVATIONS)}
+    states[TEACHER_PARAMS] = teacher_bytes(inputs.teacher_arch or inputs.arch, tp=inputs.teacher_tp,
+                                           pp=inputs.teacher_pp, pp_rank=pp_rank, ep=1, bf16=inputs.bf16)
+    policy = replace(inputs.policy, offload_teacher=False, has_reference=False, has_reward_model=False,
+                     has_critic=False)
+    return RankBytes(inputs.world_size + inputs.critic_world_size + index, states, policy=policy)
 
 
 # -- the plan -------------------------------------------------------------------------------------------
@@ -290,4 +304,5 @@ def plan_memory(inputs: PlanInputs, *, switch_staging: dict[int, int] | None = N
             by_key[key] = rank_bytes(inputs, rank)
         ranks.append(replace(by_key[key], rank=rank, switch_staging=staging.get(rank, 0)))
     ranks += [critic_device_bytes(inputs, index) for index in range(inputs.critic_world_size)]
+    ranks += [teacher_device_bytes(inputs, index) for index in range(inputs.teacher_world_size)]
     return MemoryPlan(inputs, tuple(ranks))

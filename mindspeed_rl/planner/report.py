@@ -73,7 +73,22 @@ def _layout_line(plan: MemoryPlan) -> list[str]:
             f"  offload_train_param/grad/optimizer: {flags}; reference model: "
             f"{'yes' if i.policy.has_reference else 'no'}; reward: "
             + ("rule-based + a reward model (on the device in the reward phase only)" if i.policy.has_reward_model
-               else "rule-based (no reward model on the device)")] + critic_layout_lines(i)
+               else "rule-based (no reward model on the device)")] + critic_layout_lines(i) + _teacher_lines(i)
+
+
+def _teacher_lines(i) -> list[str]:
+    """The report's line on distillation's teacher: where it is and when it is on the device."""
+    if not i.policy.has_teacher:
+        return []
+    if not i.teacher_world_size:
+        return ["  teacher: on the training ranks in the actor's layout, taking turns (on the device in its "
+                "teacher_logprob phase only)"]
+    first = i.world_size + i.critic_world_size
+    last = first + i.teacher_world_size - 1
+    numbers = f"rank {first}" if first == last else f"ranks {first}-{last}"
+    dp = i.teacher_world_size // (i.teacher_tp * i.teacher_pp)
+    return [f"  teacher: {i.teacher_world_size} device(s) of its own ({numbers} below), its own layout TP{i.teacher_tp}"
+            f" x PP{i.teacher_pp} x DP{dp}; its params stay there in every phase"]
 
 
 def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: SwitchPlan | None,
@@ -85,7 +100,7 @@ def text_report(plan: MemoryPlan, *, model_name: str, source: str, switch: Switc
              f"  numbers from {source}",
              f"  {arch.support}",
              f"layout: {i.world_size} device{'s' if i.world_size > 1 else ''}"
-             + critic_devices_text(i)]
+             + critic_devices_text(i) + (f" + {i.teacher_world_size} of the teacher's" if i.teacher_world_size else "")]
     lines += _layout_line(plan)
     table, totals = plan.table(), plan.totals()
     width = max(len(label) for _, label in ROWS) + 2

@@ -65,6 +65,7 @@ def prepare_dpo_run(config: GRPOConfig, run_dir: Path, held: contextlib.ExitStac
     from transformers import AutoTokenizer
 
     from mindspeed_rl.accelerator import detect_device
+    from mindspeed_rl.workers.stage_probe import write_configurations
 
     ac = config.actor_config
     setup.check_host(config, run_dir)
@@ -92,6 +93,7 @@ def prepare_dpo_run(config: GRPOConfig, run_dir: Path, held: contextlib.ExitStac
                          else ""), flush=True)
     device = detect_device() if config.runtime.device == "auto" else config.runtime.device
     setup.check_host_capacity(config, device, os.cpu_count() or 1)
+    write_configurations(config)  # msprobe_config.configurations_dump
     return PreparedRun(model_dir=model_dir, ref_dir=ref_dir, tokenizer=tokenizer, dataset=dataset,
                        eval_dataset=eval_dataset, sampler=sampler, resume=resume, ref_checkpoint=ref_checkpoint,
                        device=device, prediction=None)

@@ -55,18 +55,19 @@ def check_reward_model_config(config: GRPOConfig, hf_config: dict, key: str, tok
 
 
 def check_shards_like_the_actor(config: GRPOConfig, hf_config: dict, key: str, *, what: str,
-                                tokenizer_size: int) -> None:
-    """A model that runs in the actor's TP/PP layout (its heads over TP, its layers over PP) and scores the actor's
-    token ids (an embedding row for each). Raises ConfigError naming `key`."""
+                                tokenizer_size: int, layout: tuple[int, int, str] | None = None) -> None:
+    """A model that runs in the actor's TP/PP layout (its heads over TP, its layers over PP), or in `layout` (tp, pp,
+    the section that sizes them), and scores the actor's token ids (an embedding row for each). Raises ConfigError
+    naming `key`."""
     ac = config.actor_config
-    tp, pp = ac.tensor_model_parallel_size, ac.pipeline_model_parallel_size
-    for field, size, sized_by in (("num_attention_heads", tp, "actor_config.tensor_model_parallel_size"),
-                                  ("num_key_value_heads", tp, "actor_config.tensor_model_parallel_size"),
-                                  ("num_hidden_layers", pp, "actor_config.pipeline_model_parallel_size")):
+    tp, pp, section = layout or (ac.tensor_model_parallel_size, ac.pipeline_model_parallel_size, "actor_config")
+    whose = "its own layout" if layout else "the actor's layout"
+    for field, size, sized_by in (("num_attention_heads", tp, f"{section}.tensor_model_parallel_size"),
+                                  ("num_key_value_heads", tp, f"{section}.tensor_model_parallel_size"),
+                                  ("num_hidden_layers", pp, f"{section}.pipeline_model_parallel_size")):
         value = hf_config.get(field)
         if value is not None and value % size:
-            raise ConfigError(key, f"{field}={value} is not divisible by {sized_by}={size}: {what} runs in the "
-                                   "actor's layout")
+            raise ConfigError(key, f"{field}={value} is not divisible by {sized_by}={size}: {what} runs in {whose}")
     vocab_size = hf_config.get("vocab_size", 0)
     if tokenizer_size > vocab_size:
         raise ConfigError(key, f"has vocab_size {vocab_size}, but the actor's tokenizer has {tokenizer_size} tokens: "

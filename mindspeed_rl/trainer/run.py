@@ -134,6 +134,7 @@ def prepare_run(config: GRPOConfig, run_dir: Path, held: contextlib.ExitStack) -
     from transformers import AutoTokenizer
 
     from mindspeed_rl.accelerator import detect_device
+    from mindspeed_rl.workers.stage_probe import write_configurations
 
     mt, ac = config.megatron_training, config.actor_config
     setup.check_host(config, run_dir)  # a missing device or an unwritable run dir fails before any file is read
@@ -165,6 +166,7 @@ def prepare_run(config: GRPOConfig, run_dir: Path, held: contextlib.ExitStack) -
     setup.check_host_capacity(config, device, os.cpu_count() or 1)
     absent = () if config.uses_reference else ("reference",)  # init_kl_coef 0: no reference model
     print(config.resource_plan.table(device, absent), flush=True)  # device -> roles, colocated or disaggregated
+    write_configurations(config)  # msprobe_config.configurations_dump
     return PreparedRun(model_dir=model_dir, ref_dir=ref_dir, tokenizer=tokenizer, dataset=dataset,
                        eval_dataset=eval_dataset, sampler=sampler,
                        resume=resume, ref_checkpoint=ref_checkpoint, device=device,

@@ -49,14 +49,20 @@ def resolve_teacher(config: GRPOConfig, model_dir: str, tokenizer_size: int) -> 
 
 
 def check_teacher_config(config: GRPOConfig, hf_config: dict, key: str, tokenizer_size: int) -> None:
-    """A causal LM that the actor's TP/PP layout can shard (even pipeline stages: the actor's num_layer_list is not
-    its own) and that has a row for every token id of the student's tokenizer (it shares the student's tokenizer).
-    Raises ConfigError naming `key`."""
+    """A causal LM that its layout (the actor's TP/PP, or its own on devices of its own) can shard (even pipeline
+    stages: the actor's num_layer_list is not its own) and that has a row for every token id of the student's
+    tokenizer (it shares the student's tokenizer). Raises ConfigError naming `key`."""
+    from mindspeed_rl.config.distillation import teacher_has_own_devices, teacher_layout
+
     architectures = hf_config.get("architectures") or []
     if not any(a.endswith("ForCausalLM") for a in architectures):
         raise ConfigError(key, f"must be a causal LM checkpoint (e.g. Qwen2ForCausalLM): the teacher scores tokens, "
                                f"its config.json lists architectures {architectures}")
-    check_shards_like_the_actor(config, hf_config, key, what="the teacher", tokenizer_size=tokenizer_size)
+    own = teacher_layout(config).train if teacher_has_own_devices(config) else None
+    layout = (own.tp, own.pp, f"distillation.teacher_models.{config.distillation.teacher_name}.inference") if own \
+        else None
+    check_shards_like_the_actor(config, hf_config, key, what="the teacher", tokenizer_size=tokenizer_size,
+                                layout=layout)
 
 
 def ensure_demo_teacher(config: GRPOConfig, model_dir: str) -> Path:

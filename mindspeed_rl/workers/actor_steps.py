@@ -42,12 +42,14 @@ def sampling_seed(seed: int, iteration: int | tuple[int, int], stream: int) -> i
 
 
 def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossConfig, *, micro_batch_size: int,
-                        temperature: float, packing: Packing | None = None, distill=None) -> dict[str, float]:
+                        temperature: float, packing: Packing | None = None, distill=None,
+                        key_data=None) -> dict[str, float]:
     """One GRPO optimizer step on `mini_batch`, this DP rank's share of the DP ranks' mini-batch.
 
     The loss is normalised by the whole mini-batch's count (summed over the DP ranks), the token-mean stats by its
     tokens; the engine sums the per-rank stats over DP, so the returned stats are the mini-batch's. `distill`
     (distillation.distillation_loss, where the run distills) adds the teacher's term (algorithms/distillation.py).
+    `key_data` (msprobe_config.key_data_dump, workers/stage_probe.py) gets each micro-batch's loss inputs and terms.
     """
     denominator = engine.over_data_parallel(
         count_loss_units(mini_batch.loss_mask(), loss_config.loss_agg_mode, loss_config.norm_length))
@@ -70,6 +72,9 @@ def train_on_mini_batch(engine, mini_batch: RolloutBatch, loss_config: GRPOLossC
             config=loss_config, loss_scale_denominator=denominator, mini_batch_tokens=tokens,
             is_weights=mb.extras.get("rollout_is_weights"),
         )
+        if key_data is not None:  # their actor loss functions' MsProbe.save_data, in their names
+            key_data({"old_log_prob": old_logprobs, "log_prob": logprobs, "ref_log_prob": mb.extras.get("ref_logprobs"),
+                      "advantages": advantages, "loss": loss, "kl_loss": torch.tensor(stats["actor/kl_loss"])})
         if distill is not None:
             loss, stats = _with_distillation(loss, stats, distill, logprobs, old_logprobs, mb, loss_config,
                                              denominator, tokens, student_topk_logprobs)

@@ -10,6 +10,7 @@ states, nothing else does.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import time
@@ -19,16 +20,20 @@ from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.memory.residency import IDLE, ResidencyPolicy
 from mindspeed_rl.workers.parts import DESTINATION, MEGATRON, SOURCE, VLLM, Part, RankContext, declared_rpcs
 from mindspeed_rl.workers.rank_process import RankInfo, RankProcess
+from mindspeed_rl.workers.stage_probe import key_data_saver, probe_of
 
 # What a forwarded RPC carries of its declaration (workers/phase_rpc.py, workers/parts/part_rpc).
 _DECLARATION = ("phase", "progress", "changes_weights", "dispatch", "rpc")
 
 
-def compose(role: str, parts: tuple[type[Part], ...]) -> type:
+def compose(role: str, parts: tuple[type[Part], ...], *, layout_of: Callable | None = None) -> type:
     """The rank class of `role` (the class Ray makes an actor of): the rank base holding one object per part, with a
-    method per RPC the parts declare that forwards to the part."""
+    method per RPC the parts declare that forwards to the part. `layout_of(config)`: the role's own layout (a teacher
+    of its own), where it is not the run's."""
     name = "".join(word.title() for word in (role or "actor_hybrid").split("_")) + "Worker"
     namespace: dict = {"ROLE": role, "PARTS": tuple(parts)}
+    if layout_of is not None:
+        namespace["layout"] = property(lambda self: layout_of(self.config), doc=layout_of.__doc__)
     for part in parts:
         for method, rpc in declared_rpcs(part).items():
             namespace[method] = _forwarder(part.NAME, method, rpc)
@@ -37,10 +42,12 @@ def compose(role: str, parts: tuple[type[Part], ...]) -> type:
 
 def _forwarder(part_name: str, method: str, rpc: Callable) -> Callable:
     def forward(self, *args, **kwargs):
-        if self.profiler is not None:  # profiler_config on: the stage's RPC may run under torch.profiler
-            with self.profiler.around(method):
-                return getattr(self.parts[part_name], method)(*args, **kwargs)
-        return getattr(self.parts[part_name], method)(*args, **kwargs)
+        if not self.stage_hooks:
+            return getattr(self.parts[part_name], method)(*args, **kwargs)
+        with contextlib.ExitStack() as around:  # profiler_config's torch.profiler, msprobe_config's dumps
+            for hook in self.stage_hooks:
+                around.enter_context(hook.around(method))
+            return getattr(self.parts[part_name], method)(*args, **kwargs)
 
     forward.__name__ = forward.__qualname__ = method
     forward.__doc__ = rpc.__doc__
@@ -58,6 +65,10 @@ class RankWorker(RankProcess):
     PARTS: tuple[type[Part], ...] = ()
     # workers/stage_profiler.py's StageProfiler, built by initialize when profiler_config.integrated.profile is on.
     profiler = None
+    probe = None  # workers/stage_probe.py: msprobe_config's dumps, built with the context when msprobe is on
+    # What runs around every part RPC (`around(rpc)`): the profiler and msprobe's StageProbe (workers/stage_probe.py)
+    # where they are on.
+    stage_hooks: tuple = ()
 
     def __init__(self, config: GRPOConfig, rank_info: RankInfo, *, model_dir: str, ref_model_dir: str):
         self.config = config
@@ -110,6 +121,7 @@ class RankWorker(RankProcess):
 
             self.profiler = StageProfiler(cfg.profiler_config.integrated, rank=self.rank_info.rank,
                                           device_type=self.accelerator.name)
+        self.stage_hooks = tuple(hook for hook in (self.profiler, self.probe) if hook is not None)
         return {"timing/initialize": time.perf_counter() - started}
 
     def begin_iteration(self, iteration: int) -> None:
@@ -129,13 +141,14 @@ class RankWorker(RankProcess):
         self.ledger = MemoryLedger(self.offloader.phase_bytes, self.accelerator,
                                    read_host_states=self.offloader.host_bytes)
         self._checkpoints: dict[str, tuple] = {}
+        self.probe = probe_of(self.config, self.parts, tuple(part.NAME for part in self.PARTS))
         return RankContext(
             config=self.config, rank_info=self.rank_info, role=self.ROLE,
             part_names=tuple(part.NAME for part in self.PARTS), model_dir=self.model_dir,
             ref_model_dir=self.ref_model_dir, accelerator=self.accelerator, layout=self.layout, groups=self.groups,
             offloader=self.offloader, sharding_manager=self.sharding_manager, ledger=self.ledger,
             progress=lambda step: self._progress(step, started), hf_checkpoint=self.hf_checkpoint,
-            model_options=self.model_options)
+            model_options=self.model_options, key_data=key_data_saver(self.probe))
 
     def _build(self, context: RankContext, stage: str) -> None:
         """This stage's parts, in the role's order: each gets the parts it borrows from (built before it)."""

@@ -4,10 +4,12 @@
   critic where the run has them, and the inference engine;
 - a disaggregated actor: `actor_train` (the same without the inference engine) and `actor_infer` (the inference
   engine alone);
-- a critic on devices of its own: `critic` (the critic alone).
+- a critic on devices of its own: `critic` (the critic alone);
+- a teacher on devices of its own: `teacher` (the teacher alone, in its own layout).
 """
 from __future__ import annotations
 
+from mindspeed_rl.config.distillation import TEACHER_ROLE, own_teacher_ranks, teacher_has_own_devices, teacher_layout
 from mindspeed_rl.memory.residency import run_states
 from mindspeed_rl.workers.parts.critic import CriticPart
 from mindspeed_rl.workers.parts.inference import InferencePart
@@ -23,10 +25,11 @@ ALL_PARTS = (TrainingPart, ReferencePart, RewardModelPart, TeacherPart, CriticPa
 
 def training_parts(config) -> tuple[type, ...]:
     """The actor's training side: the parts (inference aside) whose states the run holds (`run_states`), the critic
-    only where it shares the actor's devices."""
+    and the teacher only where they share the actor's devices."""
     states = run_states(config)
+    own = {CriticPart: config.critic_has_own_devices, TeacherPart: teacher_has_own_devices(config)}
     return tuple(part for part in (TrainingPart, ReferencePart, RewardModelPart, TeacherPart, CriticPart)
-                 if part.STATES & states and not (part is CriticPart and config.critic_has_own_devices))
+                 if part.STATES & states and not own.get(part, False))
 
 
 def actor_worker(config) -> type:
@@ -43,3 +46,15 @@ def disaggregated_workers(config) -> tuple[type, type]:
 def critic_worker(config) -> type:
     """A rank of a critic on devices of its own."""
     return compose(CRITIC_ROLE, (CriticPart,))
+
+
+def teacher_worker(config) -> type:
+    """A rank of a teacher on devices of its own, in the teacher's layout."""
+    return compose(TEACHER_ROLE, (TeacherPart,), layout_of=teacher_layout)
+
+
+def own_device_workers(config) -> list[tuple[type, int]]:
+    """(rank class, world size) of each part on devices of its own, in the order their devices follow the others':
+    the critic's, then the teacher's."""
+    own = [(critic_worker(config), config.critic_world_size)] if config.critic_has_own_devices else []
+    return own + ([(teacher_worker(config), own_teacher_ranks(config))] if teacher_has_own_devices(config) else [])

@@ -2,8 +2,9 @@
 
 One rank process and nothing that needs Ray: the rank runs in this process (`LocalActorGroup`,
 `runtime.local_single_rank`). Otherwise Ray places the ranks: one group switching between roles
-(colocated, `RayActorGroup`) or a training and an inference group (`DisaggregatedActor`); PPO's critic on devices of
-its own is one more group beside either (`ActorWithOwnCritic`, workers/critic_group.py). Faults asked for
+(colocated, `RayActorGroup`) or a training and an inference group (`DisaggregatedActor`); PPO's critic and
+distillation's teacher on devices of their own are one more group each beside either (`ActorWithOwnGroups`,
+workers/own_groups.py). Faults asked for
 by the failure tests (`MINDSPEED_RL_INJECT_FAULT`, workers/fault_injection.py) are applied here, once, to
 whichever worker classes the group runs.
 """
@@ -31,18 +32,22 @@ def start_actor_group(config, *, device: str, model_dir: str, ref_model_dir: str
         return LocalActorGroup(worker_class=worker_class_with_faults(fault, roles.actor_worker(config)),
                                threads=threads, on_hang=on_hang, **common)
     actor = _start_ray_actor(fault=fault, device=device, **common)
-    if not config.critic_has_own_devices:
+    own_roles = roles.own_device_workers(config)  # (rank class, world size) of each part on devices of its own
+    if not own_roles:
         return actor
-    from mindspeed_rl.workers.critic_group import ActorWithOwnCritic
     from mindspeed_rl.workers.group import RayActorGroup
+    from mindspeed_rl.workers.own_groups import ActorWithOwnGroups
 
+    own = []
     try:
-        critic = RayActorGroup(worker_class=worker_class_with_faults(fault, roles.critic_worker(config)), device=device,
-                               world_size=config.critic_world_size, **common)
+        for worker_class, world_size in own_roles:
+            own.append(RayActorGroup(worker_class=worker_class_with_faults(fault, worker_class), device=device,
+                                     world_size=world_size, **common))
     except BaseException:
-        actor.kill()
+        for group in [*own, actor]:
+            group.kill()
         raise
-    return ActorWithOwnCritic(actor, critic)
+    return ActorWithOwnGroups(actor, *own)
 
 
 def _start_ray_actor(*, fault: str | None, device: str, **common) -> ActorGroup:

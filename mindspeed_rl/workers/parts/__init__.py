@@ -66,6 +66,8 @@ class RankContext:
     progress: Callable[[str], None]  # one `[init]` line per start-up step (rank 0 speaks for all)
     hf_checkpoint: Callable[[str], tuple]  # (spec, state) of an HF directory, read once per initialize
     model_options: Callable[[], Any]  # the config's model knobs with this device's kernels, made once
+    # msprobe_config's key-data dump of each update micro-batch (workers/stage_probe.py); None when it is off.
+    key_data: Callable[[dict], None] | None = None
 
 
 class Part:

@@ -1,6 +1,6 @@
 """PPO's critic: the value model, its values of a rollout, its update and its checkpoints (under <checkpoint>/critic).
 On the actor's ranks (colocated or the training ranks of a disaggregated actor) or on ranks of its own
-(workers/critic_group.py), where its states stay on the device."""
+(workers/own_groups.py), where its states stay on the device."""
 from __future__ import annotations
 
 import os

@@ -81,7 +81,8 @@ class TrainingPart(Part):
             return train_on_mini_batch(self.actor, mini_batch, loss_config,
                                        micro_batch_size=self.config.actor_config.micro_batch_size,
                                        temperature=self.config.generate_config.sampling_config.temperature,
-                                       packing=packing_for(rl, "update"), distill=distill)
+                                       packing=packing_for(rl, "update"), distill=distill,
+                                       key_data=self.context.key_data)
 
         if not self.config.generates:  # DPO: given pairs and their own loss (algorithms/dpo.py)
             step = dpo_mini_batch_step(self.config, self.actor, packing_for(rl, "update"))
