@@ -8,11 +8,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The PNGs a run draws at its end (runtime.training_curves, runtime.memory_timeline): matplotlib and the drawing are
+# ~1.5 s of each run here; the tests that check the pictures ask for them (`plots=True`).
+NO_PLOTS = ("runtime.training_curves=false", "runtime.memory_timeline=false")
+
+
 def run_cli(tmp_path, config_name: str, *overrides: str, timeout: int = 600, env: dict[str, str] | None = None,
-            script: str = "cli/train_grpo.py", shared_ray: bool = True) -> subprocess.CompletedProcess:
+            script: str = "cli/train_grpo.py", shared_ray: bool = True, plots: bool = False) -> subprocess.CompletedProcess:
     """`shared_ray`: a run that needs Ray joins the session's one-node cluster (Ray's RAY_ADDRESS variable, which
     trainer/setup.py's start_ray honours) instead of starting and ending its own: ~7 s less per 2-rank run here."""
-    cmd = [sys.executable, script, "--config-name", config_name, *overrides,
+    cmd = [sys.executable, script, "--config-name", config_name, *(() if plots else NO_PLOTS), *overrides,
            f"hydra.run.dir={tmp_path / 'run'}"]
     joins = shared_ray and not any(o.startswith("runtime.ray_address=") for o in overrides)
     ray_env = {"RAY_ADDRESS": shared_ray_address()} if joins else {}

@@ -93,7 +93,9 @@ def launch(tmp_path: Path, config_name: str, *overrides: str, env: dict[str, str
            script: str = "cli/train_grpo.py", shared_ray: bool = False) -> WatchedRun:
     """`shared_ray`: a run that needs Ray joins the session's cluster (cli_runner.shared_ray_address); its ranks are
     then not in the run's session, so tests that look for what a run leaves behind keep their own (the default)."""
-    cmd = [sys.executable, script, "--config-name", config_name, *overrides,
+    from cli_runner import NO_PLOTS
+
+    cmd = [sys.executable, script, "--config-name", config_name, *NO_PLOTS, *overrides,
            f"hydra.run.dir={tmp_path / 'run'}"]
     ray_env = {}
     if shared_ray:

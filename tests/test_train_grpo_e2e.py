@@ -33,7 +33,7 @@ def test_two_iterations_write_metrics(tmp_path):
                    "rl_config.use_mlflow=true", "rl_config.mlflow_project=e2e", "rl_config.mlflow_exp_name=two",
                    *profiling_overrides(tmp_path / "prof"),  # MindSpeed-RL's profiler on this run too
                    *msprobe_overrides(tmp_path / "msprobe"),  # and their msprobe dumps
-                   env={"RAY_TMPDIR": str(ray_tmp), "WANDB_MODE": "offline"})
+                   env={"RAY_TMPDIR": str(ray_tmp), "WANDB_MODE": "offline"}, plots=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_profiled_iteration_two(tmp_path / "prof", done.stdout)
     assert_msprobe_dumps(tmp_path / "msprobe", train_iters=2)
@@ -106,6 +106,7 @@ def test_two_iterations_write_metrics(tmp_path):
         assert r["actor/lr"] == 5e-4  # constant schedule
         assert r["grad_norm"] == r["actor/grad_norm"]
     assert (run_dir / "training_curves.png").stat().st_size > 10_000
+    assert (run_dir / "memory_timeline.png").stat().st_size > 10_000
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     # Adam moments exist from the first step on: 2 x the parameter bytes, resident while updating.
     assert records[1]["memory/update/optimizer_states_bytes"] == 2 * records[1]["memory/update/train_params_bytes"]

@@ -79,3 +79,20 @@ def test_adversarial_64kb_responses_return_within_the_limit_with_every_verifier(
     compute_rule_rewards([response], ["1"], names, [1.0] * len(names), timeout_seconds=LIMIT_SECONDS)
     elapsed = time.monotonic() - started
     assert elapsed < len(names) * (LIMIT_SECONDS + 1.0), elapsed
+
+
+def test_a_child_started_ahead_is_the_one_that_scores(registered):
+    from mindspeed_rl.data.verifier_process import VerifierProcess
+
+    verifiers = VerifierProcess()
+    try:
+        verifiers.start()  # in the background: returns before the child is ready
+        deadline = time.monotonic() + 60
+        while verifiers._conn is None and time.monotonic() < deadline:  # ready
+            time.sleep(0.01)
+        started = verifiers._process.pid
+        scores, failures = verifiers.score({"is_seven": is_seven}, ["7", "8"], ["", ""], timeout_seconds=LIMIT_SECONDS)
+        assert scores == {"is_seven": [1.0, 0.0]} and failures == []
+        assert verifiers._process.pid == started  # the child started ahead scored
+    finally:
+        verifiers.close()

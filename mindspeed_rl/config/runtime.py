@@ -32,8 +32,12 @@ class RuntimeConfig:
     max_ranks_per_cpu_core: int = 2
     # Iterations between metric log lines.
     log_interval: int = 1
-    # Record the device-memory ledger per phase and plot it at the end.
+    # Draw the device-memory ledger's last iterations (memory_timeline.png) at the end; the ledger itself is in
+    # metrics.jsonl either way.
     memory_timeline: bool = True
+    # Draw training_curves.png at the end (false: metrics.jsonl only, which `python -m mindspeed_rl.trainer.curves`
+    # draws afterwards): matplotlib and the drawing are ~1.5 s of a run's end.
+    training_curves: bool = True
     # Written in the Hydra run directory.
     metrics_file: str = "metrics.jsonl"
     # The watchdog. A worker RPC that runs longer than this (or than 4x its slowest earlier run, if

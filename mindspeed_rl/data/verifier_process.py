@@ -86,6 +86,18 @@ class VerifierProcess:
         self._conn: Optional[Connection] = None
         self._lock = threading.Lock()
 
+    def start(self) -> None:
+        """Start the child in the background: a run does it before its ranks start, so that the fork server's imports
+        (math-verify, sympy) overlap theirs instead of delaying the first score, which takes the child once ready."""
+        threading.Thread(target=self._start_locked, name="verifier-start", daemon=True).start()
+
+    def _start_locked(self) -> None:
+        with self._lock:
+            try:
+                self._ensure_child()
+            except RuntimeError:
+                pass  # the first score starts another and says why if that fails too
+
     def score(self, verifiers: dict[str, Verifier], responses: list[str], labels: list[str], *,
               timeout_seconds: float) -> tuple[dict[str, list[float]], list[ItemFailure]]:
         """Each verifier's score of every sample (0 for a failed item), and the failed items."""

@@ -206,8 +206,9 @@ def checkpoint_contents(config: GRPOConfig) -> Contents:
 def plot_curves(history: list[dict], run_dir: Path, config: GRPOConfig, *, before_train: dict | None = None) -> None:
     from mindspeed_rl.trainer.curves import plot_training_curves
 
-    plot_training_curves(([before_train] if before_train else []) + history, run_dir / "training_curves.png")
-    print(f"[metrics] training curves: {run_dir / 'training_curves.png'}", flush=True)
+    if config.runtime.training_curves:
+        plot_training_curves(([before_train] if before_train else []) + history, run_dir / "training_curves.png")
+        print(f"[metrics] training curves: {run_dir / 'training_curves.png'}", flush=True)
     if config.runtime.memory_timeline:
         from mindspeed_rl.memory.timeline import plot_memory_timeline
 

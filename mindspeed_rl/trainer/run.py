@@ -94,6 +94,7 @@ def _start_and_train(config: GRPOConfig, run: PreparedRun, run_dir: Path, progre
                      restarts: Restarts) -> list[dict]:
     import ray
 
+    from mindspeed_rl.data.verifier_process import shared_verifier_process
     from mindspeed_rl.workers.reward_workers import RewardWorkerGroup
     from mindspeed_rl.workers.start import start_actor_group
 
@@ -101,6 +102,8 @@ def _start_and_train(config: GRPOConfig, run: PreparedRun, run_dir: Path, progre
     try:
         in_process = start_hosts(config, run.device, progress, restarts)
         reward_group = RewardWorkerGroup.from_config(config)  # rewards.<name>.world_size CPU workers, or None
+        if reward_group is None:  # the driver's verifier child starts while the ranks do
+            shared_verifier_process().start()
         progress.phase = "initialize"
         print(f"[init] starting {config.num_rank_processes} rank(s) on {run.device}: checkpoint load, Megatron "
               "build, vLLM start", flush=True)
