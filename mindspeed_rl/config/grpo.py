@@ -4,7 +4,6 @@ from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Optional
 
-from mindspeed_rl.config.checks import require_equal
 from mindspeed_rl.errors import ConfigError, run_checks
 from mindspeed_rl.config.generate import GenerateConfig, check_eplb_token_collection
 from mindspeed_rl.config.megatron import ActorConfig, CriticConfig, MegatronTrainingConfig
@@ -39,15 +38,10 @@ from mindspeed_rl.config.profiler import ProfilerConfig
 from mindspeed_rl.config.rl import ResourceConfig, RLConfig
 from mindspeed_rl.config.runtime import RuntimeConfig, SyntheticDataConfig
 from mindspeed_rl.config.supported import check_supported
+from mindspeed_rl.config.synthetic_checks import check_asset_paths, check_synthetic_data
 from mindspeed_rl.config.their_keys import check_generate_data_parallel_size
 from mindspeed_rl.parallel.layout import ParallelLayout
 from mindspeed_rl.registries import SYNTHETIC_REWARD_MODEL
-
-# Architecture fields the synthetic generator writes into the demo checkpoint; the model block
-# that describes that checkpoint must agree with them.
-SYNTHETIC_ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
-# And with synthetic_data.num_experts > 0 (a Qwen3-MoE checkpoint), the expert fields.
-SYNTHETIC_MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size")
 
 
 @dataclass(kw_only=True)
@@ -174,7 +168,7 @@ class GRPOConfig:
         run_checks(*(partial(block.check, f"model.{name}") for name, block in self.model.items()))
         run_checks(self._resolve_world_size, self._check_model_selection)
         run_checks(
-            self.check_layout, self._check_synthetic_data, self._check_asset_paths,
+            self.check_layout, partial(check_synthetic_data, self), partial(check_asset_paths, self),
             lambda: check_supported(self.resource_plan, self.rewards), self._check_reward_model,
             self._check_async_generation, partial(check_evaluation, self), partial(check_dynamic_sampling, self),
             partial(check_mismatch_ledger, self), partial(check_routing_replay, self),
@@ -350,62 +344,3 @@ class GRPOConfig:
                 f"must be <= model.{self.actor_config.model}.max_position_embeddings={max_positions}, "
                 f"got {max_model_len}",
             )
-
-    def _check_asset_paths(self) -> None:
-        # The generator replaces both paths, so a path given beside it would be silently ignored; without
-        # it nothing else can stand in for a missing one.
-        synthetic = self.synthetic_data
-        generated = synthetic is not None and synthetic.enabled
-        mt = self.megatron_training
-        for name, what, use in (("tokenizer_name_or_path", "the model and tokenizer", "to train from"),
-                                ("data_path", "the data", "to train on")):
-            key, value = f"{MegatronTrainingConfig.SECTION_KEY}.{name}", getattr(mt, name)
-            if generated and value is not None:
-                raise ConfigError(key, f"set to {value}, but synthetic_data.enabled=true generates {what}; "
-                                       f"add synthetic_data.enabled=false {use} {value}")
-            if not generated and not value:
-                why = "synthetic_data.enabled=false" if synthetic is not None else "there is no synthetic_data section"
-                shown = "null" if value is None else repr(value)
-                raise ConfigError(key, f"must name a path: null is for synthetic_data.enabled=true, which generates "
-                                       f"{what}, but {why}; got {shown}")
-
-    def _check_synthetic_data(self) -> None:
-        synthetic, arch = self.synthetic_data, self.selected_model
-        if synthetic is None or not synthetic.enabled or arch is None:
-            return
-        prefix = f"model.{self.actor_config.model}"
-        for name in SYNTHETIC_ARCH_FIELDS:
-            expected = getattr(synthetic, name)
-            require_equal(f"{prefix}.{name}", getattr(arch, name), expected, f"synthetic_data.{name}={expected}")
-        require_equal(
-            f"{prefix}.num_query_groups",
-            arch.num_key_value_heads,
-            synthetic.num_query_groups,
-            f"synthetic_data.num_query_groups={synthetic.num_query_groups}",
-        )
-        self._check_synthetic_experts(prefix)
-        # Only the arithmetic task's tokenizer has synthetic_data.vocab_size tokens; math_word's size
-        # comes from its word list and is checked against the written checkpoint at start.
-        vocab_checked = synthetic.task == "arith" and arch.padded_vocab_size is not None
-        if vocab_checked and arch.padded_vocab_size < synthetic.vocab_size:
-            raise ConfigError(
-                f"{prefix}.padded_vocab_size",
-                f"must be >= synthetic_data.vocab_size={synthetic.vocab_size}, got {arch.padded_vocab_size}",
-            )
-
-    def _check_synthetic_experts(self, prefix: str) -> None:
-        synthetic, arch = self.synthetic_data, self.selected_model
-        if not synthetic.is_moe:
-            if arch.num_experts:
-                raise ConfigError(f"{prefix}.num_experts", f"synthetic_data.num_experts=0 generates a dense Qwen2 "
-                                                           f"checkpoint: leave it unset, got {arch.num_experts}")
-            return
-        for name in SYNTHETIC_MOE_FIELDS:
-            expected = getattr(synthetic, name)
-            require_equal(f"{prefix}.{name}", getattr(arch, name), expected, f"synthetic_data.{name}={expected}")
-        # The generated Qwen3-MoE's head size is hidden_size / num_attention_heads (config.json's head_dim).
-        head_dim = synthetic.hidden_size // synthetic.num_attention_heads
-        if arch.kv_channels is not None:
-            require_equal(f"{prefix}.kv_channels", arch.kv_channels, head_dim,
-                          f"synthetic_data.hidden_size / num_attention_heads = {synthetic.hidden_size} / "
-                          f"{synthetic.num_attention_heads} = {head_dim}")
