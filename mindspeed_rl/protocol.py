@@ -270,6 +270,11 @@ def token_ages(batch: RolloutBatch, policy_version: int) -> torch.Tensor:
     return (policy_version - versions) * (batch.loss_mask() > 0).long()
 
 
+def has_older_tokens(batch: RolloutBatch, policy_version: int) -> bool:
+    """Whether a response token was sampled by a policy older than `policy_version` (a partial rollout's resumed one)."""
+    return TOKEN_VERSIONS in batch.columns and bool(token_ages(batch, policy_version).any())
+
+
 def checked_token_ages(batch: RolloutBatch, policy_version: int, *, bound: int) -> torch.Tensor:
     """token_ages, each checked to lie in [0, bound] (the run's declared bound, config/partial_rollout.max_token_age):
     a token outside it is the engine's bug, not the user's, and stops the run before it trains."""

@@ -194,11 +194,28 @@ def test_records_carry_the_ledger_from_either_old_logprob_source():
 
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     roll, old = torch.tensor([[-1.0, -2.0, -9.0]]), torch.tensor([[-1.5, -2.5, 0.0]])
-    separate = ledger_metrics(_Batch({"rollout_logprobs": roll, "old_logprobs": old}, mask), {})
-    from_update = ledger_metrics(_Batch({"rollout_logprobs": roll}, mask), {"rollout/logprob_mean_abs_diff": 0.5})
+    separate = ledger_metrics(_Batch({"rollout_logprobs": roll, "old_logprobs": old}, mask), {}, policy_version=0)
+    from_update = ledger_metrics(_Batch({"rollout_logprobs": roll}, mask), {"rollout/logprob_mean_abs_diff": 0.5},
+                                 policy_version=0)
     assert separate == from_update
     assert separate["mismatch/numerics"] == separate["mismatch/total"] == 0.5
     assert separate["mismatch/staleness"] == separate["mismatch/push"] == separate["mismatch/routing"] == 0.0
+
+
+def test_a_partial_rollouts_older_tokens_alone_are_stale_and_split_by_age():
+    # Four sampled tokens of ages 0, 1, 2, 2 (versions 5, 4, 3, 3 under the policy of version 5); the re-score differs
+    # from the rollout's log-prob on every token, the age-0 one included (another batch shape): that one is numerics.
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    roll = torch.tensor([[-1.0, -1.0, -1.0, -1.0, -9.0]])
+    rescored = torch.tensor([[-1.1, -1.5, -2.0, -3.0, 0.0]])
+    old = torch.tensor([[-1.2, -1.5, -2.0, -3.0, 0.0]])
+    ages = torch.tensor([[0, 1, 2, 2, 0]])
+    metrics = mismatch_ledger(roll, old, mask, rescored=rescored, stale=True, ages=ages)
+    assert metrics["mismatch/staleness"] == pytest.approx((0.5 + 1.0 + 2.0) / 4)
+    assert metrics["mismatch/staleness_age1"] == pytest.approx(0.5 / 4)
+    assert metrics["mismatch/staleness_age2"] == pytest.approx(3.0 / 4)
+    assert metrics["mismatch/numerics"] == pytest.approx(0.2 / 4)  # the age-0 token against its own sampling
+    assert metrics["mismatch/total"] == pytest.approx(metrics["mismatch/staleness"] + metrics["mismatch/numerics"])
 
 
 def test_the_summary_gives_the_runs_mean_per_cause():

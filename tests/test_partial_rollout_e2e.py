@@ -1,7 +1,8 @@
 """Partial rollout through the CLI (issue 53's command, shrunk): the GRPO demo with
 `rl_config.partial_rollout_max_split=4` (max_tokens 4: one-token cuts) cuts samples, resumes them first in the next
 iteration, keeps every trained token within N - 1 = 3 policy versions, and a run resumed from its iteration-2
-checkpoint (carried samples and sampler restored) writes the records of the uninterrupted run. Split 1 (off):
+checkpoint (carried samples and sampler restored) writes the records of the uninterrupted run; the mismatch ledger
+splits the older tokens' staleness by age. Split 1 (off):
 tests/test_train_grpo_e2e.py::test_two_iterations_write_metrics asserts token age 0 in every record.
 
 Runs where: two CLI runs of the one-rank demo in a subprocess (no Ray), about a minute.
@@ -16,7 +17,7 @@ VOLATILE_PREFIXES = ("timing/", "memory/", "offload/")
 VOLATILE_SUFFIXES = ("_tps", "seconds")
 PARTIAL = ("rl_config.partial_rollout_max_split=4", "megatron_training.global_batch_size=8",
            "rl_config.mini_batch_size=8", "rl_config.n_samples_per_prompt=8", "megatron_training.train_iters=4",
-           "megatron_training.save_interval=2")
+           "megatron_training.save_interval=2", "rl_config.mismatch_ledger=true")
 
 
 def _records(path, *, stable=False) -> list[dict]:
@@ -45,6 +46,15 @@ def test_cut_samples_resume_first_and_no_trained_token_is_older_than_n_minus_1(p
     for r in records:
         assert r["actor/old_logprobs_from_update"] == float(r["rollout/token_age_max"] == 0)
     assert records[-1]["rollout/carried_groups"] == 0  # the last iteration draws no new prompts
+    # The mismatch ledger: vLLM re-scores a batch holding older tokens under the trained weights; only those tokens
+    # are stale, their share split by age.
+    for r in records:
+        by_age = {k: v for k, v in r.items() if k.startswith("mismatch/staleness_age")}
+        if r["rollout/token_age_max"] == 0:
+            assert r["mismatch/staleness"] == 0 and not by_age
+        else:
+            assert r["mismatch/staleness"] > 0 and sum(by_age.values()) == pytest.approx(r["mismatch/staleness"])
+            assert max(int(k[len("mismatch/staleness_age"):]) for k in by_age) == r["rollout/token_age_max"]
     assert (partial_run / "save" / "iter_0000002" / "carried_samples.json").is_file()
 
 

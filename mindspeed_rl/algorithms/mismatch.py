@@ -20,11 +20,16 @@ The buckets are the mean |difference| per sampled token of each link of the chai
     routing   = mean |L_old - L_rep|       (MoE tokens sent to other experts than in the rollout)
     total     = staleness + push + numerics + routing
 
+With a policy version per token (partial rollout's resumed tokens, `ages`: versions behind the trained policy), `L_now`
+is the re-score where a token is older and `L_roll` where it is not (its sampler's weights are the trained ones), and
+the staleness bucket is also split by age: `mismatch/staleness_age<k>`, the share of tokens k versions old (the shares
+sum to the bucket).
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 CAUSES = ("staleness", "push", "numerics", "routing")
@@ -36,17 +41,19 @@ def _mean_abs(a: Tensor, b: Tensor, mask: Tensor, tokens: float) -> float:
 
 def mismatch_ledger(rollout_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *,
                     rescored: Optional[Tensor] = None, exact: Optional[Tensor] = None, replayed: Optional[Tensor] = None,
-                    stale: bool = False, weights_exact: bool = True) -> dict[str, float]:
+                    stale: bool = False, weights_exact: bool = True, ages: Optional[Tensor] = None) -> dict[str, float]:
     """`mismatch/<cause>` and `mismatch/total` (mean |Δ log-prob| per sampled token, `mask`'s) of one batch.
 
     `rescored` is `L_now` (needed when `stale`; ignored when not: on-policy `L_now` is `L_roll`); `exact` is `L_exact`
     (optional); `replayed` is `L_rep` (None: `L_old`, no routing share); `weights_exact` whether the push's
-    fingerprints agreed."""
+    fingerprints agreed; `ages` each token's policy versions behind the trained one (None: all of them `stale`)."""
     if stale and rescored is None:
         raise ValueError("a stale rollout needs vLLM's re-score under the weights now pushed to split its mismatch")
     mask = mask.double()
     tokens = max(mask.sum().item(), 1.0)
     now = rescored if stale else rollout_logprobs
+    if stale and ages is not None:  # a token sampled by the trained policy itself has L_now = L_roll by definition
+        now = torch.where(ages > 0, rescored, rollout_logprobs)
     routing = 0.0 if replayed is None else _mean_abs(old_logprobs, replayed, mask, tokens)
     old_logprobs = old_logprobs if replayed is None else replayed  # the engine links end at the replayed forward
     staleness = _mean_abs(now, rollout_logprobs, mask, tokens) if stale else 0.0
@@ -59,7 +66,17 @@ def mismatch_ledger(rollout_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor
     buckets = {"staleness": staleness, "push": push, "numerics": numerics, "routing": routing}
     metrics = {f"mismatch/{cause}": value for cause, value in buckets.items()}
     metrics["mismatch/total"] = sum(buckets.values())
+    if stale and ages is not None:
+        metrics |= _staleness_by_age(now, rollout_logprobs, mask, ages, tokens)
     return metrics
+
+
+def _staleness_by_age(now: Tensor, rollout_logprobs: Tensor, mask: Tensor, ages: Tensor,
+                      tokens: float) -> dict[str, float]:
+    """`mismatch/staleness_age<k>`: the staleness bucket's share of the tokens k >= 1 versions old."""
+    present = sorted({int(age) for age in ages[mask > 0].tolist() if age > 0})
+    return {f"mismatch/staleness_age{age}": _mean_abs(now, rollout_logprobs, mask * (ages == age), tokens)
+            for age in present}
 
 
 def ledger_from_gap(engine_gap: float, *, weights_exact: bool) -> dict[str, float]:

@@ -99,8 +99,6 @@ def _refused(config) -> list[tuple[str, str]]:
     if rl.routing_replay:
         refused.append(("rl_config.routing_replay", "a resumed sample's prefix is re-prefilled under newer weights, "
                                                     "so vLLM records the new routes, not those it sampled with"))
-    if rl.mismatch_ledger:
-        refused.append(("rl_config.mismatch_ledger", "its staleness bucket does not split resumed tokens by age"))
     if config.reward_model is not None:
         refused.append((f"rewards.{config.reward_model[0]}.model_path", "the reward model with carried groups is "
                                                                         "untested"))

@@ -17,7 +17,7 @@ from mindspeed_rl.config.partial_rollout import max_token_age
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data.dataset import PromptDataset, PromptSampler
 from mindspeed_rl.data.rewards import RuleRewards
-from mindspeed_rl.protocol import RolloutBatch, checked_token_ages
+from mindspeed_rl.protocol import RolloutBatch, checked_token_ages, has_older_tokens
 from mindspeed_rl.trainer import setup
 from mindspeed_rl.trainer.advantage_step import AdvantageStep
 from mindspeed_rl.trainer.critic_step import CriticAdvantageStep
@@ -77,7 +77,7 @@ def train(config: GRPOConfig, actor_group: ActorGroup, run: PreparedRun, run_dir
             metrics |= correct_rollout(batch, config.rl_config)  # before the advantages: they skip rejected tokens
             metrics |= advantages.estimate(batch, rewards)
             rollouts.start_ahead(iteration + 1)  # one-step off-policy: the next rollout runs meanwhile
-            measurement.start_rescore(batch, stale=rollouts.stale)  # after that rollout's push
+            measurement.start_rescore(batch, stale=rollouts.stale or has_older_tokens(batch, iteration - 1))
             finish_critic_update = advantages.start_critic_update(batch)  # on its own devices: during the update
             metrics |= merge_metrics(actor_group.call("update", batch, kl_coef=advantages.loss_kl_coef))
             metrics |= finish_critic_update()

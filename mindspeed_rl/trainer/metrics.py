@@ -69,7 +69,7 @@ def iteration_metrics(config, batch, phase_metrics: dict, rewards, accuracy_valu
     if TOKEN_VERSIONS in batch.columns:  # the iteration's update trains the policy of version iteration - 1
         metrics |= token_age_metrics(batch, policy_version=phase_metrics["iteration"] - 1)
     if config.rl_config.mismatch_ledger:
-        metrics |= ledger_metrics(batch, phase_metrics)
+        metrics |= ledger_metrics(batch, phase_metrics, policy_version=phase_metrics["iteration"] - 1)
     metrics |= phase_timings(phase_metrics)
     metrics |= throughput(prompt_lengths=prompt_lengths, response_lengths=response_lengths,
                           world_size=config.num_rank_processes, seconds_all=phase_metrics["timing/all"],
@@ -91,15 +91,17 @@ def token_age_metrics(batch, *, policy_version: int) -> dict[str, float]:
     return {"rollout/token_age_mean": ages.mean().item(), "rollout/token_age_max": ages.max().item()}
 
 
-def ledger_metrics(batch, phase_metrics: dict) -> dict[str, float]:
+def ledger_metrics(batch, phase_metrics: dict, *, policy_version: int) -> dict[str, float]:
     """The mismatch ledger of an iteration (config/algorithm_checks.check_mismatch_ledger): staleness from vLLM's re-score
-    of a rollout sampled ahead (none on-policy); the fingerprint check passed (the push raises otherwise), so no push;
-    routing from Megatron's forward on vLLM's routes (MoE without replay); the rest is the engines' numerics. Where the
-    update gave the old log-probs, its own measure of the gap (workers/actor_steps.train_on_mini_batch)."""
+    of a rollout sampled ahead or of a partial rollout's older tokens (none on-policy), by each token's age; the
+    fingerprint check passed (the push raises otherwise), so no push; routing from Megatron's forward on vLLM's routes
+    (MoE without replay); the rest is the engines' numerics. Where the update gave the old log-probs, its own measure of
+    the gap (workers/actor_steps.train_on_mini_batch)."""
     if "old_logprobs" in batch.columns:
-        rescored = batch.columns.get("rescored_logprobs")  # a one-step off-policy rollout's, after the push
+        rescored = batch.columns.get("rescored_logprobs")  # under the trained weights, where a token is older
+        ages = token_ages(batch, policy_version) if TOKEN_VERSIONS in batch.columns else None
         return mismatch_ledger(batch.columns["rollout_logprobs"], batch.columns["old_logprobs"], batch.loss_mask(),
-                               rescored=rescored, stale=rescored is not None,
+                               rescored=rescored, stale=rescored is not None, ages=ages,
                                replayed=batch.columns.get("replayed_logprobs"), weights_exact=True)
     return ledger_from_gap(phase_metrics["rollout/logprob_mean_abs_diff"], weights_exact=True)
 
