@@ -1,8 +1,6 @@
-"""Everything the GRPO loop needs before its first iteration: assets, checks, Ray, the memory prediction.
-
-Every check that can fail on user input runs here, before any worker starts, and raises a
-ConfigError naming the key or file (the CLI prints one line and exits 2).
-"""
+"""Everything the GRPO loop needs before its first iteration: assets, checks, Ray, the memory prediction. Every check
+that can fail on user input runs here, before any worker starts, and raises a ConfigError naming the key or file (the
+CLI prints one line and exits 2)."""
 from __future__ import annotations
 
 import copy
