@@ -2,7 +2,7 @@
 the checks that it agrees with the actor. `config` is the GRPOConfig (not imported here: it imports this module)."""
 from __future__ import annotations
 
-from mindspeed_rl.config.device_mapping import format_devices
+from mindspeed_rl.config.device_mapping import own_devices_follow
 from mindspeed_rl.errors import ConfigError
 
 
@@ -79,26 +79,11 @@ def critic_roles_on_training_devices(plan) -> tuple[str, ...]:
     devices of its own must take those after every other role's."""
     if not any(role.key == "critic" for role in plan.roles):
         return ()
-    return () if _critic_on_following_devices(plan) else ("critic",)
+    # Its own devices come before a teacher's of its own.
+    return () if own_devices_follow(plan, "critic", later=("teacher",)) else ("critic",)
 
 
 def critic_role_sections(config) -> dict:
     """The critic's resource section for the plan (None: the actor's devices), present with a critic_config or a
     `critic` section."""
     return {"critic": config.critic} if config.critic_config is not None or config.critic is not None else {}
-
-
-def _critic_on_following_devices(plan) -> bool:
-    """The critic on devices of its own: those after every other role's but a teacher's of its own (ranks start in
-    that order); a critic on other devices than those or actor_train's is refused."""
-    critic, train = plan.role("critic"), plan.role("actor_train")
-    if not set(critic.devices) & set(train.devices):
-        taken = max(d for role in plan.roles if role.key not in ("critic", "teacher") for d in role.devices) + 1
-        following = tuple(range(taken, taken + len(critic.devices)))
-        if critic.devices != following:
-            raise ConfigError(critic.source, f"a critic on devices of its own takes those after the other roles', "
-                                             f"list(range({following[0]},{following[-1] + 1})), got "
-                                             f"{format_devices(critic.devices)}: its ranks start after the others, "
-                                             "on the devices Ray gives them")
-        return True
-    return False

@@ -144,3 +144,20 @@ def format_devices(devices: tuple[int, ...] | list[int]) -> str:
         if device is not None:
             start = previous = device
     return ",".join(spans)
+
+
+def own_devices_follow(plan, key: str, *, later: tuple[str, ...] = ()) -> bool:
+    """Whether role `key` of `plan` (config/resources.ResourcePlan) has devices apart from actor_train's, a group of
+    its own (the critic's, the teacher's); those must be the devices right after every other role's but the `later`
+    roles' (ranks start in that order), else ConfigError naming the role's key."""
+    role, train = plan.role(key), plan.role("actor_train")
+    if set(role.devices) & set(train.devices):
+        return False
+    taken = max(d for other in plan.roles if other.key not in (key, *later) for d in other.devices) + 1
+    following = tuple(range(taken, taken + len(role.devices)))
+    if role.devices != following:
+        raise ConfigError(role.source, f"a {key} on devices of its own takes those after the other roles', "
+                                       f"list(range({following[0]},{following[-1] + 1})), got "
+                                       f"{format_devices(role.devices)}: its ranks start after the others, on the "
+                                       "devices Ray gives them")
+    return True

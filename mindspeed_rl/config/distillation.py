@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mindspeed_rl.config.checks import require_choice, require_in_range, require_positive
-from mindspeed_rl.config.device_mapping import format_devices
+from mindspeed_rl.config.device_mapping import own_devices_follow
 from mindspeed_rl.errors import ConfigError, run_checks
 from mindspeed_rl.parallel.layout import InferLayout, ParallelLayout, TrainLayout
 
@@ -181,17 +181,7 @@ def teacher_roles_on_training_devices(plan) -> tuple[str, ...]:
     devices of its own takes those after every other role's."""
     if not any(role.key == TEACHER_ROLE for role in plan.roles):
         return ()
-    teacher, train = plan.role(TEACHER_ROLE), plan.role("actor_train")
-    if set(teacher.devices) & set(train.devices):
-        return (TEACHER_ROLE,)
-    taken = max(d for role in plan.roles if role.key != TEACHER_ROLE for d in role.devices) + 1
-    following = tuple(range(taken, taken + len(teacher.devices)))
-    if teacher.devices != following:
-        raise ConfigError(teacher.source, f"a teacher on devices of its own takes those after the other roles', "
-                                          f"list(range({following[0]},{following[-1] + 1})), got "
-                                          f"{format_devices(teacher.devices)}: its ranks start after the others, on "
-                                          "the devices Ray gives them")
-    return ()
+    return () if own_devices_follow(plan, TEACHER_ROLE) else (TEACHER_ROLE,)
 
 
 def _check_teacher_layout(config) -> None:
