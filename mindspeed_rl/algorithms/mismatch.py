@@ -74,7 +74,8 @@ def mismatch_ledger(rollout_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor
 def _staleness_by_age(now: Tensor, rollout_logprobs: Tensor, mask: Tensor, ages: Tensor,
                       tokens: float) -> dict[str, float]:
     """`mismatch/staleness_age<k>`: the staleness bucket's share of the tokens k >= 1 versions old."""
-    present = sorted({int(age) for age in ages[mask > 0].tolist() if age > 0})
+    # torch.unique, not a Python set: a batch at reasoning shapes holds millions of tokens
+    present = [int(age) for age in torch.unique(ages[mask > 0]).tolist() if age > 0]
     return {f"mismatch/staleness_age{age}": _mean_abs(now, rollout_logprobs, mask * (ages == age), tokens)
             for age in present}
 
