@@ -1,9 +1,10 @@
-"""Runs `python cli/train_grpo.py` (or another entry point) the way a user does, in a subprocess, for the
-end-to-end tests."""
+"""Runs `python cli/train_grpo.py` (or another entry point) the way a user does, in a process of its own, for the
+end-to-end tests (forked from the session's preloaded server: tests/preloaded.py)."""
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from preloaded import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -17,12 +18,11 @@ def run_cli(tmp_path, config_name: str, *overrides: str, timeout: int = 600, env
             script: str = "cli/train_grpo.py", shared_ray: bool = True, plots: bool = False) -> subprocess.CompletedProcess:
     """`shared_ray`: a run that needs Ray joins the session's one-node cluster (Ray's RAY_ADDRESS variable, which
     trainer/setup.py's start_ray honours) instead of starting and ending its own: ~7 s less per 2-rank run here."""
-    cmd = [sys.executable, script, "--config-name", config_name, *(() if plots else NO_PLOTS), *overrides,
-           f"hydra.run.dir={tmp_path / 'run'}"]
+    args = ["--config-name", config_name, *(() if plots else NO_PLOTS), *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
     joins = shared_ray and not any(o.startswith("runtime.ray_address=") for o in overrides)
     ray_env = {"RAY_ADDRESS": shared_ray_address()} if joins else {}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0", **ray_env, **(env or {})})
+    return run_script(script, args, cwd=REPO, timeout=timeout,
+                      env={**os.environ, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0", **ray_env, **(env or {})})
 
 
 _SHARED_RAY: list[str] = []

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from preloaded import spawn_ranks
 from resharding_oracle import (PlainDestination, fill_layout, free_port, hf_adapters, merged_hf, random_hf_state,
                                tiny_spec, vllm_shard_oracle)
 
@@ -112,8 +112,7 @@ def _worker(rank: int, ports: tuple[int, int, int], out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def pushed(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("bridge")
-    mp.spawn(_worker, args=((free_port(), free_port(), free_port()), str(out_dir)),
-             nprocs=TRAIN_WORLD + INFER_WORLD, join=True)
+    spawn_ranks(_worker, args=((free_port(), free_port(), free_port()), str(out_dir)), nprocs=TRAIN_WORLD + INFER_WORLD)
     return torch.load(out_dir / "infer.pt")
 
 

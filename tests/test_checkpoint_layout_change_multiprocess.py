@@ -14,11 +14,11 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import free_port
+from preloaded import spawn_ranks
 
 ADAM = dict(lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
             use_distributed_optimizer=True)
@@ -128,7 +128,7 @@ def test_bf16_distributed_optimizer_checkpoints_resume_exactly_and_load_at_every
     create_tiny_qwen2_checkpoint(tmp_path / "hf", vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=3,
                                  num_attention_heads=4, num_query_groups=2, seed=5)
     create_tiny_qwen3_moe_checkpoint(tmp_path / "moe_hf", seed=3)
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
 
     saved = _plain(tmp_path / "saved")
     keys = set(saved)

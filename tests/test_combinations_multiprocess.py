@@ -16,7 +16,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from allpairs import all_pairs, pairs_of
 from dp_share import dp_share
@@ -24,6 +23,7 @@ from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 from resharding_oracle import free_port
+from preloaded import spawn_ranks
 
 FACTORS = {
     "estimator": ["group_norm", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"],
@@ -261,5 +261,5 @@ def _oracle(checkpoint: str, case: dict, world) -> tuple[RolloutBatch, dict]:
 
 def test_every_case_at_its_layout_equals_dp1(world, checkpoint):
     oracles = [_oracle(checkpoint, case, world) for case in CASES]
-    mp.spawn(_worker, args=(2, free_port(), checkpoint, CASES, [b for b, _ in oracles], [o for _, o in oracles]),
-             nprocs=2, join=True)
+    spawn_ranks(_worker, args=(2, free_port(), checkpoint, CASES, [b for b, _ in oracles], [o for _, o in oracles]),
+                nprocs=2)

@@ -14,11 +14,11 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import free_port
+from preloaded import spawn_ranks
 
 PROMPT = 3
 ENTROPY_COEF = 0.1
@@ -172,12 +172,12 @@ def _model_and_samples(tmp_path) -> tuple[str, list[torch.Tensor]]:
 def test_context_parallel_2_matches_hf_log_probs_gradients_and_the_planned_activations_and_loads_at_tp2(tmp_path):
     checkpoint, samples = _model_and_samples(tmp_path)
     oracle_logprobs, oracle_grads = _hf_oracle(checkpoint, samples)
-    mp.spawn(_worker, args=(2, free_port(), [(1, 1)], checkpoint, samples, oracle_logprobs, oracle_grads,
-                            _planned_activation_bytes(checkpoint, samples), str(tmp_path / "save")), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(2, free_port(), [(1, 1)], checkpoint, samples, oracle_logprobs, oracle_grads,
+                               _planned_activation_bytes(checkpoint, samples), str(tmp_path / "save")), nprocs=2)
 
 
 def test_context_parallel_beside_tp2_with_sequence_parallel_and_beside_pp2_matches_hf(tmp_path):
     checkpoint, samples = _model_and_samples(tmp_path)
     oracle_logprobs, oracle_grads = _hf_oracle(checkpoint, samples)
-    mp.spawn(_worker, args=(4, free_port(), [(2, 1), (1, 2)], checkpoint, samples, oracle_logprobs, oracle_grads,
-                            None), nprocs=4, join=True)
+    spawn_ranks(_worker, args=(4, free_port(), [(2, 1), (1, 2)], checkpoint, samples, oracle_logprobs, oracle_grads,
+                               None), nprocs=4)

@@ -10,13 +10,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.data.tiny_reward_model import create_tiny_reward_checkpoint
 from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 from resharding_oracle import four_sample_batch, free_port
+from preloaded import spawn_ranks
 
 VOCAB, PAD = 64, 63
 # (TP, PP, SP, CP) on 2 ranks: (1, 1, False, 1) is DP2; under CP2 each value is read where its position lives.
@@ -126,8 +126,8 @@ def spawned(tmp_path_factory):
     fresh_head = with_value_head(actor_state, spec, seed=7)["score.weight"]
     fresh_oracle = _hf_values(str(actor_dir), batch, fresh_head)
     returns = (oracle + 1.0) * batch.response_mask  # a target one above every value: the loss must fall
-    mp.spawn(_worker, args=(free_port(), reward_dir, str(actor_dir), batch, oracle, fresh_oracle, returns, str(root)),
-             nprocs=2, join=True)
+    spawn_ranks(_worker, args=(free_port(), reward_dir, str(actor_dir), batch, oracle, fresh_oracle, returns, str(root)),
+                nprocs=2)
     return torch.load(root / "critic.pt"), oracle, fresh_oracle, batch
 
 

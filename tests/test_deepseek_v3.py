@@ -20,10 +20,10 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import assert_vllm_logprobs_match_megatron, free_port, fused_experts, perturbed_state
+from preloaded import spawn_ranks
 
 YARN = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
             mscale=1.0, mscale_all_dim=0.5)
@@ -205,7 +205,7 @@ def test_megatron_and_vllm_match_hf_on_two_ranks(tmp_path):
     checkpoint = str(create_tiny_deepseek_v3_checkpoint(tmp_path / "ds", n_routed_experts=8, n_group=4, topk_group=2,
                                                         num_experts_per_tok=4, seed=3, rope_scaling=YARN, mtp_layers=1))
     _check_the_mtp_layer_is_in_the_checkpoint_and_not_read(checkpoint)
-    mp.spawn(_worker, args=(free_port(), checkpoint, [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 1, 2)]), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(free_port(), checkpoint, [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 1, 2)]), nprocs=2)
 
 
 def _check_the_mtp_layer_is_in_the_checkpoint_and_not_read(checkpoint: str) -> None:

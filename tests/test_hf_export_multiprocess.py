@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.checkpoint.store import begin_save, commit_save
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.models.checkpoint import load_hf_checkpoint
 from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import free_port
+from preloaded import spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def test_export_of_tp2_checkpoint_equals_source_weights(tmp_path):
     create_tiny_qwen2_checkpoint(hf_dir, vocab_size=64, hidden_size=128, ffn_hidden_size=256, num_layers=2,
                                  num_attention_heads=4, num_query_groups=2, seed=5)
     tmp = begin_save(tmp_path / "save", 1)
-    mp.spawn(_save_at_tp2, args=(2, free_port(), str(hf_dir), str(tmp)), nprocs=2, join=True)
+    spawn_ranks(_save_at_tp2, args=(2, free_port(), str(hf_dir), str(tmp)), nprocs=2)
     (tmp / "hf").mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (hf_dir / name).is_file():

@@ -16,12 +16,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 from resharding_oracle import adapter_push_check, four_sample_batch, free_port
+from preloaded import spawn_ranks
 
 VOCAB, PAD, RANK, ALPHA = 64, 63, 4, 8.0
 LAYOUTS = ((1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False))  # (TP, PP, SP) on 2 ranks: (1, 1) is DP2
@@ -136,7 +136,7 @@ def spawned(tmp_path_factory):
     create_tiny_qwen2_checkpoint(model_dir, vocab_size=VOCAB, hidden_size=128, ffn_hidden_size=256, num_layers=2,
                                  num_attention_heads=4, num_query_groups=2, seed=5)
     batch = four_sample_batch(PAD)
-    mp.spawn(_worker, args=(free_port(), str(model_dir), batch, str(root)), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(free_port(), str(model_dir), batch, str(root)), nprocs=2)
     return torch.load(root / "lora.pt"), str(model_dir), batch
 
 

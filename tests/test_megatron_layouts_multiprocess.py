@@ -9,11 +9,11 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import free_port
+from preloaded import spawn_ranks
 
 
 def _hf_reference(checkpoint, ids):
@@ -85,4 +85,4 @@ def test_tp2_pp2_and_uneven_pp2_match_hf(tmp_path):
                                  num_attention_heads=4, num_query_groups=2, seed=5)
     ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(1))
     oracle_logprobs, oracle_logits = _hf_reference(checkpoint, ids)
-    mp.spawn(_worker, args=(2, free_port(), checkpoint, ids, oracle_logprobs, oracle_logits), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(2, free_port(), checkpoint, ids, oracle_logprobs, oracle_logits), nprocs=2)

@@ -14,7 +14,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.algorithms.grpo import GRPOLossConfig
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
@@ -25,6 +24,7 @@ from mindspeed_rl.protocol import RolloutBatch
 from mindspeed_rl.workers.actor_steps import train_on_mini_batch
 from dp_share import dp_share
 from resharding_oracle import free_port
+from preloaded import spawn_ranks
 
 LOSS = GRPOLossConfig(clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.05, entropy_coeff=0.01, loss_agg_mode="token-mean",
                       clip_ratio_c=1.5)  # low enough that the dual clip bites on these tokens
@@ -166,4 +166,4 @@ def test_dp2_loss_stats_are_their_definitions_and_weights_equal_dp1(world, check
     oracle_stats, oracle_params = _step(_engine(checkpoint, world, distributed=False), batch)
     assert all(abs(oracle_stats[key]) > 1e-4 for key in LOSS_STATS), oracle_stats  # no stat passes vacuously
     oracle_stats |= _defined_stats(batch, *_hf_tokens(checkpoint, batch), LOSS.loss_agg_mode)
-    mp.spawn(_worker, args=(2, free_port(), checkpoint, batch, oracle_stats, oracle_params), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(2, free_port(), checkpoint, batch, oracle_stats, oracle_params), nprocs=2)

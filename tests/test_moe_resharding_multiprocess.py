@@ -27,7 +27,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import (
@@ -37,6 +36,7 @@ from resharding_oracle import (
     perturbed_state,
     vllm_moe_shard_oracle,
 )
+from preloaded import spawn_ranks
 
 BUCKET = 32 * 1024
 
@@ -183,13 +183,13 @@ ORACLE_INFERS_2 = [(1, False), (1, True), (2, False), (2, True)]  # (infer TP, e
 @pytest.mark.parametrize("live_tp,live_ep", [(2, False), (1, True)])
 def test_two_ranks(tmp_path, live_tp, live_ep):
     """Train (TP, PP, EP) = (1, 1, 2) and (1, 1, 1) -> every 2-rank inference layout."""
-    mp.spawn(_worker, args=(2, free_port(), _checkpoint(tmp_path / "moe"), live_tp, live_ep, [(1, 1, 2), (1, 1, 1)],
-                            ORACLE_INFERS_2), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(2, free_port(), _checkpoint(tmp_path / "moe"), live_tp, live_ep, [(1, 1, 2), (1, 1, 1)],
+                               ORACLE_INFERS_2), nprocs=2)
 
 
 def test_four_ranks(tmp_path):
     """Train (2, 1, 2) (expert TP 2, sequence parallel) and (1, 1, 2) -> infer TP 1/2/4 with and without EP;
     in bf16, train (2, 1, 2) and (1, 2, 2) into the same inference layouts."""
     oracle = [(1, False), (1, True), (2, False), (2, True), (4, False)]
-    mp.spawn(_worker, args=(4, free_port(), _checkpoint(tmp_path / "moe"), 4, True, [(2, 1, 2), (1, 1, 2)], oracle,
-                            [(2, 1, 2), (1, 2, 2)]), nprocs=4, join=True)
+    spawn_ranks(_worker, args=(4, free_port(), _checkpoint(tmp_path / "moe"), 4, True, [(2, 1, 2), (1, 1, 2)], oracle,
+                               [(2, 1, 2), (1, 2, 2)]), nprocs=4)

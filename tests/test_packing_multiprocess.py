@@ -9,12 +9,12 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import free_port
 from test_packing import _batch, _rollout_columns
+from preloaded import spawn_ranks
 
 STATS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm")
 
@@ -110,11 +110,11 @@ def test_packed_equals_padded_at_tp2_with_sequence_parallel_and_at_pp2_dense_and
     from mindspeed_rl.data.tiny_moe import create_tiny_qwen3_moe_checkpoint
 
     moe_checkpoint = str(create_tiny_qwen3_moe_checkpoint(tmp_path / "moe", vocab_size=64, seed=3))
-    mp.spawn(_worker, args=(2, free_port(), checkpoint, moe_checkpoint), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(2, free_port(), checkpoint, moe_checkpoint), nprocs=2)
 
 
 def test_packed_moe_at_tp2_pp2_equals_padded_and_uneven_tp_gathers_run_on_gloo(tmp_path):
     from mindspeed_rl.data.tiny_moe import create_tiny_qwen3_moe_checkpoint
 
     moe_checkpoint = str(create_tiny_qwen3_moe_checkpoint(tmp_path / "moe", vocab_size=64, seed=3))
-    mp.spawn(_worker, args=(4, free_port(), None, moe_checkpoint), nprocs=4, join=True)
+    spawn_ranks(_worker, args=(4, free_port(), None, moe_checkpoint), nprocs=4)

@@ -13,7 +13,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import (
@@ -24,6 +23,7 @@ from resharding_oracle import (
     vllm_shard_oracle,
     vllm_stage_oracle,
 )
+from preloaded import spawn_ranks
 
 
 def _worker(rank, world, port, checkpoint, infer_tp, infer_pp, train_layouts, same_layouts):
@@ -95,5 +95,4 @@ def test_four_ranks_infer_tp2_pp2(tmp_path):
     PP4 -> infer TP2 x PP2: each rank receives the other layer of its stage; train TP2 x PP2 -> infer TP2 x PP2
     (the same cut: nothing crosses)."""
     checkpoint = make_checkpoint(tmp_path / "model")
-    mp.spawn(_worker, args=(4, free_port(), checkpoint, 2, 2, [(1, 2), (1, 4), (2, 2)], [(1, 2), (2, 2)]), nprocs=4,
-             join=True)
+    spawn_ranks(_worker, args=(4, free_port(), checkpoint, 2, 2, [(1, 2), (1, 4), (2, 2)], [(1, 2), (2, 2)]), nprocs=4)

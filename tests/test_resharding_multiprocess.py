@@ -24,7 +24,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.parallel import megatron_state
 from resharding_oracle import (
@@ -35,6 +34,7 @@ from resharding_oracle import (
     perturbed_state,
     vllm_shard_oracle,
 )
+from preloaded import spawn_ranks
 
 
 
@@ -206,18 +206,18 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
 
 def test_two_ranks(tmp_path):
     checkpoint = make_checkpoint(tmp_path / "model")
-    mp.spawn(_worker, args=(2, free_port(), checkpoint, 1, [(1, 1), (2, 1), (1, 2)], [1, 2]), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(2, free_port(), checkpoint, 1, [(1, 1), (2, 1), (1, 2)], [1, 2]), nprocs=2)
 
 
 def test_two_ranks_kv_heads_replicated_in_inference(tmp_path):
     """One KV head, infer TP2: vLLM replicates it on both ranks."""
     checkpoint = make_checkpoint(tmp_path / "model", num_query_groups=1)
-    mp.spawn(_worker, args=(2, free_port(), checkpoint, 2, [(1, 1), (1, 2)], [1, 2]), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(2, free_port(), checkpoint, 2, [(1, 1), (1, 2)], [1, 2]), nprocs=2)
 
 
 def test_four_ranks(tmp_path):
     """fp32 live at infer TP4 from four train layouts; then bf16 from train TP2 x PP2 and TP1 x PP4; then LoRA's
     adapter-only switch from train TP2 x PP2 to infer TP1 x DP4 (the 7B recipe's layouts)."""
     checkpoint = make_checkpoint(tmp_path / "model", hidden_size=256, num_attention_heads=8, num_query_groups=4)
-    mp.spawn(_worker, args=(4, free_port(), checkpoint, 4, [(4, 1), (2, 2), (1, 4), (1, 1)], [1, 2, 4],
-                            [(2, 2), (1, 4)], (2, 2, 1)), nprocs=4, join=True)
+    spawn_ranks(_worker, args=(4, free_port(), checkpoint, 4, [(4, 1), (2, 2), (1, 4), (1, 1)], [1, 2, 4],
+                               [(2, 2), (1, 4)], (2, 2, 1)), nprocs=4)

@@ -9,13 +9,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.data.tiny_reward_model import create_tiny_reward_checkpoint
 from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 from resharding_oracle import free_port
+from preloaded import spawn_ranks
 
 VOCAB, PAD = 64, 63  # the pad id appears in no sequence, so HF's "last non-pad token" is the last real one
 TOLERANCE = 1e-4
@@ -97,7 +97,7 @@ def _worker(rank, port, reward_dir, batch, expected):
 
 def test_tp2_pp2_and_cp2_scores_equal_hf(reward_dir):
     batch = _batch()
-    mp.spawn(_worker, args=(free_port(), reward_dir, batch, _hf_scores(reward_dir, batch)), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(free_port(), reward_dir, batch, _hf_scores(reward_dir, batch)), nprocs=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -9,12 +9,12 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mindspeed_rl.data.tiny_model import create_tiny_qwen2_checkpoint
 from mindspeed_rl.parallel import megatron_state
 from mindspeed_rl.protocol import RolloutBatch
 from resharding_oracle import free_port
+from preloaded import spawn_ranks
 
 TOLERANCE = 1e-5
 
@@ -85,4 +85,4 @@ def test_tp2_with_sequence_parallel_equals_without(tmp_path):
     checkpoint = str(tmp_path / "model")
     create_tiny_qwen2_checkpoint(checkpoint, vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=2,
                                  num_attention_heads=4, num_query_groups=2, seed=8)
-    mp.spawn(_worker, args=(2, free_port(), checkpoint), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(2, free_port(), checkpoint), nprocs=2)

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from mindspeed_rl.engines.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_topk
 from resharding_oracle import free_port
 from test_vocab_parallel_logprobs import _case, full_vocabulary
+from preloaded import spawn_ranks
 
 TP = 2
 
@@ -54,7 +55,7 @@ def _many_targets():
 
 def test_tp2_shards_give_the_full_vocabulary_values_and_their_half_of_the_gradient():
     results = mp.Manager().dict()
-    mp.spawn(_rank, args=(free_port(), results), nprocs=TP, join=True)
+    spawn_ranks(_rank, args=(free_port(), results), nprocs=TP)
     for dtype in (torch.float32, torch.bfloat16):
         logits, targets, (w_logprob, w_entropy) = _case(dtype, rows=23, vocab=64, seed=5)
         full = logits.clone().requires_grad_(True)

@@ -1,0 +1,121 @@
+"""Processes for the tests, forked from one server that has imported torch, Megatron-core and vLLM once per session.
+
+A fresh Python process imports those afresh: about 10 CPU-seconds on this machine, most of what a two-rank spawn or a
+short CLI run costs. multiprocessing's forkserver, with them preloaded, starts each process already past them.
+
+- `spawn_ranks`: torch.multiprocessing.spawn's call for the `*_multiprocess.py` tests.
+- `run_script`: `python <script> <args>` as subprocess.run would run it (its own cwd, environment, sys.path, argv,
+  `__main__`, exit code, atexit handlers, stdout and stderr), for tests/cli_runner.run_cli.
+
+A forked process is a fresh process of its own: the server holds no CUDA context, torch.distributed state, Ray
+connection or thread of Python when it forks. Only third-party modules are preloaded, after the session's
+environment is set (tests/conftest.py), so anything that reads the environment at import reads the values a
+subprocess would see; the engine's own modules are imported by each process under its own environment.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+PRELOADED = ("torch", "torch.distributed", "transformers", "datasets", "megatron.core", "megatron.core.models.gpt",
+             "vllm", "vllm.entrypoints.llm")
+
+
+def _forkserver():
+    multiprocessing.set_forkserver_preload(list(PRELOADED))
+    return multiprocessing.get_context("forkserver")
+
+
+def spawn_ranks(fn, args: tuple = (), nprocs: int = 1, join: bool = True):
+    """torch.multiprocessing.spawn's call, by the preloaded forkserver. The function and its arguments travel as one
+    pickle by value: torch's sharing of tensors by file descriptors would pass the server more than the 256
+    descriptors one message may carry."""
+    import torch.multiprocessing as mp
+
+    _forkserver()
+    payload = pickle.dumps((fn, args))
+    return mp.start_processes(_run_pickled, args=(payload,), nprocs=nprocs, join=join, start_method="forkserver")
+
+
+def _run_pickled(rank: int, payload: bytes) -> None:
+    fn, args = pickle.loads(payload)
+    fn(rank, *args)
+
+
+@lru_cache(maxsize=None)
+def _interpreter_path(pythonpath: str | None) -> tuple[str, ...]:
+    """sys.path[1:] of `python <script>` under that PYTHONPATH ([0] is the script's folder)."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    done = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], env=env,
+                          cwd=tempfile.gettempdir(), capture_output=True, text=True, check=True)
+    return tuple(json.loads(done.stdout))
+
+
+def run_script(script: str, args: list[str], *, cwd: Path, env: dict[str, str],
+               timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run([sys.executable, script, *args], cwd=cwd, env=env, capture_output=True, text=True,
+    timeout=timeout), the process forked from the preloaded server."""
+    path = [str((Path(cwd) / script).resolve().parent), *_interpreter_path(env.get("PYTHONPATH"))]
+    with tempfile.TemporaryDirectory(prefix="msrl-run-") as captured:
+        out, err = Path(captured) / "stdout", Path(captured) / "stderr"
+        process = _forkserver().Process(target=_script_main, args=(script, args, str(cwd), env, path, str(out), str(err)))
+        process.start()
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired([sys.executable, script, *args], timeout, out.read_text(errors="replace"),
+                                            err.read_text(errors="replace"))
+        return subprocess.CompletedProcess([sys.executable, script, *args], process.exitcode,
+                                           out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+
+def _script_main(script: str, args: list[str], cwd: str, env: dict[str, str], path: list[str], out: str,
+                 err: str) -> None:
+    """The forked process as the interpreter runs a script: its streams, cwd, environment, path and argv, the script
+    as `__main__`, the exit code as Python sets it, then threads joined and atexit handlers run."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    for fd, name in ((1, out), (2, err)):
+        file = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file, fd)
+        os.close(file)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    except BaseException:  # noqa: BLE001 - as the interpreter: the traceback on stderr, exit 1
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # as the interpreter at exit: non-daemon threads are joined
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
