@@ -13,14 +13,12 @@ import pytest
 
 from mindspeed_rl.config import ConfigError
 from mindspeed_rl.config.device_mapping import format_devices, parse_device_mapping
-from mindspeed_rl.config.resources import (
-    COLOCATED,
-    DISAGGREGATED,
+from mindspeed_rl.config.resources import COLOCATED, DISAGGREGATED, build_resource_plan
+from mindspeed_rl.config.role_sections import (
     ActorInferResources,
     ActorTrainResources,
     ReferenceResources,
     RewardResources,
-    build_resource_plan,
     role_resources,
 )
 from mindspeed_rl.config.supported import check_supported

@@ -19,11 +19,11 @@ from mindspeed_rl.config.megatron import ActorConfig, MegatronTrainingConfig
 from mindspeed_rl.config.model_arch import ModelArchConfig
 from mindspeed_rl.config.model_check import check_model_block_against_hf
 from mindspeed_rl.config.removed import REMOVED_KEYS
-from mindspeed_rl.config.resources import (
+from mindspeed_rl.config.resources import ResourcePlan
+from mindspeed_rl.config.role_sections import (
     ActorInferResources,
     ActorTrainResources,
     ReferenceResources,
-    ResourcePlan,
     RewardResources,
     RoleResources,
 )

@@ -8,17 +8,14 @@ from mindspeed_rl.errors import ConfigError, run_checks
 from mindspeed_rl.config.generate import GenerateConfig, check_eplb_token_collection
 from mindspeed_rl.config.megatron import ActorConfig, CriticConfig, MegatronTrainingConfig
 from mindspeed_rl.config.model_arch import ModelArchConfig
-from mindspeed_rl.config.resources import (
+from mindspeed_rl.config.resources import DISAGGREGATED, ResourcePlan, actor_world_size, build_resource_plan
+from mindspeed_rl.config.role_sections import (
     ActorInferResources,
     ActorTrainResources,
     CriticResources,
-    TeacherResources,
-    DISAGGREGATED,
     ReferenceResources,
-    ResourcePlan,
     RewardResources,
-    actor_world_size,
-    build_resource_plan,
+    TeacherResources,
 )
 from mindspeed_rl.config.algorithm_checks import (check_dynamic_sampling, check_evaluation, check_mismatch_ledger,
                                                   check_num_layer_list, check_packing, check_recompute_layers,

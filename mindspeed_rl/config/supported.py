@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from mindspeed_rl.config.critic import critic_roles_on_training_devices
 from mindspeed_rl.config.distillation import teacher_roles_on_training_devices
 from mindspeed_rl.config.device_mapping import format_devices
-from mindspeed_rl.config.resources import DISAGGREGATED, INFER_ROLE, ResourcePlan, RewardResources
+from mindspeed_rl.config.resources import DISAGGREGATED, INFER_ROLE, ResourcePlan
+from mindspeed_rl.config.role_sections import RewardResources
 from mindspeed_rl.errors import ConfigError
 
 
