@@ -1,16 +1,17 @@
-"""Launch `python cli/train_grpo.py` as a user would (own session, like a terminal's foreground job),
-watch its output line by line, signal it, and list what it leaves behind: for the failure tests."""
+"""Launch `python cli/train_grpo.py` as a user would (own session, like a terminal's foreground job; forked from the
+session's preloaded server, tests/preloaded.py), watch its output line by line, signal it, and list what it leaves
+behind: for the failure tests."""
 from __future__ import annotations
 
 import os
 import queue
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from preloaded import ScriptProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +40,7 @@ def shm_entries() -> set[str]:
 
 @dataclass
 class WatchedRun:
-    process: subprocess.Popen
+    process: ScriptProcess
     started: float
     lines: "queue.Queue[tuple[float, str]]" = field(default_factory=queue.Queue)
     stdout: list[str] = field(default_factory=list)
@@ -95,15 +96,13 @@ def launch(tmp_path: Path, config_name: str, *overrides: str, env: dict[str, str
     then not in the run's session, so tests that look for what a run leaves behind keep their own (the default)."""
     from cli_runner import NO_PLOTS
 
-    cmd = [sys.executable, script, "--config-name", config_name, *NO_PLOTS, *overrides,
-           f"hydra.run.dir={tmp_path / 'run'}"]
+    args = ["--config-name", config_name, *NO_PLOTS, *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
     ray_env = {}
     if shared_ray:
         from cli_runner import shared_ray_address
 
         ray_env = {"RAY_ADDRESS": shared_ray_address()}
-    process = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, env={**os.environ, **ray_env, **(env or {})})
+    process = ScriptProcess(script, args, cwd=REPO, env={**os.environ, **ray_env, **(env or {})})
     run = WatchedRun(process=process, started=time.monotonic())
     done = [threading.Event(), threading.Event()]
 
