@@ -130,3 +130,10 @@ bench-vllm-cpu-linears: venv
 .PHONY: bench-long-iteration
 bench-long-iteration: venv
 	$(PY) benchmarks/bench_long_iteration.py --json bench_long_iteration.json --iterations 6 --warmup 1
+
+# Synchronous rollouts vs partial rollout (rl_config.partial_rollout_max_split 2 and 4) alternating at
+# bench-long-iteration's long-tailed shape (trained tokens/s, s/iteration, decode occupancy, token age), then the DAPO
+# demo's held-out accuracy after 100 iterations at each split (docs/partial_rollout.md).
+.PHONY: bench-partial-rollout
+bench-partial-rollout: venv
+	$(PY) benchmarks/bench_partial_rollout.py --json bench_partial_rollout.json --iterations 6 --warmup 1

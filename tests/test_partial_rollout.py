@@ -91,6 +91,14 @@ def test_long_samples_are_cut_carried_and_resumed_first_from_their_prefix():
     assert metrics["rollout/resumed_samples"] == 2
 
 
+def test_the_decode_occupancy_counts_the_slots_a_short_sample_leaves_idle():
+    # 4 groups of 2 samples cut at 2 tokens: prompt 100's samples end after 1, the others use both slots: 14 of 16
+    lengths = {100 + i: 2 for i in range(40)} | {100: 1}
+    group, strategy = LengthGroup(lengths), PartialRollout(_config(4))
+    _, _, metrics = strategy.rollout(group, CountingSampler(), Prompts(40).records, 1)
+    assert len(group.calls) == 1 and metrics["rollout/decode_occupancy"] == 14 / 16
+
+
 def test_a_group_trains_once_all_its_samples_are_done_and_tokens_keep_their_versions_and_logprobs():
     lengths = {100 + i: 2 for i in range(40)} | {101: 5}
     group, strategy = LengthGroup(lengths), PartialRollout(_config(4))

@@ -38,7 +38,8 @@ def test_the_ranks_generations_become_one_prompt_major_batch():
     assert batch.prompt_lengths.tolist() == [2, 1, 3, 1]  # prompts 0 to 3: rank 1's two in prompt order
     assert batch.response_mask.sum(1).tolist() == [2, 1, 1, 3]  # [5] answers prompt 2, [4, 4, 4] prompt 3
     assert batch.columns["rollout_logprobs"][3, :3].tolist() == [-0.5] * 3 and ROUTES_COLUMN not in batch.columns
-    assert metrics == {"timing/rollout": 2.0}  # rank 0's
+    # Rank 0 decodes 2 steps for 2 samples (3 tokens of 4 slots), rank 1 three steps for 2 (4 of 6): 7 / 10.
+    assert metrics == {"timing/rollout": 2.0, "rollout/decode_occupancy": 0.7}  # the timing rank 0's
 
 
 def test_recorded_routes_ride_along_as_the_routes_column():

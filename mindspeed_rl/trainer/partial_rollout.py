@@ -28,7 +28,7 @@ import torch
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.config.partial_rollout import POOL_BATCHES, chunk_tokens, max_token_age
 from mindspeed_rl.protocol import TOKEN_VERSIONS, Generation, RolloutBatch
-from mindspeed_rl.trainer.rollout import PlainRollout, generated_samples, padded_rows
+from mindspeed_rl.trainer.rollout import PlainRollout, decode_slots, generated_samples, padded_rows
 from mindspeed_rl.workers.actor_group import ActorGroup
 
 
@@ -112,10 +112,11 @@ class PartialRollout:
         pool = self._pool(sampler, iteration, gbs * (1 if last else POOL_BATCHES))
         resumed = sum(1 for g in self.carried for s in g.samples if s.token_ids and not s.done)
         metrics = {"rollout/resumed_samples": resumed}
-        rounds, timing = 0, 0.0
+        rounds, timing, tokens, slots = 0, 0.0, 0, 0
         while self._needs_round(pool, iteration, rounds):
             round_metrics = self._generate(actor_group, pool, records, (iteration, refill, rounds))
             timing += round_metrics.get("timing/rollout", 0.0)
+            tokens, slots = tokens + round_metrics.pop("decode_tokens"), slots + round_metrics.pop("decode_slots")
             metrics = {**round_metrics, **metrics} if rounds == 0 else metrics
             rounds += 1
         trained = sorted((g for g in pool if g.complete), key=lambda g: g.started)[:gbs]  # stable: pool order
@@ -123,6 +124,7 @@ class PartialRollout:
         assert not self._overdue(self.carried, iteration + 1, strictly=True), \
             f"partial rollout: a group carried into iteration {iteration + 1} would exceed the age {self.max_age}"
         metrics |= {"timing/rollout": timing, "rollout/partial_rounds": rounds,
+                    "rollout/decode_occupancy": tokens / slots if slots else 1.0,
                     "rollout/carried_groups": len(self.carried),
                     "rollout/carried_samples_unfinished": sum(not s.done for g in self.carried for s in g.samples)}
         return [records[g.prompt_index] for g in trained], self._batch(trained, records, iteration), metrics
@@ -165,7 +167,9 @@ class PartialRollout:
         key = key if key[2] else key[:2]  # round 0: the iteration's (refill's) own stream
         started = time.perf_counter()
         actor_group.start_generate(contexts, key, n=1, max_tokens=budgets)
-        generated, metrics = generated_samples(actor_group.finish_generate())
+        results = actor_group.finish_generate()
+        generated, metrics = generated_samples(results)
+        metrics["decode_tokens"], metrics["decode_slots"] = decode_slots(results)
         for (_, sample), generation, budget in zip(going, generated, budgets, strict=True):
             sample.extend(generation, version=iteration - 1, budget=budget, max_tokens=self.max_tokens)
         metrics.setdefault("timing/rollout", time.perf_counter() - started)

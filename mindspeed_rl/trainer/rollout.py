@@ -56,9 +56,23 @@ def generated_samples(results: list) -> tuple[list[Generation], dict]:
     return samples, merge_metrics([m for _, m in results])
 
 
+def decode_slots(results: list) -> tuple[int, int]:
+    """(tokens generated, decode slots) of one generate over the inference ranks: each rank decodes its shard for as
+    many steps as its longest sample, so its slots are its samples x that length; tokens / slots is the decode
+    batch's mean occupancy (1: every sample ran to the end together; the long tail's idle slots lower it)."""
+    tokens = slots = 0
+    for shard in merge_shards([s for s, _ in results]):
+        lengths = [len(g.token_ids) for g in shard.value]
+        tokens += sum(lengths)
+        slots += len(lengths) * max(lengths, default=0)
+    return tokens, slots
+
+
 def rollout_batch(results: list, prompt_ids: list[list[int]], config: GRPOConfig) -> tuple[RolloutBatch, dict]:
     """Every inference rank's (generations, metrics) -> one prompt-major batch and the merged metrics."""
     samples, metrics = generated_samples(results)
+    tokens, slots = decode_slots(results)
+    metrics["rollout/decode_occupancy"] = tokens / slots if slots else 1.0
     width = config.response_length_limit
     batch = RolloutBatch.from_token_lists([prompt_ids[g.prompt_index] for g in samples], [g.token_ids for g in samples],
                                           pad_id=0, response_width=width)
