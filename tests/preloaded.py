@@ -16,6 +16,7 @@ subprocess would see; the engine's own modules are imported by each process unde
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -131,7 +132,7 @@ class _GrowingFile:
 
     def __init__(self, path: Path, process: ScriptProcess):
         self._file = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - read until the process ends
-        self._process = process
+        self._path, self._process = path, process
 
     def __iter__(self):
         pending = ""
@@ -144,6 +145,9 @@ class _GrowingFile:
                 if pending:
                     yield pending
                 self._file.close()
+                self._path.unlink()
+                with contextlib.suppress(OSError):  # the other stream's file is still being read
+                    self._path.parent.rmdir()
                 return
             time.sleep(0.05)
 

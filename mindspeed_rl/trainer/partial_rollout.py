@@ -28,7 +28,7 @@ import torch
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.config.partial_rollout import POOL_BATCHES, chunk_tokens, max_token_age
 from mindspeed_rl.protocol import TOKEN_VERSIONS, Generation, RolloutBatch
-from mindspeed_rl.trainer.rollout import PlainRollout, decode_slots, generated_samples, padded_rows
+from mindspeed_rl.trainer.rollout import PlainRollout, decode_occupancy, decode_slots, generated_samples, padded_rows
 from mindspeed_rl.workers.actor_group import ActorGroup
 
 
@@ -114,9 +114,10 @@ class PartialRollout:
         metrics = {"rollout/resumed_samples": resumed}
         rounds, timing, tokens, slots = 0, 0.0, 0, 0
         while self._needs_round(pool, iteration, rounds):
-            round_metrics = self._generate(actor_group, pool, records, (iteration, refill, rounds))
+            round_metrics, (round_tokens, round_slots) = self._generate(actor_group, pool, records,
+                                                                        (iteration, refill, rounds))
             timing += round_metrics.get("timing/rollout", 0.0)
-            tokens, slots = tokens + round_metrics.pop("decode_tokens"), slots + round_metrics.pop("decode_slots")
+            tokens, slots = tokens + round_tokens, slots + round_slots
             metrics = {**round_metrics, **metrics} if rounds == 0 else metrics
             rounds += 1
         trained = sorted((g for g in pool if g.complete), key=lambda g: g.started)[:gbs]  # stable: pool order
@@ -124,7 +125,7 @@ class PartialRollout:
         assert not self._overdue(self.carried, iteration + 1, strictly=True), \
             f"partial rollout: a group carried into iteration {iteration + 1} would exceed the age {self.max_age}"
         metrics |= {"timing/rollout": timing, "rollout/partial_rounds": rounds,
-                    "rollout/decode_occupancy": tokens / slots if slots else 1.0,
+                    "rollout/decode_occupancy": decode_occupancy(tokens, slots),
                     "rollout/carried_groups": len(self.carried),
                     "rollout/carried_samples_unfinished": sum(not s.done for g in self.carried for s in g.samples)}
         return [records[g.prompt_index] for g in trained], self._batch(trained, records, iteration), metrics
@@ -157,9 +158,11 @@ class PartialRollout:
             return any(iteration - g.started > self.max_age for g in groups)
         return any(iteration - g.started >= self.max_age and not g.complete for g in groups)
 
-    def _generate(self, actor_group: ActorGroup, pool: list[CarriedGroup], records: list, key: tuple) -> dict:
-        """One generate of every unfinished sample of the pool, each continuing from its prompt and tokens so far;
-        `key` (iteration, refill, round): round r > 0 draws from its own seed stream, f(seed, iteration, refill, r)."""
+    def _generate(self, actor_group: ActorGroup, pool: list[CarriedGroup], records: list,
+                  key: tuple) -> tuple[dict, tuple[int, int]]:
+        """One generate of every unfinished sample of the pool, each continuing from its prompt and tokens so far:
+        its metrics and its (tokens, decode slots). `key` (iteration, refill, round): round r > 0 draws from its own
+        seed stream, f(seed, iteration, refill, r)."""
         iteration = key[0]
         going = [(g, s) for g in pool for s in g.samples if not s.done]
         contexts = [list(records[g.prompt_index].token_ids) + s.token_ids.tolist() for g, s in going]
@@ -169,11 +172,10 @@ class PartialRollout:
         actor_group.start_generate(contexts, key, n=1, max_tokens=budgets)
         results = actor_group.finish_generate()
         generated, metrics = generated_samples(results)
-        metrics["decode_tokens"], metrics["decode_slots"] = decode_slots(results)
         for (_, sample), generation, budget in zip(going, generated, budgets, strict=True):
             sample.extend(generation, version=iteration - 1, budget=budget, max_tokens=self.max_tokens)
         metrics.setdefault("timing/rollout", time.perf_counter() - started)
-        return metrics
+        return metrics, decode_slots(results)
 
     def _budget(self, group: CarriedGroup, sample: CarriedSample, iteration: int) -> int:
         """The tokens this generate may add: a chunk, or (require_max_age_all_finished, at the declared age) the

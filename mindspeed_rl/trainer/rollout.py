@@ -56,6 +56,10 @@ def generated_samples(results: list) -> tuple[list[Generation], dict]:
     return samples, merge_metrics([m for _, m in results])
 
 
+def decode_occupancy(tokens: int, slots: int) -> float:
+    return tokens / slots if slots else 1.0
+
+
 def decode_slots(results: list) -> tuple[int, int]:
     """(tokens generated, decode slots) of one generate over the inference ranks: each rank decodes its shard for as
     many steps as its longest sample, so its slots are its samples x that length; tokens / slots is the decode
@@ -71,8 +75,7 @@ def decode_slots(results: list) -> tuple[int, int]:
 def rollout_batch(results: list, prompt_ids: list[list[int]], config: GRPOConfig) -> tuple[RolloutBatch, dict]:
     """Every inference rank's (generations, metrics) -> one prompt-major batch and the merged metrics."""
     samples, metrics = generated_samples(results)
-    tokens, slots = decode_slots(results)
-    metrics["rollout/decode_occupancy"] = tokens / slots if slots else 1.0
+    metrics["rollout/decode_occupancy"] = decode_occupancy(*decode_slots(results))
     width = config.response_length_limit
     batch = RolloutBatch.from_token_lists([prompt_ids[g.prompt_index] for g in samples], [g.token_ids for g in samples],
                                           pad_id=0, response_width=width)
