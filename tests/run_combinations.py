@@ -9,7 +9,7 @@ test_moe_run_e2e, test_multi_turn_e2e):
 - placement: colocated, or disaggregated inference (actor_infer on devices apart from actor_train);
 - parallel: the training layout on one device, or TP2 / PP2 / CP2 on two;
 - one-step off-policy (async_generation_ratio 1), the mismatch ledger, rollout correction (token IS or token_k1
-  rejection), LoRA, packing, partial rollout (split 2), the swap optimizer, evaluation, a reward model, a device
+  rejection), LoRA, packing, partial rollout (split 2, cut at chunks or run-ahead), the swap optimizer, evaluation, a reward model, a device
   capacity (runtime.device_memory_limit, generous), on-policy distillation (a teacher part, k3: on the training ranks,
   or on a device of its own after every other role's).
 """
@@ -30,7 +30,7 @@ FACTORS: dict[str, list] = {
     "ledger": [False, True],
     "lora": [False, True],
     "packing": [False, True],
-    "partial_rollout": [False, True],
+    "partial_rollout": [False, "split", "run_ahead"],
     "swap_optimizer": [False, True],
     "evaluation": [False, True],
     "reward_model": [False, True],
@@ -62,7 +62,6 @@ OPTIONS = {
     "lora": ("actor_config.lora_r=8", "actor_config.lora_alpha=16",
              "actor_config.lora_target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]"),
     "packing": ("rl_config.use_remove_padding=true",),
-    "partial_rollout": ("rl_config.partial_rollout_max_split=2",),
     "swap_optimizer": ("megatron_training.swap_optimizer=true", "megatron_training.swap_optimizer_times=2",
                        "generate_config.offload_train_optimizer=false"),
     "evaluation": ("rl_config.eval_interval=2",),
@@ -75,6 +74,8 @@ OPTIONS = {
                      "distillation.distillation_loss.loss_mode=k3",
                      "distillation.distillation_loss.use_policy_gradient=false"),
 }
+PARTIAL_ROLLOUTS = {False: (), "split": ("rl_config.partial_rollout_max_split=2",),
+                    "run_ahead": ("rl_config.partial_rollout_max_split=2", "rl_config.async_engine=true")}
 CORRECTIONS = {"none": (), "is": ("rl_config.rollout_correction.rollout_is=token",
                                   "rl_config.rollout_correction.rollout_is_threshold=2.0"),
                "rs": ("rl_config.rollout_correction.rollout_rs=token_k1",
@@ -116,7 +117,7 @@ def command(case: dict) -> tuple[str, str, list[str]]:
     algorithm, two_devices = case["algorithm"], case["parallel"] != "one"
     overrides = [*SHRINK, *(DAPO if algorithm == "dapo" else ()), *LAYOUTS[case["parallel"]],
                  *((*PPO, *CRITIC_LAYOUTS.get(case["parallel"], ())) if algorithm.startswith("ppo") else ()),
-                 *CORRECTIONS[case["correction"]]]
+                 *CORRECTIONS[case["correction"]], *PARTIAL_ROLLOUTS[case["partial_rollout"]]]
     overrides += [value for name, values in OPTIONS.items() if case[name] for value in values]
     return SCRIPTS[algorithm], _config_name(case), overrides + _devices(case, two_devices)
 

@@ -38,7 +38,7 @@ class LengthGroup:
     def __init__(self, lengths: dict[int, int]):
         self.lengths, self.calls = lengths, []
 
-    def start_generate(self, prompt_ids, iteration=None, *, n=None, greedy=False, max_tokens=None):
+    def start_generate(self, prompt_ids, iteration=None, *, n=None, greedy=False, max_tokens=None, stop=None):
         assert n == 1
         self.calls.append((iteration, [list(p) for p in prompt_ids], list(max_tokens)))
 
@@ -179,7 +179,7 @@ def test_rollouts_hand_a_partial_strategy_its_sampler_and_keep_its_state():
 class OnePolicyGroup:
     """Every prompt's two samples, three tokens each."""
 
-    def start_generate(self, prompt_ids, iteration=None, *, n=None, greedy=False, max_tokens=None):
+    def start_generate(self, prompt_ids, iteration=None, *, n=None, greedy=False, max_tokens=None, stop=None):
         self.prompts = len(prompt_ids)
 
     def finish_generate(self):
@@ -209,14 +209,17 @@ def test_what_partial_rollout_does_not_support_yet_is_refused_at_start():
     assert "rl_config.routing_replay" in message and "partial_rollout_max_split > 1" in message
     # the mismatch ledger splits the resumed tokens' staleness by age (test_partial_rollout_e2e)
     assert load("grpo_tiny_cpu", "rl_config.partial_rollout_max_split=2", "rl_config.mismatch_ledger=true")
-    message = config_error("grpo_tiny_cpu_disaggregated", "rl_config.partial_rollout_max_split=2")
-    assert "colocated pool only" in message
+    # disaggregated inference carries samples alike (one-step off-policy cannot: its rollout starts a batch early)
+    assert load("grpo_tiny_cpu_disaggregated", "rl_config.partial_rollout_max_split=2")
+    message = config_error("grpo_tiny_cpu_disaggregated", "rl_config.partial_rollout_max_split=2",
+                           "async_generation_ratio=1")
+    assert message.startswith("async_generation_ratio: is not implemented with")
     assert max_token_age(load("grpo_tiny_cpu_disaggregated", "async_generation_ratio=1")) == 1
     assert max_token_age(load("grpo_tiny_cpu")) == 0
 
 
 class AheadGroup(OnePolicyGroup):
-    def start_generate(self, prompt_ids, iteration=None, *, n=None, greedy=False, max_tokens=None):
+    def start_generate(self, prompt_ids, iteration=None, *, n=None, greedy=False, max_tokens=None, stop=None):
         self.prompts = len(prompt_ids)
 
 
@@ -255,3 +258,79 @@ def test_the_plan_bounds_the_carried_samples_by_one_global_batch_of_groups():
     assert bound.host_bytes == 256 * 3 * CARRIED_BYTES_PER_TOKEN == 256 * 3 * 13
     assert "at most 256 samples carried" in bound.line()
     assert carried_bound(load("grpo_tiny_cpu")) is None
+
+
+class SteppedLengthGroup(LengthGroup):
+    """LengthGroup stepped as vLLM's engine is under a run-ahead stop (engines/vllm_stepped.py): one token per running
+    sample per step, the stop asked after each step on this one rank's unfinished samples."""
+
+    def start_generate(self, prompt_ids, iteration=None, *, n=None, greedy=False, max_tokens=None, stop=None):
+        assert stop is not None and len(stop) == len(prompt_ids)
+        super().start_generate(prompt_ids, iteration, n=n, greedy=greedy, max_tokens=max_tokens)
+        self.stop = stop
+
+    def finish_generate(self):
+        _, contexts, budgets = self.calls[-1]
+        whole = super().finish_generate()[0][0]  # to its end or its budget, as without a stop
+        ends = [len(g.token_ids) for g in whole.value]
+        until, step = self.stop.until(), 0
+        while not until([i for i, end in enumerate(ends) if end > step]):
+            step += 1
+        out = [Generation(prompt_index=g.prompt_index, token_ids=g.token_ids[:step], logprobs=g.logprobs[:step],
+                          stopped=g.stopped and len(g.token_ids) <= step) for g in whole.value]
+        return [(Shard(start=0, stop=len(out), value=out), {"timing/rollout": 1.0})]
+
+
+def _run_ahead_config(split=4, *extra):
+    return _config(split, "rl_config.async_engine=true", *extra)
+
+
+def test_run_ahead_stops_the_generate_once_a_global_batch_of_groups_is_complete():
+    # prompts 100-103 in the pool; 100 and 102 need 2 tokens, 101 and 103 need 8: the stop comes after 2 steps
+    lengths = {100 + i: 8 if i % 2 else 2 for i in range(80)}
+    group, strategy = SteppedLengthGroup(lengths), PartialRollout(_run_ahead_config())
+    prompts, batch, metrics = strategy.rollout(group, CountingSampler(), Prompts(80).records, 1)
+    assert [p.token_ids[0] for p in prompts] == [100, 102] and metrics["rollout/partial_rounds"] == 1
+    assert group.calls[0][2] == [8] * 8  # no chunks: each sample's whole budget, the stop cuts it
+    assert [len(s.token_ids) for g in strategy.carried for s in g.samples] == [2] * 4  # aborted at step 2
+    assert metrics["rollout/carried_samples_unfinished"] == 4
+
+
+def test_run_ahead_finishes_a_group_at_the_declared_age_and_keeps_the_bound():
+    lengths = {100 + i: 8 if i % 2 else 2 for i in range(80)}
+    group, strategy = SteppedLengthGroup(lengths), PartialRollout(_run_ahead_config(3))
+    assert strategy.max_age == 2 and max_token_age(strategy.config) == 2
+    sampler, records, oldest = CountingSampler(), Prompts(80).records, 0
+    for iteration in range(1, 10):
+        _, batch, _ = strategy.rollout(group, sampler, records, iteration)
+        oldest = max(oldest, int(checked_token_ages(batch, iteration - 1, bound=2).max()))
+        assert all(iteration + 1 - g.started <= 2 for g in strategy.carried)
+    assert oldest == 2  # the long groups are aborted twice, then generated to their end
+
+
+def test_group_stop_counts_a_group_complete_only_when_all_its_samples_are_done():
+    from mindspeed_rl.engines.group_stop import GroupStop
+
+    stop = GroupStop(sample_groups=(0, 0, 1, 1, 2), groups=4, target_groups=2, must_finish=(2,))
+    assert len(stop) == 5 and stop[2:4].sample_groups == (1, 1) and stop[2:4].target_groups == 2
+    until = stop.until()
+    assert not until([0, 2, 4])  # only group 3 (no sample in this generate) is complete
+    assert until([0, 2])  # groups 2 and 3 complete: a global batch of 2
+    assert not until([0, 1, 4])  # groups 1 and 3 complete, but group 2 must finish
+    assert until([])
+
+
+def test_async_engine_is_listed_as_having_no_effect_without_partial_rollout():
+    assert load("grpo_tiny_cpu", "rl_config.async_engine=true").rl_config.async_engine is False
+    assert load("grpo_tiny_cpu", "rl_config.async_engine=true",
+                "rl_config.partial_rollout_max_split=2").rl_config.async_engine is True
+
+
+def test_the_plan_bounds_run_aheads_carried_prefixes_by_max_tokens_minus_one():
+    from mindspeed_rl.config.partial_rollout import carried_bound
+
+    # no chunks: an aborted sample may hold all but its last token (max_tokens 4)
+    bound = carried_bound(load("grpo_tiny_cpu", "rl_config.partial_rollout_max_split=4", "rl_config.async_engine=true"))
+    assert (bound.samples, bound.response_tokens, bound.reprefill_tokens) == (256, 256 * 3, 256 * (8 + 3))
+    bound = carried_bound(load("grpo_tiny_cpu", "rl_config.partial_rollout_max_split=2", "rl_config.async_engine=true"))
+    assert bound.response_tokens == 256 * 3  # split 2's chunks would leave 2

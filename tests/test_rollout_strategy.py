@@ -61,7 +61,7 @@ class ScriptedGroup:
     def __init__(self):
         self.calls = []
 
-    def start_generate(self, prompt_ids, iteration=None, *, n=None, greedy=False, max_tokens=None):
+    def start_generate(self, prompt_ids, iteration=None, *, n=None, greedy=False, max_tokens=None, stop=None):
         self.calls.append(("start_generate", iteration, len(prompt_ids)))
         self._prompts = len(prompt_ids)
 

@@ -47,6 +47,12 @@ def _estimator(tree: Mapping[str, Any]) -> Any:
     return rl.get("adv_estimator", "group_norm") if isinstance(rl, Mapping) else "group_norm"
 
 
+def _split(tree: Mapping[str, Any]) -> Any:
+    rl = tree.get("rl_config")
+    split = rl.get("partial_rollout_max_split", 1) if isinstance(rl, Mapping) else 1
+    return split if isinstance(split, int) else 1
+
+
 def _stage(tree: Mapping[str, Any]) -> Any:
     training = tree.get("megatron_training")
     return training.get("stage") if isinstance(training, Mapping) else None
@@ -111,9 +117,9 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
     "rl_config.blocking": _entry("every phase is a blocking call of the integrated worker"),
     "rl_config.async_engine": _entry(
         "vLLM's engine API: MindSpeed-RL's multi-turn rollout needs its step-by-step engine; here every turn is one "
-        "batched generate of the samples still going (trainer/multi_turn.py). With partial rollout their true stops "
-        "generating once a global batch of groups is complete; here partial rollout always stops so, at the first "
-        "chunk boundary where one is (trainer/partial_rollout.py), whichever value is set",
+        "batched generate of the samples still going (trainer/multi_turn.py). With partial_rollout_max_split > 1 it "
+        "has its effect (the generate stops once a global batch of groups is complete: docs/partial_rollout.md)",
+        applies=lambda tree, value: value is False or _split(tree) > 1,
         memory=SAME + "vLLM's KV cache is sized by generate_config either way"),
     "rl_config.gamma": _entry(
         "a discount of token returns; group_norm (GRPO), rloo and reinforce_plus_plus_baseline do not read it, in "

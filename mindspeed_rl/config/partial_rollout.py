@@ -1,5 +1,5 @@
-"""Checks and derived figures of partial rollout (rl_config.partial_rollout_max_split, require_max_age_all_finished:
-MindSpeed-RL's keys and defaults; the strategy is trainer/partial_rollout.py), across sections; `config` is the
+"""Checks and derived figures of partial rollout (rl_config.partial_rollout_max_split, require_max_age_all_finished,
+async_engine: MindSpeed-RL's keys and defaults; the strategy is trainer/partial_rollout.py), across sections; `config` is the
 GRPOConfig (not imported here: it imports the modules that import this one).
 
 What it is not implemented with yet is refused at start in one line naming why, never found out mid-run.
@@ -22,19 +22,28 @@ def partial_rollout_on(config) -> bool:
     return config.rl_config.partial_rollout_max_split > 1
 
 
+def runs_ahead(config) -> bool:
+    """Run-ahead (async_engine with partial rollout): the generate stops once a global batch of groups is complete,
+    not at chunk boundaries."""
+    return partial_rollout_on(config) and config.rl_config.async_engine is True
+
+
 def chunk_tokens(config) -> int:
-    """The response tokens one iteration generates for a sample (MindSpeed-RL's max_tokens // N)."""
-    return config.generate_config.sampling_config.max_tokens // config.rl_config.partial_rollout_max_split
+    """The response tokens one iteration generates for a sample (MindSpeed-RL's max_tokens // N); run-ahead: what its
+    budget has left (the stop cuts it)."""
+    max_tokens = config.generate_config.sampling_config.max_tokens
+    return max_tokens if runs_ahead(config) else max_tokens // config.rl_config.partial_rollout_max_split
 
 
 def max_token_age(config) -> int:
     """The declared bound: versions a trained token may lag the policy being updated. One-step off-policy: 1. Partial
     rollout: N - 1 where a sample at that age is generated to its end (require_max_age_all_finished); without that,
-    the age at which its chunks alone reach max_tokens (N - 1 where N divides max_tokens). Otherwise 0."""
+    the age at which its chunks alone reach max_tokens (N - 1 where N divides max_tokens); run-ahead: N - 1 either
+    way (its generate does not stop while a group at that age is unfinished). Otherwise 0."""
     if not partial_rollout_on(config):
         return config.rollout_staleness
     rl = config.rl_config
-    if rl.require_max_age_all_finished:
+    if rl.require_max_age_all_finished or runs_ahead(config):
         return rl.partial_rollout_max_split - 1
     return math.ceil(config.generate_config.sampling_config.max_tokens / chunk_tokens(config)) - 1
 
@@ -62,7 +71,8 @@ def carried_bound(config) -> CarriedBound | None:
     if not partial_rollout_on(config):
         return None
     samples = (POOL_BATCHES - 1) * config.megatron_training.global_batch_size * config.rl_config.n_samples_per_prompt
-    prefix = config.generate_config.sampling_config.max_tokens - chunk_tokens(config)
+    max_tokens = config.generate_config.sampling_config.max_tokens
+    prefix = max_tokens - 1 if runs_ahead(config) else max_tokens - chunk_tokens(config)
     return CarriedBound(samples=samples, response_tokens=samples * prefix,
                         host_bytes=samples * prefix * CARRIED_BYTES_PER_TOKEN,
                         reprefill_tokens=samples * (config.rl_config.max_prompt_length + prefix))
@@ -72,9 +82,9 @@ def check_partial_rollout(config) -> None:
     rl = config.rl_config
     if not isinstance(rl.partial_rollout_max_split, int) or rl.partial_rollout_max_split < 1:
         raise ConfigError(SPLIT_KEY, f"must be an integer >= 1 (1: off), got {rl.partial_rollout_max_split!r}")
-    if not isinstance(rl.require_max_age_all_finished, bool):
-        raise ConfigError("rl_config.require_max_age_all_finished",
-                          f"must be true or false, got {rl.require_max_age_all_finished!r}")
+    for key in ("require_max_age_all_finished", "async_engine"):
+        if not isinstance(getattr(rl, key), bool):
+            raise ConfigError(f"rl_config.{key}", f"must be true or false, got {getattr(rl, key)!r}")
     if not partial_rollout_on(config):
         return
     max_tokens = config.generate_config.sampling_config.max_tokens
@@ -88,18 +98,13 @@ def check_partial_rollout(config) -> None:
 def _refused(config) -> list[tuple[str, str]]:
     """(key, why) of every combination partial rollout does not support yet."""
     rl, refused = config.rl_config, []
-    if config.disaggregated or config.rollout_staleness:
-        refused.append(("rl_config.use_integrated_worker" if config.disaggregated else "async_generation_ratio",
-                        "carried samples resume in the colocated pool only (disaggregated inference and one-step "
-                        "off-policy keep no carried samples)"))
+    if config.rollout_staleness:
+        refused.append(("async_generation_ratio", "a rollout started during the update before cannot hold the samples "
+                                                  "that update's batch leaves behind (one-step off-policy keeps no "
+                                                  "carried samples)"))
     if rl.multi_turn_enable:
         refused.append(("rl_config.multi_turn_enable", "a sample cut inside a tool turn has no resume point"))
-    if config.actor_config.uses_lora:
-        refused.append(("actor_config.lora_target_modules", "the adapter-only push with carried samples is untested"))
     if rl.routing_replay:
         refused.append(("rl_config.routing_replay", "a resumed sample's prefix is re-prefilled under newer weights, "
                                                     "so vLLM records the new routes, not those it sampled with"))
-    if config.reward_model is not None:
-        refused.append((f"rewards.{config.reward_model[0]}.model_path", "the reward model with carried groups is "
-                                                                        "untested"))
     return refused

@@ -203,6 +203,11 @@ class RLConfig:
     # require_max_age_all_finished: a sample at the maximum age (N - 1 iterations) is generated to its end.
     partial_rollout_max_split: int = 1
     require_max_age_all_finished: bool = True
+    # With partial_rollout_max_split > 1 (else listed as having no effect, config/no_effect.py): run-ahead, the
+    # generate stops at the decode step where a global batch of groups is complete instead of at chunk boundaries;
+    # the unfinished samples (the next batch's, started meanwhile) are aborted with their tokens and resume after the
+    # push. Samples get their whole remaining budget; a group at the maximum age (N - 1) is generated to its end.
+    async_engine: bool = False
     # Multi-turn tool use (MindSpeed-RL's keys and defaults; ReTool): generation and tool calls alternate in the
     # rollout (trainer/multi_turn.py), the tools of the YAML at tool_config_path, called as tool_parser_format
     # writes them, at most max_tool_calls turns per response and max_parallel_calls calls per turn; a tool's

@@ -19,6 +19,7 @@ import torch
 from mindspeed_rl.accelerator import get_accelerator
 from mindspeed_rl.engines.vllm_cpu_linears import PackedLinears, unpack_cpu_linears
 from mindspeed_rl.engines.vllm_routing import RoutingRecorder, merge_pipeline_stages, positions_routing
+from mindspeed_rl.engines.vllm_stepped import generate_until
 from mindspeed_rl.memory.offload import StorageGroup
 from mindspeed_rl.protocol import Generation  # noqa: F401  (what generate returns; defined with the batch types)
 
@@ -131,12 +132,13 @@ class VLLMEngine:
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], *, n: int, max_tokens: int | list[int], temperature: float,
                  top_p: float, top_k: int, min_p: float, seed: int | None, logprobs: int = 0,
-                 detokenize: bool = False) -> list[Generation]:
+                 detokenize: bool = False, until=None) -> list[Generation]:
         """`n` samples per prompt, prompt-major order; token ids in, so nothing is re-tokenized.
 
         The sampled token's log-prob is always returned; `logprobs` > 0 adds that many top
         candidates per step (SamplingParams.logprobs), `detokenize` the text. `max_tokens` may be one per prompt
-        (a multi-turn rollout's continuations each have their own budget left).
+        (a multi-turn rollout's continuations each have their own budget left). `until` (one sample per prompt; its tokens and
+        their log-probs only): stepped, and stopped where it says (engines/vllm_stepped.py).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -148,9 +150,14 @@ class VLLMEngine:
                                  logprobs=logprobs, seed=seed, detokenize=detokenize) for budget in budgets]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
         with self.routing.recording() if self.routing is not None else contextlib.nullcontext():
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            if until is not None:  # partial rollout keeps no routes (config/partial_rollout.py)
+                stepped = generate_until(self.llm, prompts, params, until)
+            else:
+                outputs = self.llm.generate(prompts, params, use_tqdm=False)
         if self.expert_token_counts is not None:
             self.expert_token_counts.save()
+        if until is not None:
+            return stepped
         generations = []
         for prompt_index, request in enumerate(outputs):
             for sample in request.outputs:

@@ -14,6 +14,10 @@ reached the declared age (config/partial_rollout.max_token_age) trains now: with
 unfinished samples get their whole remaining budget, and without it their chunks alone reach max_tokens by then.
 Trained tokens thus lag the policy by at most that age (the trainer checks it on every token, protocol.token_ages).
 
+Run-ahead (rl_config.async_engine; MindSpeed-RL's asynchronous engine, verl's colocate_async): no chunks; the pool's
+one generate (the next batch's prompts among it) stops at the decode step where a global batch of groups is complete
+and none at the declared age is unfinished (engines/group_stop.py), the unfinished samples aborted with their tokens.
+
 The carried groups and their samples are this object's state; a checkpoint keeps them (`state_dict`) with the
 sampler, so that a resumed run generates what the uninterrupted one does. Evaluation generates whole samples.
 """
@@ -26,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mindspeed_rl.config import GRPOConfig
-from mindspeed_rl.config.partial_rollout import POOL_BATCHES, chunk_tokens, max_token_age
+from mindspeed_rl.config.partial_rollout import POOL_BATCHES, chunk_tokens, max_token_age, runs_ahead
+from mindspeed_rl.engines.group_stop import GroupStop
 from mindspeed_rl.protocol import TOKEN_VERSIONS, Generation, RolloutBatch
 from mindspeed_rl.trainer.rollout import PlainRollout, decode_occupancy, decode_slots, generated_samples, padded_rows
 from mindspeed_rl.workers.actor_group import ActorGroup
@@ -95,6 +100,7 @@ class PartialRollout:
         self.plain = PlainRollout(config)
         self.max_tokens = config.generate_config.sampling_config.max_tokens
         self.chunk, self.max_age = chunk_tokens(config), max_token_age(config)
+        self.run_ahead = runs_ahead(config)
         self.carried: list[CarriedGroup] = []
 
     def generate(self, actor_group: ActorGroup, prompt_ids: list[list[int]], *, iteration=None, n: int | None = None,
@@ -146,11 +152,12 @@ class PartialRollout:
     def _needs_round(self, pool: list[CarriedGroup], iteration: int, rounds: int) -> bool:
         """Every unfinished sample gets at least one generate per iteration (so the longest finishes within its
         chunks' iterations); more while fewer than a global batch of groups is complete, or one at the declared age
-        is not."""
+        is not. Run-ahead: one, where the pool does not hold a trainable batch already (its stop keeps the bound)."""
         if all(g.complete for g in pool):
             return False
         gbs = self.config.megatron_training.global_batch_size
-        return rounds == 0 or sum(g.complete for g in pool) < gbs or self._overdue(pool, iteration)
+        short = sum(g.complete for g in pool) < gbs or self._overdue(pool, iteration)
+        return short if self.run_ahead else rounds == 0 or short
 
     def _overdue(self, groups: list[CarriedGroup], iteration: int, *, strictly: bool = False) -> bool:
         """Whether a group at the declared age in `iteration` is not complete (`strictly`: one beyond it, at all)."""
@@ -169,13 +176,21 @@ class PartialRollout:
         budgets = [self._budget(g, s, iteration) for g, s in going]
         key = key if key[2] else key[:2]  # round 0: the iteration's (refill's) own stream
         started = time.perf_counter()
-        actor_group.start_generate(contexts, key, n=1, max_tokens=budgets)
+        actor_group.start_generate(contexts, key, n=1, max_tokens=budgets,
+                                   stop=self._stop(pool, going, iteration) if self.run_ahead else None)
         results = actor_group.finish_generate()
         generated, metrics = generated_samples(results)
         for (_, sample), generation, budget in zip(going, generated, budgets, strict=True):
             sample.extend(generation, version=iteration - 1, budget=budget, max_tokens=self.max_tokens)
         metrics.setdefault("timing/rollout", time.perf_counter() - started)
         return metrics, decode_slots(results)
+
+    def _stop(self, pool: list[CarriedGroup], going: list, iteration: int) -> GroupStop:
+        """Run-ahead's stop: a global batch of groups complete, none at the declared age unfinished."""
+        place = {id(g): i for i, g in enumerate(pool)}
+        return GroupStop(sample_groups=tuple(place[id(g)] for g, _ in going), groups=len(pool),
+                         target_groups=self.config.megatron_training.global_batch_size,
+                         must_finish=tuple(i for i, g in enumerate(pool) if iteration - g.started >= self.max_age))
 
     def _budget(self, group: CarriedGroup, sample: CarriedSample, iteration: int) -> int:
         """The tokens this generate may add: a chunk, or (require_max_age_all_finished, at the declared age) the

@@ -30,9 +30,11 @@ class ActorGroup(Protocol):
         """The results of a `call(method, ..., blocking=False)`, each rank's."""
 
     def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None, *,
-                       n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None) -> None:
+                       n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None,
+                       stop=None) -> None:
         """Start the rollout of `prompt_token_ids` (`n` samples each, default rl_config's; `greedy` for
-        evaluation; `max_tokens` per prompt, default sampling_config.max_tokens); it may run while other calls do
+        evaluation; `max_tokens` per prompt, default sampling_config.max_tokens; `stop`, an engines/group_stop.GroupStop:
+        stopped once a global batch of groups is complete, a run-ahead rollout); it may run while other calls do
         (disaggregated)."""
 
     def finish_generate(self) -> list[Any]:
@@ -132,9 +134,10 @@ class RankGroupBase:
         return self.__dict__.setdefault("_dispatched_calls", {})
 
     def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None, *,
-                       n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None) -> None:
+                       n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None,
+                       stop=None) -> None:
         assert self._pending is None, "a rollout is already running; finish_generate first"
-        self._pending = self.call("generate_sequences", prompt_token_ids, iteration, n, greedy, max_tokens,
+        self._pending = self.call("generate_sequences", prompt_token_ids, iteration, n, greedy, max_tokens, stop,
                                   blocking=False)
 
     def finish_generate(self) -> list[Any]:
@@ -186,9 +189,10 @@ class CompositeGroup(RankGroupBase):
 
     # The rollout and the re-score go to the member that holds the inference engine, whichever it is.
     def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None, *,
-                       n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None) -> None:
+                       n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None,
+                       stop=None) -> None:
         self.member_for("generate_sequences").start_generate(prompt_token_ids, iteration, n=n, greedy=greedy,
-                                                             max_tokens=max_tokens)
+                                                             max_tokens=max_tokens, stop=stop)
 
     def finish_generate(self) -> list[Any]:
         return self.member_for("generate_sequences").finish_generate()

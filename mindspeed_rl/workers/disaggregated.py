@@ -64,13 +64,15 @@ class DisaggregatedActor(CompositeGroup):
         return self.train.wait(method, refs)
 
     def start_generate(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None, *,
-                       n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None) -> None:
+                       n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None,
+                       stop=None) -> None:
         """generate_sequences on the inference ranks, not waited for: the training ranks stay free, so the
         next rollout can run during this update (async_generation_ratio: 1). Where the weights changed, the
         training ranks enter the switch meanwhile and the inference ranks go through it before generating (the
         push); finish_generate collects both."""
         assert self._pending is None, "a rollout is already running; finish_generate first"
-        self._pending = self._after_the_push("generate_sequences", prompt_token_ids, iteration, n, greedy, max_tokens)
+        self._pending = self._after_the_push("generate_sequences", prompt_token_ids, iteration, n, greedy, max_tokens,
+                                             stop)
 
     def start_score(self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]) -> None:
         """score_sequences on the inference ranks, not waited for, under the training ranks' weights (pushed first

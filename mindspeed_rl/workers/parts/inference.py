@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from mindspeed_rl.accelerator.host_memory import return_free_heap
+from mindspeed_rl.engines.group_stop import GroupStop
 from mindspeed_rl.memory.residency import GENERATE, INFER_WEIGHTS, KV_CACHE
 from mindspeed_rl.protocol import Generation
 from mindspeed_rl.workers.actor_steps import sampling_seed
@@ -38,10 +39,10 @@ class InferencePart(Part):
 
         return destination_dtypes(self.inference_model.named_weights())
 
-    @phase_rpc(GENERATE, progress="generate", dispatch=Dispatch(INFER_DP, "prompt_token_ids", "max_tokens"))
+    @phase_rpc(GENERATE, progress="generate", dispatch=Dispatch(INFER_DP, "prompt_token_ids", "max_tokens", "stop"))
     def generate_sequences(self, prompt_token_ids: list[list[int]], iteration: int | tuple[int, ...] | None = None,
-                           n: int | None = None, greedy: bool = False,
-                           max_tokens: list[int] | None = None) -> tuple[list[Generation], dict[str, float]]:
+                           n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None,
+                           stop: GroupStop | None = None) -> tuple[list[Generation], dict[str, float]]:
         """Each inference-DP group samples its share of the prompts (the ranks of a TP x PP block the same: vLLM
         broadcasts the last stage's output): a `Generation` per sample (its prompt index in the share). `n` samples
         per prompt (default rl_config.n_samples_per_prompt), greedily with `greedy` (evaluation), at most
@@ -50,7 +51,10 @@ class InferencePart(Part):
         With `iteration`, the sampling RNG is reseeded from f(seed, iteration, DP rank) first (seed:
         sampling_config.seed, else megatron_training.seed), so an iteration samples the same whatever came before
         (exact resume); without, it continues the running generator. vLLM's per-request seeds would do the same, but
-        its runner rewinds their offsets after a chunked prefill, which CPU generators cannot do."""
+        its runner rewinds their offsets after a chunked prefill, which CPU generators cannot do.
+
+        `stop` (a run-ahead rollout, one sample per prompt): the generate stops where it says, collectively over the
+        inference ranks (engines/group_stop.py), so every rank steps, its share empty or not."""
         sampling = self.config.generate_config.sampling_config
         in_phase = self.ledger.record(GENERATE)
         if iteration is not None:
@@ -58,11 +62,12 @@ class InferencePart(Part):
             dp_rank = self.context.layout.infer.dp_rank(self.context.rank_info.rank)
             torch.manual_seed(sampling_seed(base_seed, iteration, dp_rank))
         t0 = time.perf_counter()
-        generations = [] if not prompt_token_ids else self.inference_model.generate(
+        generations = [] if not (prompt_token_ids or stop) else self.inference_model.generate(
             prompt_token_ids, n=n or self.config.rl_config.n_samples_per_prompt,
             max_tokens=sampling.max_tokens if max_tokens is None else max_tokens,
             temperature=0.0 if greedy else sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             min_p=sampling.min_p, logprobs=sampling.logprobs, seed=None, detokenize=sampling.detokenize,
+            until=None if stop is None else stop.until(_vllm_world_cpu_group()),
         )
         metrics = {"timing/rollout": time.perf_counter() - t0, **in_phase.metrics(),
                    # Of the inference weights, the oneDNN-packed copies the CPU GEMMs read (engines/vllm_cpu_linears.py).
@@ -82,3 +87,10 @@ class InferencePart(Part):
                                                                              temperature=temperature)
         return scores, {"timing/rescore": time.perf_counter() - t0}
 
+
+
+def _vllm_world_cpu_group():
+    """The CPU group of every rank of this vLLM instance: the inference ranks (the whole world when colocated)."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    return get_world_group().cpu_group
