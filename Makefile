@@ -136,4 +136,4 @@ bench-long-iteration: venv
 # demo's held-out accuracy after 100 iterations at each split (docs/partial_rollout.md).
 .PHONY: bench-partial-rollout
 bench-partial-rollout: venv
-	$(PY) benchmarks/bench_partial_rollout.py --json bench_partial_rollout.json --iterations 6 --warmup 1
+	$(PY) benchmarks/bench_partial_rollout.py --json bench_partial_rollout.json --iterations 6 --warmup 1 --repeats 2
