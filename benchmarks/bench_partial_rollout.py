@@ -10,8 +10,8 @@ is complete, the rest aborted and resumed after the push).
 
 - Speed: `make bench-long-iteration`'s shape (bench_long_assets.py's 20.7M-parameter Qwen2 checkpoint whose responses
   end with a long tail, up to 512 tokens; 4 prompts x 8 samples per update; packed micro-batches), through
-  `cli/train_grpo.py` in each of `--modes`, the runs alternating (1, 2, 4, ahead2, ahead4, 1, 2, ...). Per run, over the iterations after `--warmup`: trained response tokens
-  per second (the updates' response tokens, `response_length/mean` x samples, over the iterations' wall seconds),
+  `cli/train_grpo.py` in each of `--modes`, the runs alternating (1, 2, 4, ahead2, ahead4, 1, 2, ...). Per run, over
+  the iterations after `--warmup`: trained response tokens per second (the updates' response tokens, `response_length/mean` x samples, over the iterations' wall seconds),
   seconds per iteration (median), the generate's seconds and its decode batch occupancy
   (`rollout/decode_occupancy`), and the trained tokens' age (`rollout/token_age_mean`, `_max`).
   Prints `partial/sync trained tokens per second: X`, the best other mode over the synchronous runs.
@@ -94,7 +94,8 @@ def accuracy_run(mode: str, iterations: int, workdir: Path) -> dict:
 def _print_speed(run: dict) -> None:
     print(f"mode {run['mode']}: {run['trained_tokens_per_second']:.1f} trained tokens/s, "
           f"{run['seconds_per_iteration']:.2f} s/iteration (generate {run['generate_seconds']:.2f} s, decode occupancy "
-          f"{run['decode_occupancy']:.2f}, old-log-prob pass {run['old_logprob_seconds']:.2f} s), token age mean {run['token_age_mean']:.2f} max {run['token_age_max']}, "
+          f"{run['decode_occupancy']:.2f}, old-log-prob pass {run['old_logprob_seconds']:.2f} s), "
+          f"token age mean {run['token_age_mean']:.2f} max {run['token_age_max']}, "
           f"resumed {run['resumed_samples']}, response length {run['response_length_mean']:.0f}, load "
           f"{run['load_average'][0]:.1f} -> {run['load_average'][1]:.1f}", flush=True)
 

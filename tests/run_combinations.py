@@ -9,8 +9,8 @@ test_moe_run_e2e, test_multi_turn_e2e):
 - placement: colocated, or disaggregated inference (actor_infer on devices apart from actor_train);
 - parallel: the training layout on one device, or TP2 / PP2 / CP2 on two;
 - one-step off-policy (async_generation_ratio 1), the mismatch ledger, rollout correction (token IS or token_k1
-  rejection), LoRA, packing, partial rollout (split 2, cut at chunks or run-ahead), the swap optimizer, evaluation, a reward model, a device
-  capacity (runtime.device_memory_limit, generous), on-policy distillation (a teacher part, k3: on the training ranks,
+  rejection), LoRA, packing, partial rollout (split 2, cut at chunks or run-ahead), the swap optimizer, evaluation,
+  a reward model, a device capacity (runtime.device_memory_limit, generous), on-policy distillation (a teacher part, k3: on the training ranks,
   or on a device of its own after every other role's).
 """
 from __future__ import annotations

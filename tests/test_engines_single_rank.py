@@ -151,3 +151,34 @@ def test_cpu_gemms_read_packed_copies_of_the_loaded_weights(checkpoint, rollout)
     for a, b in zip(plain, packed):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
     assert [g.logprobs for g in _generate(rollout)] == [g.logprobs for g in packed]
+
+
+def _sampled(rollout, until=None):
+    """One sample of each prompt (budgets 3, 5, 6) from the same generator state: the stepped generate's input."""
+    torch.manual_seed(11)
+    return rollout.generate(PROMPTS, n=1, max_tokens=[3, 5, MAX_TOKENS], temperature=1.0, top_p=1.0, top_k=-1,
+                            min_p=0.0, seed=None, until=until)
+
+
+def test_a_stepped_generate_run_to_the_end_samples_what_generate_samples(rollout):
+    whole, stepped = _sampled(rollout), _sampled(rollout, until=lambda unfinished: not unfinished)
+    assert [g.token_ids for g in stepped] == [g.token_ids for g in whole]
+    assert [g.logprobs for g in stepped] == [g.logprobs for g in whole]
+    assert [g.stopped for g in stepped] == [g.stopped for g in whole]
+
+
+def test_a_stepped_generate_stopped_early_keeps_each_samples_tokens_so_far(rollout):
+    steps = []
+
+    def after_four_steps(unfinished):
+        steps.append(list(unfinished))
+        return len(steps) == 4 or not unfinished
+
+    whole, stopped = _sampled(rollout), _sampled(rollout, until=after_four_steps)
+    # step 1 prefills and samples a token: after 4 steps, 4 tokens; the budget-3 sample finished at step 3
+    assert steps[2] == [1, 2] and [len(g.token_ids) for g in stopped] == [3, 4, 4]
+    for cut, full in zip(stopped, whole):
+        kept = len(cut.token_ids)
+        assert cut.token_ids == full.token_ids[:kept] and cut.logprobs == full.logprobs[:kept]
+    assert [g.stopped for g in stopped[1:]] == [False, False]  # aborted: carried, not done
+    assert [g.token_ids for g in _sampled(rollout)] == [g.token_ids for g in whole]  # the engine is left clean

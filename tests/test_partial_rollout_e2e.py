@@ -74,7 +74,8 @@ def test_a_run_resumed_with_samples_in_flight_writes_the_uninterrupted_runs_reco
 # Run-ahead (async_engine) on the DAPO demo (its responses end at different lengths, up to 8 tokens) on 2 ranks,
 # Megatron DP2, vLLM TP1 x DP2: the stop is decided together by both inference ranks after each decode step.
 RUN_AHEAD = ("rl_config.partial_rollout_max_split=4", "rl_config.async_engine=true",
-             "generate_config.infer_tensor_parallel_size=1", "rl_config.actor_resource.num_npus=2", "rl_config.eval_before_train=false", "rl_config.eval_interval=100",
+             "generate_config.infer_tensor_parallel_size=1", "rl_config.actor_resource.num_npus=2",
+             "rl_config.eval_before_train=false", "rl_config.eval_interval=100",
              "megatron_training.train_iters=4", "megatron_training.save_interval=2")
 
 

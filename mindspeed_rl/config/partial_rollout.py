@@ -1,6 +1,6 @@
 """Checks and derived figures of partial rollout (rl_config.partial_rollout_max_split, require_max_age_all_finished,
-async_engine: MindSpeed-RL's keys and defaults; the strategy is trainer/partial_rollout.py), across sections; `config` is the
-GRPOConfig (not imported here: it imports the modules that import this one).
+async_engine: MindSpeed-RL's keys and defaults; the strategy is trainer/partial_rollout.py), across sections; `config`
+is the GRPOConfig (not imported here: it imports the modules that import this one).
 
 What it is not implemented with yet is refused at start in one line naming why, never found out mid-run.
 """

@@ -137,8 +137,8 @@ class VLLMEngine:
 
         The sampled token's log-prob is always returned; `logprobs` > 0 adds that many top
         candidates per step (SamplingParams.logprobs), `detokenize` the text. `max_tokens` may be one per prompt
-        (a multi-turn rollout's continuations each have their own budget left). `until` (one sample per prompt; its tokens and
-        their log-probs only): stepped, and stopped where it says (engines/vllm_stepped.py).
+        (a multi-turn rollout's continuations each have their own budget left). `until` (one sample per prompt; its
+        tokens and their log-probs only): stepped, and stopped where it says (engines/vllm_stepped.py).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

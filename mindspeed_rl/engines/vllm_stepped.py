@@ -4,8 +4,8 @@ and the unfinished requests are aborted with the tokens they have).
 
 `LLM.generate` runs until every request finished and only returns finished outputs (it forces FINAL_ONLY); here the
 requests are added with DELTA outputs, so each step hands back the tokens (and log-probs) it sampled, and `until` is
-asked after every step whether to stop. `until` is collective where the rollout spans inference ranks (trainer side:
-workers/parts/stop_rule.py): every rank must step and ask equally often, which holds because each rank asks once per
+asked after every step whether to stop. `until` is collective where the rollout spans inference ranks
+(engines/group_stop.py): every rank must step and ask equally often, which holds because each rank asks once per
 loop and all ranks leave the loop on the same (all-reduced) answer. The tokens sampled before the stop are those
 `LLM.generate` would have sampled: the requests, the scheduler and the sampler's generator are the same.
 """

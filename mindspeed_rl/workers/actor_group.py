@@ -33,9 +33,9 @@ class ActorGroup(Protocol):
                        n: int | None = None, greedy: bool = False, max_tokens: list[int] | None = None,
                        stop=None) -> None:
         """Start the rollout of `prompt_token_ids` (`n` samples each, default rl_config's; `greedy` for
-        evaluation; `max_tokens` per prompt, default sampling_config.max_tokens; `stop`, an engines/group_stop.GroupStop:
-        stopped once a global batch of groups is complete, a run-ahead rollout); it may run while other calls do
-        (disaggregated)."""
+        evaluation; `max_tokens` per prompt, default sampling_config.max_tokens; `stop`, a run-ahead rollout's
+        engines/group_stop.GroupStop: stopped once a global batch of groups is complete); it may run while other
+        calls do (disaggregated)."""
 
     def finish_generate(self) -> list[Any]:
         """The started rollout's per-rank (Shard, metrics)."""
