@@ -13,7 +13,8 @@
   calls included, equal the uninterrupted run's.
 - Partial rollout (the demo at partial_rollout_max_split=4, one rank): a rank killed in iteration 3's update, with
   samples carried out of iteration 2; the restart from iter_0000002 takes them from its carried_samples.json, so
-  iterations 3-4 (resumed samples, token ages) equal the uninterrupted run's.
+  iterations 3-4 (resumed samples, token ages) equal the uninterrupted run's. Run-ahead alike (the DAPO demo at
+  split 4 with async_engine, one rank): the samples its stop aborted in iteration 2 come back from the checkpoint.
 - max_restarts exhausted ends as a run without restarts does (exit 1, the failure line); a failure that repeats
   at the same point after a restart stops at once, saying so.
 
@@ -157,11 +158,27 @@ PARTIAL = ("rl_config.partial_rollout_max_split=4", "megatron_training.global_ba
 
 
 def test_samples_carried_in_a_partial_rollout_survive_a_restart(tmp_path_factory):
-    root = tmp_path_factory.mktemp("restarts_partial")
+    _carried_samples_survive_a_restart(tmp_path_factory.mktemp("restarts_partial"), "grpo_tiny_cpu", PARTIAL)
+
+
+# Run-ahead on the DAPO demo (its responses end at different lengths): the samples its stop aborted are carried.
+RUN_AHEAD = ("rl_config.partial_rollout_max_split=4", "rl_config.async_engine=true", "megatron_training.train_iters=4",
+             "megatron_training.save_interval=2", "rl_config.eval_before_train=false", "rl_config.eval_interval=100",
+             "runtime.local_single_rank=false")
+
+
+def test_samples_a_run_ahead_rollout_aborted_survive_a_restart(tmp_path_factory):
+    _carried_samples_survive_a_restart(tmp_path_factory.mktemp("restarts_run_ahead"), "dapo_tiny_math_cpu", RUN_AHEAD,
+                                       script="cli/train_dapo.py")
+
+
+def _carried_samples_survive_a_restart(root, config: str, overrides: tuple, *, script: str = "cli/train_grpo.py"):
+    """A rank killed in iteration 3's update, with samples carried from iteration 2: the run restarts from its
+    iteration-2 checkpoint and writes the uninterrupted run's records."""
     for name, faults in (("uninterrupted", None), ("restarted", "update:0:3:kill:x1")):
         (root / name).mkdir()
-        run = _run(root / name, "grpo_tiny_cpu", *PARTIAL, f"synthetic_data.data_dir={root / 'assets'}",
-                   faults=faults, max_restarts=1 if faults else 0)
+        run = _run(root / name, config, *overrides, f"synthetic_data.data_dir={root / 'assets'}",
+                   faults=faults, max_restarts=1 if faults else 0, script=script)
         assert _finished(run) == 0, run.stderr_text()[-3000:]
     assert (root / "restarted" / "save" / "iter_0000002" / "carried_samples.json").is_file()
     expected = _records(root / "uninterrupted" / "run")
