@@ -156,7 +156,8 @@ def _worker(rank, port, checkpoint, layouts):
     from mindspeed_rl.accelerator import get_accelerator
     from mindspeed_rl.checkpoint.hf_export import hf_weights_from_megatron
     from mindspeed_rl.engines.megatron_engine import MegatronEngine
-    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig, remove_cpu_shm_segments
+    from mindspeed_rl.engines.vllm_cpu_process import remove_cpu_shm_segments
+    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
     from mindspeed_rl.models.qwen2 import ModelOptions
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout

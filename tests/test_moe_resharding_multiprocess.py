@@ -107,7 +107,8 @@ def _worker(rank, world, port, checkpoint, live_tp, live_ep, train_layouts, orac
 
     from mindspeed_rl.accelerator import get_accelerator
     from mindspeed_rl.engines.megatron_engine import MegatronEngine
-    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig, remove_cpu_shm_segments
+    from mindspeed_rl.engines.vllm_cpu_process import remove_cpu_shm_segments
+    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
     from mindspeed_rl.models.layouts import parameter_shapes, vllm_layout
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint

@@ -35,7 +35,8 @@ def _worker(rank, world, port, checkpoint, infer_tp, infer_pp, train_layouts, sa
 
     from mindspeed_rl.accelerator import get_accelerator
     from mindspeed_rl.engines.megatron_engine import MegatronEngine
-    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig, remove_cpu_shm_segments
+    from mindspeed_rl.engines.vllm_cpu_process import remove_cpu_shm_segments
+    from mindspeed_rl.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
     from mindspeed_rl.models.checkpoint import load_hf_checkpoint
     from mindspeed_rl.resharding.fingerprint import verify_transfer
     from mindspeed_rl.resharding.plan import InferLayout, TrainLayout, build_plan

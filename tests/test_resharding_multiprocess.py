@@ -199,7 +199,7 @@ def _worker(rank, world, port, checkpoint, live_infer_tp, train_layouts, oracle_
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
-        from mindspeed_rl.engines.vllm_engine import remove_cpu_shm_segments
+        from mindspeed_rl.engines.vllm_cpu_process import remove_cpu_shm_segments
 
         remove_cpu_shm_segments()
 

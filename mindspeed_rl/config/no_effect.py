@@ -42,20 +42,23 @@ class NoEffect:
 SAME, DIFFERS = "same: ", "differs: "
 
 
+def _setting(tree: Mapping[str, Any], section: str, key: str, default: Any) -> Any:
+    """`section.key` of the raw tree (before the schema), `default` where the section or the key is absent."""
+    node = tree.get(section)
+    return node.get(key, default) if isinstance(node, Mapping) else default
+
+
 def _estimator(tree: Mapping[str, Any]) -> Any:
-    rl = tree.get("rl_config")
-    return rl.get("adv_estimator", "group_norm") if isinstance(rl, Mapping) else "group_norm"
+    return _setting(tree, "rl_config", "adv_estimator", "group_norm")
 
 
-def _split(tree: Mapping[str, Any]) -> Any:
-    rl = tree.get("rl_config")
-    split = rl.get("partial_rollout_max_split", 1) if isinstance(rl, Mapping) else 1
-    return split if isinstance(split, int) else 1
+def _partial_rollout_on(tree: Mapping[str, Any]) -> bool:
+    split = _setting(tree, "rl_config", "partial_rollout_max_split", 1)
+    return isinstance(split, int) and split > 1
 
 
 def _stage(tree: Mapping[str, Any]) -> Any:
-    training = tree.get("megatron_training")
-    return training.get("stage") if isinstance(training, Mapping) else None
+    return _setting(tree, "megatron_training", "stage", None)
 
 
 _CRITIC_IN_ACTOR_CHECKPOINT = ("the critic is saved in and resumed from the actor's checkpoints: actor_config.{key} "
@@ -119,7 +122,7 @@ NO_EFFECT_KEYS: dict[str, NoEffect] = {
         "vLLM's engine API: MindSpeed-RL's multi-turn rollout needs its step-by-step engine; here every turn is one "
         "batched generate of the samples still going (trainer/multi_turn.py). With partial_rollout_max_split > 1 it "
         "has its effect (the generate stops once a global batch of groups is complete: docs/partial_rollout.md)",
-        applies=lambda tree, value: value is False or _split(tree) > 1,
+        applies=lambda tree, value: value is False or _partial_rollout_on(tree),
         memory=SAME + "vLLM's KV cache is sized by generate_config either way"),
     "rl_config.gamma": _entry(
         "a discount of token returns; group_norm (GRPO), rloo and reinforce_plus_plus_baseline do not read it, in "

@@ -18,6 +18,7 @@ import torch
 
 from mindspeed_rl.accelerator import get_accelerator
 from mindspeed_rl.engines.vllm_cpu_linears import PackedLinears, unpack_cpu_linears
+from mindspeed_rl.engines.vllm_cpu_process import prepare_cpu_process
 from mindspeed_rl.engines.vllm_routing import RoutingRecorder, merge_pipeline_stages, positions_routing
 from mindspeed_rl.engines.vllm_stepped import generate_until
 from mindspeed_rl.memory.offload import StorageGroup
@@ -76,7 +77,7 @@ class VLLMEngine:
                       "cannot hold this engine's CPU patches); the tokens are the same", flush=True)
             enforce_eager = True
         if config.on_cpu:
-            _prepare_cpu_process()
+            prepare_cpu_process()
             # vLLM on CPU sizes KV by bytes, not by gpu_memory_utilization of a device.
             kwargs["kv_cache_memory_bytes"] = max(int(config.cpu_kvcache_space_gb * GIB), 1 << 20)
             kwargs.update(_cpu_mla_kwargs(config))
@@ -129,6 +130,13 @@ class VLLMEngine:
     def model(self) -> torch.nn.Module:
         return self.worker.model_runner.model
 
+    @property
+    def world_cpu_group(self):
+        """The CPU group of every rank of this vLLM instance: the inference ranks (the whole world when colocated)."""
+        from vllm.distributed.parallel_state import get_world_group
+
+        return get_world_group().cpu_group
+
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], *, n: int, max_tokens: int | list[int], temperature: float,
                  top_p: float, top_k: int, min_p: float, seed: int | None, logprobs: int = 0,
@@ -150,7 +158,7 @@ class VLLMEngine:
                                  logprobs=logprobs, seed=seed, detokenize=detokenize) for budget in budgets]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
         with self.routing.recording() if self.routing is not None else contextlib.nullcontext():
-            if until is not None:  # partial rollout keeps no routes (config/partial_rollout.py)
+            if until is not None:  # its Generations carry no routes: partial rollout keeps none (config/partial_rollout.py)
                 stepped = generate_until(self.llm, prompts, params, until)
             else:
                 outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -158,6 +166,11 @@ class VLLMEngine:
             self.expert_token_counts.save()
         if until is not None:
             return stepped
+        return self._generations(outputs, prompt_token_ids, logprobs=logprobs, detokenize=detokenize)
+
+    def _generations(self, outputs, prompt_token_ids: list[list[int]], *, logprobs: int,
+                     detokenize: bool) -> list[Generation]:
+        """vLLM's finished RequestOutputs as Generations, prompt-major, each stage's routes merged in."""
         generations = []
         for prompt_index, request in enumerate(outputs):
             for sample in request.outputs:
@@ -341,60 +354,3 @@ def _allocate_pipeline_receive_buffers(runner) -> None:
         return
     runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
         batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
-
-
-def _prepare_cpu_process() -> None:
-    """vLLM-cpu's process-wide fixes, before its engine starts: unique shared-memory names, variable-size collectives
-    for expert parallelism, the sampler's eager rank count."""
-    from mindspeed_rl.engines.vllm_cpu_moe import add_cpu_variable_size_collectives
-
-    _make_cpu_shm_names_unique()
-    add_cpu_variable_size_collectives()
-    _eager_logprob_ranks()
-
-
-def _eager_logprob_ranks() -> None:
-    """vLLM's sampler ranks each returned log-prob with a torch.compile'd count (vllm/v1/sample/ops/logprobs.py), which
-    on CPU costs every rank process about 3 s at its first generate (dynamo, and inductor probing the C++ toolchain by
-    compiling test programs) to save one [sequences x vocab] bool mask that the sampler's own [sequences x vocab]
-    log-probs already outweigh four to one. The eager function is the same expression: the counts are equal."""
-    from vllm.v1.sample import sampler
-
-    compiled = sampler.batched_count_greater_than
-    sampler.batched_count_greater_than = getattr(compiled, "__wrapped__", compiled)
-
-
-def _make_cpu_shm_names_unique() -> None:
-    """Name vLLM's CPU all-reduce shared-memory segments after this run's rendezvous port.
-
-    Under external_launcher vLLM derives the name from the "env://" init method, so every run on
-    a machine uses the same names: a segment left by a killed run, or a concurrent run with the
-    same TP group, makes `init_shm_manager` fail with EEXIST. MASTER_PORT is shared by the ranks
-    of one run and differs between runs.
-    """
-    from vllm.distributed.device_communicators import cpu_communicator
-
-    shm = cpu_communicator._CPUSHMDistributed
-    if getattr(shm, "_mindspeed_unique_names", False):
-        return
-    original = shm.make_group_name
-
-    def make_group_name(communicator) -> str:
-        name = original(communicator)
-        rest = name.lstrip("/")
-        return f"{name[: len(name) - len(rest)]}msrl{os.environ.get('MASTER_PORT', '0')}{rest}"
-
-    shm.make_group_name = staticmethod(make_group_name)
-    shm._mindspeed_unique_names = True
-
-
-def remove_cpu_shm_segments(master_port: int | None = None) -> None:
-    """Unlink this run's vLLM shared-memory segments (vLLM leaves them behind at exit). The run is
-    known by its rendezvous port: this process's MASTER_PORT, or the one given (the driver's)."""
-    prefix = f"msrl{master_port if master_port is not None else os.environ.get('MASTER_PORT', '0')}"
-    shm_dir = "/dev/shm"
-    if os.path.isdir(shm_dir):
-        for name in os.listdir(shm_dir):
-            if name.startswith(prefix) and "cpushm" in name:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(shm_dir, name))

@@ -9,7 +9,7 @@ import signal
 import socket
 import time
 
-from mindspeed_rl.engines.vllm_engine import remove_cpu_shm_segments
+from mindspeed_rl.engines.vllm_cpu_process import remove_cpu_shm_segments
 
 
 def free_port(host: str = "127.0.0.1") -> int:

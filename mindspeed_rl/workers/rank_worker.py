@@ -293,7 +293,7 @@ class RankWorker(RankProcess):
         """Leave the bridge (disaggregated), then this rank's world; unlink vLLM's segments."""
         import torch.distributed as dist
 
-        from mindspeed_rl.engines.vllm_engine import remove_cpu_shm_segments
+        from mindspeed_rl.engines.vllm_cpu_process import remove_cpu_shm_segments
 
         manager = getattr(self, "sharding_manager", None)
         if manager is not None:

@@ -67,7 +67,7 @@ class InferencePart(Part):
             max_tokens=sampling.max_tokens if max_tokens is None else max_tokens,
             temperature=0.0 if greedy else sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             min_p=sampling.min_p, logprobs=sampling.logprobs, seed=None, detokenize=sampling.detokenize,
-            until=None if stop is None else stop.until(_vllm_world_cpu_group()),
+            until=None if stop is None else stop.until(self.inference_model.world_cpu_group),
         )
         metrics = {"timing/rollout": time.perf_counter() - t0, **in_phase.metrics(),
                    # Of the inference weights, the oneDNN-packed copies the CPU GEMMs read (engines/vllm_cpu_linears.py).
@@ -87,10 +87,3 @@ class InferencePart(Part):
                                                                              temperature=temperature)
         return scores, {"timing/rescore": time.perf_counter() - t0}
 
-
-
-def _vllm_world_cpu_group():
-    """The CPU group of every rank of this vLLM instance: the inference ranks (the whole world when colocated)."""
-    from vllm.distributed.parallel_state import get_world_group
-
-    return get_world_group().cpu_group
